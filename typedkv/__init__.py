@@ -1,0 +1,22 @@
+"""typedkv: fused, typed KV materialization for draft models and inference engines.
+
+The public surface is exactly what this module re-exports.
+"""
+
+from ._config import debug_enabled as debug_enabled
+from ._config import set_debug as set_debug
+from ._errors import InputError as InputError
+from ._ops import materialize_kv as materialize_kv
+from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
+from ._types import RopeStyle as RopeStyle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InputError",
+    "RopeStyle",
+    "debug_enabled",
+    "materialize_kv",
+    "materialize_kv_into_pool",
+    "set_debug",
+]

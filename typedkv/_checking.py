@@ -1,0 +1,461 @@
+"""The checking machinery: one source of truth, two modes.
+
+A public function declares its shapes once, as jaxtyping annotations. `Signature`
+reads those annotations when the module is imported and turns them into a plan:
+
+- **production** (`Signature.check`): plain Python over ``shape``, ``dtype`` and
+  ``device`` -- no device sync, a few microseconds -- that binds the named dims
+  (``L``, ``T``, ``H``, ``D`` ...) and rejects every mismatch with an `InputError`
+  that names the argument and says how to fix it;
+- **debug** (`Signature.debug_check`): the same annotations checked by beartype,
+  with jaxtyping's shape memo shared across the arguments.
+
+Relations that jaxtyping cannot spell (a dim that comes from an ``int`` argument,
+"same dtype as kv", "same device as kv", a rule between dims) are declared next to
+the function, as arguments of `Signature`, not as if-chains in its body.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from beartype.door import die_if_unbearable
+from beartype.roar import BeartypeDoorHintViolation
+from jaxtyping import Shaped, jaxtyped
+
+from ._errors import InputError
+
+# How a dim is spoken of in a fix ("allocate layers first").
+_DIM_WORDS = {"L": "layers", "T": "tokens", "H": "heads", "D": "head dims", "S": "slots"}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
+
+@dataclass(frozen=True)
+class _Dim:
+    text: str  # as written in the annotation: "L", "2*H*D", "3"
+    name: str | None = None  # a named dim
+    fixed: int | None = None  # a literal size
+    code: Any = None  # compiled expression of a symbolic dim
+    needs: tuple[str, ...] = ()  # the names a symbolic dim refers to
+
+
+@dataclass(frozen=True)
+class _ArraySpec:
+    dims: tuple[_Dim, ...]
+    dtypes: frozenset[torch.dtype]
+    dtype_names: tuple[str, ...]
+    symbolic: bool
+
+
+@dataclass
+class _Param:
+    name: str
+    index: int
+    hint: Any
+    optional: bool = False
+    array: _ArraySpec | None = None
+    sequence: _ArraySpec | None = None  # a sequence of tensors, one per `sequence_len`
+    scalars: tuple[type, ...] = ()
+    literals: tuple[Any, ...] = ()
+    sequence_len: str | None = None
+
+
+@dataclass
+class Bound:
+    """What a production check learnt: dim sizes, and the tensors' common device."""
+
+    dims: dict[str, int]
+    device: torch.device
+    bound_by: dict[str, str] = field(default_factory=dict)
+
+
+def _parse_array(hint: Any) -> _ArraySpec:
+    dims = []
+    for token in hint.dim_str.split():
+        if token.isdigit():
+            dims.append(_Dim(token, fixed=int(token)))
+        elif _NAME.fullmatch(token):
+            dims.append(_Dim(token, name=token))
+        else:
+            dims.append(_Dim(token, code=compile(token, token, "eval"), needs=tuple(set(_NAME.findall(token)))))
+    dtypes = tuple(hint.dtypes)
+    return _ArraySpec(
+        tuple(dims),
+        frozenset(getattr(torch, n) for n in dtypes),
+        dtypes,
+        any(d.code is not None for d in dims),
+    )
+
+
+def _is_array_hint(hint: Any) -> bool:
+    return hasattr(hint, "dim_str") and hasattr(hint, "dtypes")
+
+
+def _parse_param(name: str, index: int, hint: Any) -> _Param:
+    param = _Param(name, index, hint)
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for member in members:
+        origin = typing.get_origin(member)
+        if member is type(None):
+            param.optional = True
+        elif _is_array_hint(member):
+            param.array = _parse_array(member)
+        elif origin is collections.abc.Sequence and _is_array_hint(typing.get_args(member)[0]):
+            param.sequence = _parse_array(typing.get_args(member)[0])
+        elif origin is typing.Literal:
+            param.literals = typing.get_args(member)
+        elif member in (int, float, bool, str):
+            param.scalars += (member,)
+        else:
+            raise TypeError(f"typedkv: cannot check annotation {member!r} of {name}")
+    return param
+
+
+def _fmt_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _or_list(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _type_name(value: object) -> str:
+    return type(value).__qualname__
+
+
+class Signature:
+    """The checking plan of one public function, read from its annotations.
+
+    Parameters
+    ----------
+    fn
+        The annotated public function.
+    scalar_dims
+        Dims whose size is an ``int`` argument, e.g. ``{"H": "num_kv_heads"}``.
+    device_of
+        The argument whose device every tensor argument must share.
+    same_dtype
+        ``{param: other}``: ``param`` must have ``other``'s dtype.
+    outputs
+        Arguments the function writes; their fixes show how to allocate them.
+    rules
+        ``(expression over dims, argument to blame, what the rule says)``.
+    sequence_len
+        ``{param: dim}``: a sequence argument holds that many tensors.
+    inner_contiguous
+        Arguments whose last dim must have stride 1 (read or written as vectors).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        scalar_dims: Mapping[str, str],
+        device_of: str,
+        same_dtype: Mapping[str, str] = {},
+        outputs: Sequence[str] = (),
+        rules: Sequence[tuple[str, str, str]] = (),
+        sequence_len: Mapping[str, str] = {},
+        inner_contiguous: Sequence[str] = (),
+    ) -> None:
+        hints = typing.get_type_hints(fn)
+        parameters = list(inspect.signature(fn).parameters)
+        self.name = fn.__name__
+        self.parameters = parameters
+        self.hints = {n: hints[n] for n in parameters}
+        self.return_hint = hints.get("return")
+        params = [_parse_param(n, i, hints[n]) for i, n in enumerate(parameters)]
+        for p in params:
+            p.sequence_len = sequence_len.get(p.name)
+        by_name = {p.name: p for p in params}
+        self._by_name = by_name
+        self._scalars = [p for p in params if p.array is None and p.sequence is None]
+        self._tensors = [p for p in params if p.array is not None or p.sequence is not None]
+        # jaxtyping evaluates a symbolic dim ("2*H*D" on kv) when it meets it, so
+        # the debug check visits those arguments after the ones binding the names.
+        self._debug_order = [p for p in self._tensors if not _spec_of(p).symbolic] + [
+            p for p in self._tensors if _spec_of(p).symbolic
+        ]
+        self._scalar_dims = [(dim, by_name[arg].index, arg) for dim, arg in scalar_dims.items()]
+        self._device_index = by_name[device_of].index
+        self._device_of = device_of
+        self._same_dtype = {by_name[p].name: (by_name[o].index, o) for p, o in same_dtype.items()}
+        self._outputs = frozenset(outputs)
+        self._rules = [(compile(expr, expr, "eval"), expr, blame, what) for expr, blame, what in rules]
+        self._inner_contiguous = frozenset(inner_contiguous)
+
+    # ------------------------------------------------------------------ production
+    def check(self, args: Sequence[Any]) -> Bound:
+        """Check ``args`` (in signature order) without touching device memory.
+
+        Returns
+        -------
+        Bound
+            The bound dims and the device all tensors share.
+
+        Raises
+        ------
+        InputError
+            On the first argument that breaks the declared contract.
+        """
+        for p in self._scalars:
+            self._check_scalar(p, args[p.index])
+        dims: dict[str, int] = {}
+        bound_by: dict[str, str] = {}
+        for dim, index, arg in self._scalar_dims:
+            dims[dim] = args[index]
+            bound_by[dim] = arg
+        anchor = args[self._device_index]
+        if not isinstance(anchor, torch.Tensor):
+            raise InputError(f"{self._device_of}: expected a torch.Tensor, got {_type_name(anchor)}")
+        device = anchor.device
+        bound = Bound(dims, device, bound_by)
+        deferred: list[tuple[str, str, _ArraySpec, torch.Size]] = []
+        for p in self._tensors:
+            value = args[p.index]
+            if value is None and p.optional:
+                continue
+            if isinstance(value, torch.Tensor) and p.array is not None:
+                self._check_tensor(p.name, p.name, p.array, value, bound, args, deferred)
+            elif p.sequence is not None and isinstance(value, (list, tuple)) and not (
+                isinstance(value, torch.Tensor)
+            ):
+                self._check_sequence(p, value, bound, args, deferred)
+            elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
+                continue
+            else:
+                raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}")
+        # Symbolic dims whose names were bound by a later argument.
+        for name, label, spec, shape in deferred:
+            for d, size in zip(spec.dims, shape):
+                if d.code is not None and eval(d.code, {}, dims) != size:
+                    raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
+        for code, expr, blame, what in self._rules:
+            if not eval(code, {}, dims):
+                shown = ", ".join(f"{n}={dims[n]}" for n in sorted(set(_NAME.findall(expr))) if n in dims)
+                raise InputError(f"{blame}: {what}, got {shown}")
+        return bound
+
+    def _describe(self, p: _Param) -> str:
+        kinds = []
+        if p.array is not None:
+            kinds.append("a torch.Tensor")
+        if p.sequence is not None:
+            kinds.append(f"a sequence of {p.sequence_len} torch.Tensors")
+        kinds += [{int: "an int", float: "a float", str: "a str", bool: "a bool"}[s] for s in p.scalars]
+        if p.optional:
+            kinds.append("None")
+        return _or_list(kinds)
+
+    def _check_scalar(self, p: _Param, value: Any) -> None:
+        if p.literals:
+            if value in p.literals and isinstance(value, str):
+                return
+            options = _or_list([repr(v) for v in p.literals])
+            raise InputError(f"{p.name}: expected {options}, got {value!r}")
+        if value is None and p.optional:
+            return
+        # bool is an int to Python, never a head count or an eps to us.
+        if isinstance(value, bool) or not isinstance(value, p.scalars):
+            raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}")
+        if isinstance(value, int) and value < 1 and any(p.name == a for _, _, a in self._scalar_dims):
+            raise InputError(f"{p.name}: expected a positive int, got {value}")
+
+    def _check_sequence(
+        self,
+        p: _Param,
+        value: Sequence[Any],
+        bound: Bound,
+        args: Sequence[Any],
+        deferred: list[tuple[str, str, _ArraySpec, torch.Size]],
+    ) -> None:
+        assert p.sequence is not None and p.sequence_len is not None
+        want = bound.dims.get(p.sequence_len)
+        if want is not None and len(value) != want:
+            raise InputError(
+                f"{p.name}: expected {p.sequence_len}={want} per-layer tensors, got {len(value)}"
+            )
+        for i, item in enumerate(value):
+            label = f"{p.name}[{i}]"
+            if not isinstance(item, torch.Tensor):
+                raise InputError(f"{label}: expected a torch.Tensor, got {_type_name(item)}")
+            self._check_tensor(p.name, label, p.sequence, item, bound, args, deferred)
+
+    def _check_tensor(
+        self,
+        name: str,
+        label: str,
+        spec: _ArraySpec,
+        value: torch.Tensor,
+        bound: Bound,
+        args: Sequence[Any],
+        deferred: list[tuple[str, str, _ArraySpec, torch.Size]],
+    ) -> None:
+        if value.dtype not in spec.dtypes:
+            raise InputError(
+                f"{label}: expected dtype {_or_list(spec.dtype_names)}, got {_fmt_dtype(value.dtype)}"
+                + self._dtype_fix(label, spec, value)
+            )
+        shape = value.shape
+        dims = bound.dims
+        ok = len(shape) == len(spec.dims)
+        if ok:
+            for d, size in zip(spec.dims, shape):
+                if d.name is not None:
+                    have = dims.get(d.name)
+                    if have is None:
+                        dims[d.name] = size
+                        bound.bound_by[d.name] = label
+                    elif have != size:
+                        ok = False
+                        break
+                elif d.fixed is not None:
+                    if d.fixed != size:
+                        ok = False
+                        break
+                elif all(n in dims for n in d.needs):
+                    if eval(d.code, {}, dims) != size:
+                        ok = False
+                        break
+                else:
+                    deferred.append((name, label, spec, shape))
+        if not ok:
+            raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
+        if name in self._same_dtype:
+            index, other = self._same_dtype[name]
+            want = args[index].dtype
+            if value.dtype != want or value.device != bound.device:
+                raise InputError(self._like_message(name, label, spec, value, want, other, bound))
+        elif value.device != bound.device:
+            raise InputError(
+                f"{label}: expected device {bound.device} ({self._device_of}'s device), got {value.device}: "
+                f"move it once, outside the hot loop: {label}.to({self._device_of}.device)"
+            )
+        if name in self._inner_contiguous and value.numel() and value.stride(-1) != 1 and shape[-1] != 1:
+            raise InputError(
+                f"{label}: the last dim must be contiguous (stride 1), got strides {tuple(value.stride())}"
+                + (f": allocate it as {self._alloc(spec, bound)}" if name in self._outputs else f": pass {label}.contiguous()")
+            )
+
+    def _dtype_fix(self, label: str, spec: _ArraySpec, value: torch.Tensor) -> str:
+        if spec.dtype_names[0].startswith("int"):
+            return f": pass {label}.long()" if not value.dtype.is_floating_point else f": pass {label}.long() (positions are whole numbers)"
+        return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
+
+    def _expected(self, spec: _ArraySpec, dims: Mapping[str, int]) -> str:
+        parts = []
+        for d in spec.dims:
+            if d.fixed is not None:
+                parts.append(d.text)
+            elif d.name is not None:
+                parts.append(f"{d.name}={dims[d.name]}" if d.name in dims else d.name)
+            else:
+                try:
+                    parts.append(f"{d.text}={eval(d.code, {}, dict(dims))}")
+                except NameError:
+                    parts.append(d.text)
+        return "(" + ", ".join(parts) + ")"
+
+    def _sizes(self, spec: _ArraySpec, dims: Mapping[str, int]) -> list[int] | None:
+        out = []
+        for d in spec.dims:
+            try:
+                out.append(d.fixed if d.fixed is not None else dims[d.name] if d.name else eval(d.code, {}, dict(dims)))
+            except (KeyError, NameError):
+                return None
+        return out
+
+    def _alloc(self, spec: _ArraySpec, bound: Bound) -> str:
+        sizes = self._sizes(spec, bound.dims)
+        args = ", ".join(map(str, sizes or []))
+        return f"torch.empty({args}, dtype={self._device_of}.dtype, device={self._device_of}.device)"
+
+    def _shape_message(
+        self, name: str, label: str, spec: _ArraySpec, got: tuple[int, ...], bound: Bound
+    ) -> str:
+        dims = bound.dims
+        msg = f"{label}: expected shape {self._expected(spec, dims)}, got {got}"
+        want = self._sizes(spec, dims)
+        fixes: list[str] = []
+        if want is not None and len(want) == len(got) and sorted(want) == sorted(got):
+            diff = [i for i in range(len(got)) if got[i] != want[i]]
+            if len(diff) == 2:
+                i, j = diff
+                fixes.append(f"dims {i} and {j} look swapped")
+                first = spec.dims[i].name
+                if name in self._outputs:
+                    word = _DIM_WORDS.get(first or "", f"dim {first}")
+                    fixes.append(f"allocate {word} first: {self._alloc(spec, bound)}")
+                elif j != len(got) - 1:
+                    fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
+                return msg + ": " + "; ".join(fixes)
+        if len(got) == len(spec.dims):
+            for d, size in zip(spec.dims, got):
+                if d.name is not None and d.name in dims and dims[d.name] != size and bound.bound_by.get(d.name) != label:
+                    fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}")
+                elif d.code is not None and all(n in dims for n in d.needs) and eval(d.code, {}, dict(dims)) != size:
+                    fixes.append(self._symbolic_fix(d, size, dims))
+        if name in self._outputs and want is not None:
+            fixes.append(f"allocate it as {self._alloc(spec, bound)}, or pass {name}=None")
+        return msg + (": " + "; ".join(f for f in fixes if f) if fixes else "")
+
+    def _symbolic_fix(self, d: _Dim, size: int, dims: Mapping[str, int]) -> str:
+        names = set(_NAME.findall(d.text))
+        filled = re.sub(_NAME, lambda m: str(dims.get(m.group(0), m.group(0))), d.text)
+        fix = f"the size must be {d.text} = {filled} = {eval(d.code, {}, dict(dims))}"
+        for dim, _, arg in self._scalar_dims:
+            if dim in names:
+                per_unit = eval(d.code, {}, {**dims, dim: 1})
+                if per_unit and size % per_unit == 0:
+                    fix += f"; {size} would fit {arg}={size // per_unit}"
+        return fix
+
+    def _like_message(
+        self,
+        name: str,
+        label: str,
+        spec: _ArraySpec,
+        value: torch.Tensor,
+        want: torch.dtype,
+        other: str,
+        bound: Bound,
+    ) -> str:
+        msg = (
+            f"{label}: expected dtype {_fmt_dtype(want)} on {bound.device} ({other}'s dtype and device), "
+            f"got dtype {_fmt_dtype(value.dtype)} on {value.device}"
+        )
+        if name in self._outputs:
+            msg += f": allocate it as {self._alloc(spec, bound)}, or pass {name}=None"
+        return msg
+
+    # ----------------------------------------------------------------------- debug
+    def debug_check(self, args: Sequence[Any], bound: Bound) -> None:
+        """Check every argument against its annotation with beartype + jaxtyping.
+
+        The arguments are checked in the plan's order inside one jaxtyping memo, so
+        a symbolic dim such as ``2*H*D`` sees the ``D`` another argument bound;
+        the dims bound by ``int`` arguments are bound first.
+        """
+        with jaxtyped("context"):
+            for dim, index, _ in self._scalar_dims:
+                # A zero-byte meta tensor binds the dim in jaxtyping's memo.
+                isinstance(torch.empty((args[index],), device="meta"), Shaped[torch.Tensor, f" {dim}"])
+            for p in self._scalars + self._debug_order:
+                try:
+                    die_if_unbearable(args[p.index], self.hints[p.name])
+                except BeartypeDoorHintViolation as err:
+                    raise InputError(f"{p.name}: {err}") from None
+
+
+def _spec_of(p: _Param) -> _ArraySpec:
+    spec = p.array if p.array is not None else p.sequence
+    assert spec is not None
+    return spec

@@ -1,0 +1,315 @@
+"""The public ops: shapes declared once in the annotations, checked, then launched.
+
+This module checks and dispatches; the math lives in `_kernel` (CUDA, and CPU
+under ``TRITON_INTERPRET=1``) and `_reference` (CPU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _launch, _reference
+from ._checking import Signature
+from ._config import debug_enabled
+from ._errors import InputError
+from ._types import Index, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+
+_ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
+
+
+def materialize_kv(
+    kv: StorageFloat[Tensor, "T L 2*H*D"],
+    k_norm_weight: ParamFloat[Tensor, "L D"],
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    *,
+    num_kv_heads: int,
+    rope_style: RopeStyle = "neox",
+    k_out: StorageFloat[Tensor, "L T H D"] | None = None,
+    v_out: StorageFloat[Tensor, "L T H D"] | None = None,
+) -> tuple[StorageFloat[Tensor, "L T H D"], StorageFloat[Tensor, "L T H D"]]:
+    """Materialize K and V of every layer from a stacked K/V projection.
+
+    For every token ``t``, layer ``l`` and kv head ``h``: K is
+    ``RoPE(RMSNorm(kv[t, l, K block of h]))`` and V is copied bit for bit. One
+    Triton launch covers all layers on CUDA.
+
+    Parameters
+    ----------
+    kv : Tensor, shape ``[T, L, 2*H*D]``, bfloat16 | float16 | float32
+        Per layer, the K block (``H*D`` values, head-major) then the V block.
+        May be a strided view (its last dim contiguous).
+    k_norm_weight : Tensor, shape ``[L, D]``, any float dtype
+        The K RMSNorm weight of each layer. ``D`` (head dim) is read from here.
+    eps : float, or Tensor of shape ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer.
+    cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
+        Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
+        ``[R/2, R)`` for position ``p``. ``R`` (rotary dim) is even, ``2 <= R <= D``;
+        dims ``[R, D)`` pass through unrotated.
+    positions : Tensor, shape ``[T]``, int32 | int64
+        Each token's position, on kv's device. A position outside ``[0, P)``
+        gives NaN in that token's K (debug mode raises instead).
+    num_kv_heads : int
+        ``H``, the number of KV heads (on this rank).
+    rope_style : {"neox", "gptj"}
+        ``"neox"`` rotates the two halves, ``"gptj"`` interleaved pairs.
+    k_out, v_out : Tensor, shape ``[L, T, H, D]``, kv's dtype and device, optional
+        Where to write; may be ``[:, :T]`` views of a larger slab (last dim
+        contiguous). Allocated when ``None``.
+
+    Returns
+    -------
+    k, v : Tensor, shape ``[L, T, H, D]``, kv's dtype
+        ``k_out`` and ``v_out`` themselves when given.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype, device or layout misuse, before anything is written.
+    """
+    args = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
+    bound = _DENSE.check(args)
+    if k_out is not None and v_out is not None and _overlaps(k_out, v_out):
+        raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
+    if debug_enabled() and not torch.compiler.is_compiling():
+        _DENSE.debug_check(args, bound)
+        _check_positions(positions, cos_sin_cache.shape[0])
+    dims = bound.dims
+    shape = (dims["L"], dims["T"], num_kv_heads, dims["D"])
+    if k_out is None:
+        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if v_out is None:
+        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if dims["T"] == 0:
+        return k_out, v_out
+    neox = rope_style == "neox"
+    if _launch.use_kernel(kv.device):
+        _launch.launch(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, None,
+            k_out, (k_out.stride(0), k_out.stride(1), k_out.stride(2)),
+            v_out, (v_out.stride(0), v_out.stride(1), v_out.stride(2)),
+            None, num_kv_heads=num_kv_heads, num_rows=dims["T"], neox=neox, k_scale=None, v_scale=None,
+        )  # fmt: skip
+    else:
+        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+        k_out.copy_(k)
+        v_out.copy_(v)
+    return k_out, v_out
+
+
+_DENSE = Signature(
+    materialize_kv,
+    scalar_dims={"H": "num_kv_heads"},
+    device_of="kv",
+    same_dtype={"k_out": "kv", "v_out": "kv"},
+    outputs=("k_out", "v_out"),
+    rules=(_ROTARY_RULE,),
+    inner_contiguous=("kv", "k_out", "v_out"),
+)
+
+
+def materialize_kv_into_pool(
+    kv: StorageFloat[Tensor, "T L 2*H*D"],
+    k_norm_weight: ParamFloat[Tensor, "L D"],
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    cache_loc: Index[Tensor, " T"],
+    k_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
+    v_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
+    *,
+    num_kv_heads: int,
+    rope_style: RopeStyle = "neox",
+    k_scale: float | ParamFloat[Tensor, " L"] | None = None,
+    v_scale: float | ParamFloat[Tensor, " L"] | None = None,
+) -> None:
+    """Materialize K and V of every layer straight into a paged KV pool.
+
+    Computes what :func:`materialize_kv` computes and writes token ``t``'s K/V
+    of layer ``l`` to row ``cache_loc[t]`` of that layer's pool. Rows not named
+    by ``cache_loc`` are never touched. One launch for all layers.
+
+    Parameters
+    ----------
+    kv, k_norm_weight, eps, cos_sin_cache, positions
+        As in :func:`materialize_kv`.
+    cache_loc : Tensor, shape ``[T]``, int32 | int64
+        The pool slot of each token. A negative slot skips the token (padding).
+        In production a slot ``>= S`` is skipped too; debug mode raises for it
+        and for a slot used twice.
+    k_pool : Tensor ``[L, S, H, D]``, or a sequence of L tensors ``[S, H, D]``
+        The K pool: kv's dtype, or ``float8_e4m3fn`` / ``float8_e5m2``. Per-layer
+        tensors may be views with padded rows; they must share one dtype and
+        one set of strides. Written in place.
+    v_pool
+        The V pool, same layout kind (stacked or sequence) and dtype as k_pool.
+    num_kv_heads : int
+        ``H``.
+    rope_style : {"neox", "gptj"}
+        As in :func:`materialize_kv`.
+    k_scale, v_scale : float, or Tensor of shape ``[L]``, optional
+        FP8 pools only: the stored value is ``x / scale`` saturated to the format's
+        finite range. A missing scale means 1.0 (values are still saturated).
+        A tensor scale is read in the kernel: no host sync.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype, device or layout misuse, before anything is written.
+    """
+    args = (
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+        num_kv_heads, rope_style, k_scale, v_scale,
+    )  # fmt: skip
+    bound = _POOL.check(args)
+    k_layers, v_layers = _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+    if debug_enabled() and not torch.compiler.is_compiling():
+        _POOL.debug_check(args, bound)
+        _check_positions(positions, cos_sin_cache.shape[0])
+        _check_slots(cache_loc, bound.dims["S"])
+    num_tokens = bound.dims["T"]
+    if num_tokens == 0:
+        return
+    neox = rope_style == "neox"
+    if _launch.use_kernel(kv.device):
+        if isinstance(k_pool, Tensor):
+            k_dst, k_strides = k_pool, (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2))
+            v_dst, v_strides = v_pool, (v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))  # type: ignore[union-attr]
+            table = None
+        else:
+            k_dst, k_strides = k_layers[0], (0, k_layers[0].stride(0), k_layers[0].stride(1))
+            v_dst, v_strides = v_layers[0], (0, v_layers[0].stride(0), v_layers[0].stride(1))
+            table = _layer_table(k_layers, v_layers)
+        _launch.launch(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+            k_dst, k_strides, v_dst, v_strides, table,
+            num_kv_heads=num_kv_heads, num_rows=bound.dims["S"], neox=neox, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        return
+    k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+    _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
+    _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
+
+
+_POOL = Signature(
+    materialize_kv_into_pool,
+    scalar_dims={"H": "num_kv_heads"},
+    device_of="kv",
+    sequence_len={"k_pool": "L", "v_pool": "L"},
+    rules=(_ROTARY_RULE,),
+    inner_contiguous=("kv", "k_pool", "v_pool"),
+)
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _pool_layout(
+    kv: Tensor,
+    k_pool: Tensor | Sequence[Tensor],
+    v_pool: Tensor | Sequence[Tensor],
+    k_scale: float | Tensor | None,
+    v_scale: float | Tensor | None,
+) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
+    """The relations between pools, kv and scales that shapes cannot say; per-layer views."""
+    stacked = isinstance(k_pool, Tensor)
+    if stacked != isinstance(v_pool, Tensor):
+        kind = "a stacked [L, S, H, D] tensor" if stacked else "a sequence of per-layer tensors"
+        raise InputError(f"v_pool: expected the same layout as k_pool ({kind}), got {type(v_pool).__qualname__}")
+    k_layers = k_pool.unbind(0) if isinstance(k_pool, Tensor) else k_pool
+    v_layers = v_pool.unbind(0) if isinstance(v_pool, Tensor) else v_pool
+    dtype = k_layers[0].dtype
+    for name, layers in (("k_pool", k_layers), ("v_pool", v_layers)):
+        for i, layer in enumerate(layers):
+            label = name if stacked else f"{name}[{i}]"
+            if layer.dtype != dtype:
+                raise InputError(
+                    f"{label}: expected dtype {_dt(dtype)} (k_pool's), got {_dt(layer.dtype)}: "
+                    "K and V pools share one dtype"
+                )
+            if not stacked and layer.stride() != layers[0].stride():
+                raise InputError(
+                    f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
+                    f"{tuple(layer.stride())}: per-layer pools must share one layout"
+                )
+    if dtype != kv.dtype and dtype not in _FP8:
+        raise InputError(
+            f"k_pool: expected dtype {_dt(kv.dtype)} (kv's) or float8_e4m3fn or float8_e5m2, got {_dt(dtype)}"
+        )
+    if dtype not in _FP8:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                raise InputError(f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}")
+    if any(_overlaps(k, v) for k, v in zip(k_layers, v_layers)):
+        raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
+    return k_layers, v_layers
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+
+
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    # The same first element: one buffer passed twice. K and V as two halves of
+    # one allocation (an engine's usual pool) start apart and pass.
+    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
+
+
+# Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device.
+# Built once per set of pool addresses (a pinned host copy, no sync) and reused.
+_TABLES: OrderedDict[tuple[int, ...], tuple[Tensor, Tensor]] = OrderedDict()
+_TABLES_MAX = 16
+
+
+def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tensor:
+    key = tuple(t.data_ptr() for t in k_layers) + tuple(t.data_ptr() for t in v_layers)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit[0]
+    size = k_layers[0].element_size()
+    rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
+    device = k_layers[0].device
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.to(device, non_blocking=True)
+    _TABLES[key] = (table, host)  # the pinned source lives as long as the table
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _check_positions(positions: Tensor, num_positions: int) -> None:
+    bad = ((positions < 0) | (positions >= num_positions)).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise InputError(
+            f"positions: expected values in [0, P={num_positions}), got {int(positions[t])} at token {t}: "
+            "extend cos_sin_cache to cover every position"
+        )
+
+
+def _check_slots(cache_loc: Tensor, num_slots: int) -> None:
+    bad = (cache_loc >= num_slots).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise InputError(
+            f"cache_loc: expected slots below S={num_slots} (or negative to skip), got {int(cache_loc[t])} at token {t}"
+        )
+    used = cache_loc[cache_loc >= 0]
+    unique, counts = torch.unique(used, return_counts=True)
+    if bool((counts > 1).any()):
+        slot = int(unique[counts > 1][0])
+        tokens = (cache_loc == slot).nonzero().flatten().tolist()
+        raise InputError(
+            f"cache_loc: expected distinct slots, got slot {slot} for tokens {tokens}: "
+            "two tokens written to one slot race"
+        )

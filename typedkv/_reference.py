@@ -1,0 +1,83 @@
+"""The PyTorch reference implementation: what CPU tensors run, math only.
+
+It computes exactly what the Triton kernel computes (float32 math, K rounded to
+the storage dtype after the norm, V copied bit for bit, NaN K for positions
+outside ``[0, P)``, tokens with a slot outside ``[0, S)`` skipped) with plain
+tensor operations, so it never indexes out of bounds either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def rmsnorm_rope(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+    neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K normed and rotated (float32) and V (kv's dtype), both ``[L, T, H, D]``."""
+    num_tokens, num_layers, _ = kv.shape
+    head_dim = k_norm_weight.shape[1]
+    rotary_dim = cos_sin_cache.shape[1]
+    half = rotary_dim // 2
+    heads = num_kv_heads * head_dim
+    k = kv[..., :heads].unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1).float()
+    v = kv[..., heads:].unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1)
+
+    if isinstance(eps, torch.Tensor):
+        eps_l = eps.float().view(num_layers, 1, 1, 1)
+    else:
+        eps_l = torch.tensor(eps, dtype=torch.float32)
+    rstd = torch.rsqrt(k.square().mean(-1, keepdim=True) + eps_l)
+    weight = k_norm_weight.float()[:, None, None, :]
+    # Rounded to the storage dtype between norm and RoPE, as the unfused model does.
+    y = (k * rstd * weight).to(kv.dtype).float()
+
+    valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    cos_sin = cos_sin_cache[torch.where(valid, positions, 0).long()].float()
+    cos = cos_sin[None, :, None, :half]
+    sin = cos_sin[None, :, None, half:]
+    rot, rest = y[..., :rotary_dim], y[..., rotary_dim:]
+    if neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    out = torch.cat((rotated, rest), dim=-1)
+    out = torch.where(valid[None, :, None, None], out, torch.nan)
+    return out, v
+
+
+def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (``[L, T, H, D]``) as ``dtype``; FP8 targets get ``saturate(x / scale)``."""
+    if dtype.itemsize != 1:
+        return x.to(dtype)
+    xf = x.float()
+    if isinstance(scale, torch.Tensor):
+        xf = xf / scale.float().view(-1, 1, 1, 1)
+    elif scale is not None:
+        xf = xf / torch.tensor(scale, dtype=torch.float32)
+    limit = torch.finfo(dtype).max
+    # clamp keeps NaN, as the kernel does.
+    return xf.clamp(-limit, limit).to(dtype)
+
+
+def write_pool(
+    values: torch.Tensor,
+    cache_loc: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+) -> None:
+    """Write ``values[l, t]`` to ``pools[l][cache_loc[t]]`` for every slot in ``[0, S)``."""
+    num_slots = pools[0].shape[0]
+    keep = (cache_loc >= 0) & (cache_loc < num_slots)
+    slots = cache_loc[keep].long()
+    for layer, pool in enumerate(pools):
+        pool[slots] = values[layer][keep]
