@@ -225,9 +225,7 @@ class Signature:
                 continue
             if isinstance(value, torch.Tensor) and p.array is not None:
                 self._check_tensor(p.name, p.name, p.array, value, bound, args, deferred)
-            elif p.sequence is not None and isinstance(value, (list, tuple)) and not (
-                isinstance(value, torch.Tensor)
-            ):
+            elif p.sequence is not None and isinstance(value, (list, tuple)) and not (isinstance(value, torch.Tensor)):
                 self._check_sequence(p, value, bound, args, deferred)
             elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
                 continue
@@ -280,9 +278,7 @@ class Signature:
         assert p.sequence is not None and p.sequence_len is not None
         want = bound.dims.get(p.sequence_len)
         if want is not None and len(value) != want:
-            raise InputError(
-                f"{p.name}: expected {p.sequence_len}={want} per-layer tensors, got {len(value)}"
-            )
+            raise InputError(f"{p.name}: expected {p.sequence_len}={want} per-layer tensors, got {len(value)}")
         for i, item in enumerate(value):
             label = f"{p.name}[{i}]"
             if not isinstance(item, torch.Tensor):
@@ -342,12 +338,20 @@ class Signature:
         if name in self._inner_contiguous and value.numel() and value.stride(-1) != 1 and shape[-1] != 1:
             raise InputError(
                 f"{label}: the last dim must be contiguous (stride 1), got strides {tuple(value.stride())}"
-                + (f": allocate it as {self._alloc(spec, bound)}" if name in self._outputs else f": pass {label}.contiguous()")
+                + (
+                    f": allocate it as {self._alloc(spec, bound)}"
+                    if name in self._outputs
+                    else f": pass {label}.contiguous()"
+                )
             )
 
     def _dtype_fix(self, label: str, spec: _ArraySpec, value: torch.Tensor) -> str:
         if spec.dtype_names[0].startswith("int"):
-            return f": pass {label}.long()" if not value.dtype.is_floating_point else f": pass {label}.long() (positions are whole numbers)"
+            return (
+                f": pass {label}.long()"
+                if not value.dtype.is_floating_point
+                else f": pass {label}.long() (positions are whole numbers)"
+            )
         return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
 
     def _expected(self, spec: _ArraySpec, dims: Mapping[str, int]) -> str:
@@ -378,9 +382,7 @@ class Signature:
         args = ", ".join(map(str, sizes or []))
         return f"torch.empty({args}, dtype={self._device_of}.dtype, device={self._device_of}.device)"
 
-    def _shape_message(
-        self, name: str, label: str, spec: _ArraySpec, got: tuple[int, ...], bound: Bound
-    ) -> str:
+    def _shape_message(self, name: str, label: str, spec: _ArraySpec, got: tuple[int, ...], bound: Bound) -> str:
         dims = bound.dims
         msg = f"{label}: expected shape {self._expected(spec, dims)}, got {got}"
         want = self._sizes(spec, dims)
@@ -399,7 +401,12 @@ class Signature:
                 return msg + ": " + "; ".join(fixes)
         if len(got) == len(spec.dims):
             for d, size in zip(spec.dims, got):
-                if d.name is not None and d.name in dims and dims[d.name] != size and bound.bound_by.get(d.name) != label:
+                if (
+                    d.name is not None
+                    and d.name in dims
+                    and dims[d.name] != size
+                    and bound.bound_by.get(d.name) != label
+                ):
                     fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}")
                 elif d.code is not None and all(n in dims for n in d.needs) and eval(d.code, {}, dict(dims)) != size:
                     fixes.append(self._symbolic_fix(d, size, dims))

@@ -21,7 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+def _to_fp8_grid(x: tl.tensor, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr) -> tl.tensor:
     """Saturate ``x`` to +-FP8_MAX and round it (to nearest even) onto the FP8 grid.
 
     The cast to FP8 that follows is then exact. Rounding here, in float32
@@ -39,39 +39,42 @@ def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.const
     return tl.where(x < 0, -mag, mag)
 
 
-@triton.jit
+# Ints that change with every batch are not specialised on (one compiled kernel
+# serves every T); the layer strides among them arrive divided by LAYER_VEC so
+# the compiler still sees 16-byte aligned rows.
+@triton.jit(do_not_specialize=["k_stride_l", "v_stride_l", "num_tokens", "num_rows"])
 def materialize_kv_kernel(
-    kv_ptr,
-    kv_stride_t,
-    kv_stride_l,
-    weight_ptr,
-    weight_stride_l,
-    weight_stride_d,
-    eps_ptr,
-    eps,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    positions_ptr,
-    positions_stride,
-    slots_ptr,
-    slots_stride,
-    k_ptr,
-    k_stride_l,
-    k_stride_row,
-    k_stride_h,
-    v_ptr,
-    v_stride_l,
-    v_stride_row,
-    v_stride_h,
-    layer_offsets_ptr,
-    k_scale_ptr,
-    k_scale,
-    v_scale_ptr,
-    v_scale,
-    num_tokens,
-    num_positions,
-    num_rows,
+    kv_ptr: tl.tensor[tl.pointer_type],
+    kv_stride_t: tl.tensor,
+    kv_stride_l: tl.tensor,
+    weight_ptr: tl.tensor[tl.pointer_type],
+    weight_stride_l: tl.tensor,
+    weight_stride_d: tl.tensor,
+    eps_ptr: tl.tensor[tl.pointer_type],
+    eps: tl.tensor,
+    cos_sin_ptr: tl.tensor[tl.pointer_type],
+    cos_sin_stride_p: tl.tensor,
+    cos_sin_stride_r: tl.tensor,
+    positions_ptr: tl.tensor[tl.pointer_type],
+    positions_stride: tl.tensor,
+    slots_ptr: tl.tensor[tl.pointer_type],
+    slots_stride: tl.tensor,
+    k_ptr: tl.tensor[tl.pointer_type],
+    k_stride_l: tl.tensor,
+    k_stride_row: tl.tensor,
+    k_stride_h: tl.tensor,
+    v_ptr: tl.tensor[tl.pointer_type],
+    v_stride_l: tl.tensor,
+    v_stride_row: tl.tensor,
+    v_stride_h: tl.tensor,
+    layer_offsets_ptr: tl.tensor[tl.pointer_type],
+    k_scale_ptr: tl.tensor[tl.pointer_type],
+    k_scale: tl.tensor,
+    v_scale_ptr: tl.tensor[tl.pointer_type],
+    v_scale: tl.tensor,
+    num_tokens: tl.tensor,
+    num_positions: tl.tensor,
+    num_rows: tl.tensor,
     H: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
@@ -84,10 +87,11 @@ def materialize_kv_kernel(
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
+    LAYER_VEC: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     HALF: tl.constexpr = R // 2
     layer = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -137,9 +141,7 @@ def materialize_kv_kernel(
     cs_row = cos_sin_ptr + pos * cos_sin_stride_p
     cs_mask = (tok_ok & pos_ok)[:, None] & rot[None, :]
     cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0).to(
-        tl.float32
-    )
+    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0).to(tl.float32)
     k = tl.where(rot[None, None, :], y * cos[:, None, :] + sign[None, None, :] * (yp * sin[:, None, :]), y)
     k = tl.where(pos_ok[:, None, None], k, float("nan"))
 
@@ -153,8 +155,8 @@ def materialize_kv_kernel(
         k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
         v_base = v_ptr + tl.load(layer_offsets_ptr + tl.num_programs(1) + layer)
     else:
-        k_base = k_ptr + layer.to(tl.int64) * k_stride_l
-        v_base = v_ptr + layer.to(tl.int64) * v_stride_l
+        k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
+        v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
     out_mask = row_ok[:, None, None] & lane_ok[None, :, :]
 
     if K_SCALE == 2:

@@ -2,10 +2,18 @@
 
 No math and no argument checking here: the public ops check, this module picks
 the launch configuration and calls the kernel.
+
+Host time matters at decode sizes (a few tokens), where a launch through
+``kernel[grid](...)`` costs more than the kernel runs. After Triton has compiled
+a kernel for one configuration, later calls with the same configuration call
+the compiled kernel directly; the configuration key covers everything Triton
+specialises on (dtypes, constexprs, the exact values of the ints it specialises,
+pointer alignment), so the direct call runs exactly what ``kernel[grid]`` would.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -21,9 +29,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Tile elements one program aims for: enough bytes in flight per program to
 # stream at memory speed, few enough registers to keep occupancy.
 _TILE = 4096
-# Below this many programs the chip's 132 SMs idle: small T trades tile size
+# Below this many programs the H200's 132 SMs idle: small T trades tile size
 # for parallelism.
 _MIN_PROGRAMS = 528
+_INT32_LIMIT = 2**31
+_FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
 def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -73,53 +83,82 @@ def launch(
     num_tokens, num_layers, _ = kv.shape
     head_dim = k_norm_weight.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
-    eps_per_layer = isinstance(eps, torch.Tensor)
+    eps_tensor = eps if isinstance(eps, torch.Tensor) else None
+    k_scale_tensor = k_scale if isinstance(k_scale, torch.Tensor) else None
+    v_scale_tensor = v_scale if isinstance(v_scale, torch.Tensor) else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
-    grid = (triton.cdiv(num_tokens, block_t), num_layers)
-    kernel: Any = materialize_kv_kernel
-    kernel[grid](
-        kv,
-        kv.stride(0),
-        kv.stride(1),
-        k_norm_weight,
-        k_norm_weight.stride(0),
-        k_norm_weight.stride(1),
-        eps if eps_per_layer else None,
-        0.0 if eps_per_layer else float(eps),  # type: ignore[arg-type]
-        cos_sin_cache,
-        cos_sin_cache.stride(0),
-        cos_sin_cache.stride(1),
-        positions,
-        positions.stride(0),
-        slots,
-        slots.stride(0) if slots is not None else 0,
-        k_dst,
-        *k_strides,
-        v_dst,
-        *v_strides,
+    k_stride_l, k_stride_row, k_stride_h = k_strides
+    v_stride_l, v_stride_row, v_stride_h = v_strides
+    layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
+    params = (
+        kv, kv.stride(0), kv.stride(1),
+        k_norm_weight, k_norm_weight.stride(0), k_norm_weight.stride(1),
+        eps_tensor, 0.0 if eps_tensor is not None else float(eps),  # type: ignore[arg-type]
+        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        positions, positions.stride(0),
+        slots, slots.stride(0) if slots is not None else 0,
+        k_dst, k_stride_l // layer_vec, k_stride_row, k_stride_h,
+        v_dst, v_stride_l // layer_vec, v_stride_row, v_stride_h,
         layer_offsets,
-        *_scale_args(k_scale),
-        *_scale_args(v_scale),
-        num_tokens,
-        cos_sin_cache.shape[0],
-        num_rows,
-        H=num_kv_heads,
-        D=head_dim,
-        R=cos_sin_cache.shape[1],
-        NEOX=neox,
-        EPS_PER_LAYER=eps_per_layer,
-        INDEXED=slots is not None,
-        LAYER_TABLE=layer_offsets is not None,
-        K_SCALE=_scale_mode(k_scale, k_dst),
-        V_SCALE=_scale_mode(v_scale, v_dst),
-        FP8_MAX=fp8_max,
-        FP8_MANT=fp8_mant,
-        FP8_MIN_EXP=fp8_min_exp,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+        k_scale_tensor, 1.0 if k_scale is None or k_scale_tensor is not None else float(k_scale),  # type: ignore[arg-type]
+        v_scale_tensor, 1.0 if v_scale is None or v_scale_tensor is not None else float(v_scale),  # type: ignore[arg-type]
+        num_tokens, cos_sin_cache.shape[0], num_rows,
+        # constexprs
+        num_kv_heads, head_dim, cos_sin_cache.shape[1], neox, eps_tensor is not None, slots is not None,
+        layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
+        fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
+    )  # fmt: skip
+    grid = (triton.cdiv(num_tokens, block_t), num_layers)
+    if kv.device.type != "cuda" or INTERPRETED:
+        kernel: Any = materialize_kv_kernel
+        kernel[grid](*params, num_warps=num_warps)
+        return
+    _launch_cuda(grid, params, num_warps, kv.device)
+
+
+# Configuration key -> the CompiledKernel Triton built for it.
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+_NAMES = tuple(inspect.signature(materialize_kv_kernel.fn).parameters)
+_POINTERS = tuple(i for i, n in enumerate(_NAMES) if n.endswith("_ptr"))
+_UNSPECIALISED = tuple(_NAMES.index(n) for n in ("k_stride_l", "v_stride_l", "num_tokens", "num_rows"))
+# Everything else Triton specialises on by value (ints, constexprs); floats it
+# passes as fp32 whatever their value.
+_STATIC = tuple(
+    i for i, n in enumerate(_NAMES) if i not in _POINTERS and i not in _UNSPECIALISED and n not in _FLOAT_PARAMS
+)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _launch_cuda(grid: tuple[int, int], params: tuple[Any, ...], num_warps: int, device: torch.device) -> None:
+    if torch.cuda.current_device() != device.index:
+        with torch.cuda.device(device):
+            _launch_cuda(grid, params, num_warps, device)
+        return
+    pointers = [params[i] for i in _POINTERS]
+    aligned = not any(p.data_ptr() & 15 for p in pointers if p is not None)
+    small = all(params[i] < _INT32_LIMIT for i in _UNSPECIALISED)
+    no_hooks = triton.knobs.runtime.launch_enter_hook is None and triton.knobs.runtime.launch_exit_hook is None
+    cacheable = aligned and small and no_hooks
+    key = (device.index, num_warps, *(None if p is None else p.dtype for p in pointers), *(params[i] for i in _STATIC))
+    compiled = _COMPILED.get(key) if cacheable else None
+    if compiled is None:
+        kernel: Any = materialize_kv_kernel
+        compiled = kernel[grid](*params, num_warps=num_warps)
+        if cacheable and not hasattr(compiled, "result"):
+            _COMPILED[key] = compiled
+        return
+    if _current_stream is not None:
+        stream = _current_stream(device.index)
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *params)
+
+
+def _pow2_divisor(value: int, cap: int) -> int:
+    """The largest power of two, at most ``cap``, that divides ``value``."""
+    if value == 0:
+        return cap
+    return min(value & -value, cap)
 
 
 def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
@@ -128,12 +167,6 @@ def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
         return 0.0, 0, 0
     info = torch.finfo(dtype)
     return info.max, round(-math.log2(info.eps)), round(math.log2(info.tiny))
-
-
-def _scale_args(scale: float | torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0
-    return None, 1.0 if scale is None else float(scale)
 
 
 def _scale_mode(scale: float | torch.Tensor | None, dst: torch.Tensor) -> int:

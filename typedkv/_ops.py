@@ -168,7 +168,7 @@ def materialize_kv_into_pool(
         num_kv_heads, rope_style, k_scale, v_scale,
     )  # fmt: skip
     bound = _POOL.check(args)
-    k_layers, v_layers = _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+    _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
     if debug_enabled() and not torch.compiler.is_compiling():
         _POOL.debug_check(args, bound)
         _check_positions(positions, cos_sin_cache.shape[0])
@@ -183,6 +183,7 @@ def materialize_kv_into_pool(
             v_dst, v_strides = v_pool, (v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))  # type: ignore[union-attr]
             table = None
         else:
+            k_layers, v_layers = _layers(k_pool), _layers(v_pool)
             k_dst, k_strides = k_layers[0], (0, k_layers[0].stride(0), k_layers[0].stride(1))
             v_dst, v_strides = v_layers[0], (0, v_layers[0].stride(0), v_layers[0].stride(1))
             table = _layer_table(k_layers, v_layers)
@@ -193,6 +194,7 @@ def materialize_kv_into_pool(
         )  # fmt: skip
         return
     k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+    k_layers, v_layers = _layers(k_pool), _layers(v_pool)
     _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
     _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
 
@@ -215,14 +217,15 @@ def _pool_layout(
     v_pool: Tensor | Sequence[Tensor],
     k_scale: float | Tensor | None,
     v_scale: float | Tensor | None,
-) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
-    """The relations between pools, kv and scales that shapes cannot say; per-layer views."""
+) -> None:
+    """The relations between pools, kv and scales that shapes cannot say."""
     stacked = isinstance(k_pool, Tensor)
     if stacked != isinstance(v_pool, Tensor):
         kind = "a stacked [L, S, H, D] tensor" if stacked else "a sequence of per-layer tensors"
         raise InputError(f"v_pool: expected the same layout as k_pool ({kind}), got {type(v_pool).__qualname__}")
-    k_layers = k_pool.unbind(0) if isinstance(k_pool, Tensor) else k_pool
-    v_layers = v_pool.unbind(0) if isinstance(v_pool, Tensor) else v_pool
+    # A stacked pool is one tensor; a list is checked layer by layer.
+    k_layers = [k_pool] if isinstance(k_pool, Tensor) else k_pool
+    v_layers = [v_pool] if isinstance(v_pool, Tensor) else v_pool
     dtype = k_layers[0].dtype
     for name, layers in (("k_pool", k_layers), ("v_pool", v_layers)):
         for i, layer in enumerate(layers):
@@ -244,10 +247,15 @@ def _pool_layout(
     if dtype not in _FP8:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None:
-                raise InputError(f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}")
+                raise InputError(
+                    f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
+                )
     if any(_overlaps(k, v) for k, v in zip(k_layers, v_layers)):
         raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
-    return k_layers, v_layers
+
+
+def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
+    return pool.unbind(0) if isinstance(pool, Tensor) else pool
 
 
 def _dt(dtype: torch.dtype) -> str:

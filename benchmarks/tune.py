@@ -1,0 +1,134 @@
+"""Developer script for the H200: check the kernel on CUDA, sweep launch configurations, break down host time.
+
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/tune.py OUT_DIR``.
+Results feed ``typedkv/_launch.py``'s ``block_config`` and ``docs/performance-notes.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import typedkv
+from typedkv import _bench, _launch, _reference
+
+
+def correctness() -> list[str]:
+    """Kernel vs the PyTorch reference on CUDA, fresh random data, several shapes and both pool kinds."""
+    out = []
+    torch.manual_seed(1)
+    for L, H, D, R, dtype, style in [
+        (5, 8, 128, 128, torch.bfloat16, "neox"),
+        (2, 8, 256, 64, torch.bfloat16, "gptj"),
+        (3, 4, 80, 80, torch.float16, "neox"),
+        (1, 3, 96, 32, torch.float32, "gptj"),
+    ]:
+        T, P = 777, 5000
+        kv = torch.randn(T, L, 2 * H * D, device="cuda", dtype=dtype)
+        w = torch.rand(L, D, device="cuda") + 0.5
+        cs = torch.randn(P, R, device="cuda")
+        pos = torch.randint(0, P, (T,), device="cuda")
+        k, v = typedkv.materialize_kv(kv, w, 1e-6, cs, pos, num_kv_heads=H, rope_style=style)
+        kr, vr = _reference.rmsnorm_rope(kv, w, 1e-6, cs, pos, H, style == "neox")
+        kr = kr.to(dtype)
+        rel = ((k.double() - kr.double()).norm() / kr.double().norm()).item()
+        S = 2 * T
+        slots = torch.randperm(S, device="cuda")[:T]
+        for fmt in (dtype, torch.float8_e4m3fn):
+            kp = torch.full((L, S, H, D), 7.0, device="cuda").to(fmt)
+            vp = kp.clone()
+            scale = 0.5 if fmt != dtype else None
+            typedkv.materialize_kv_into_pool(
+                kv, w, 1e-6, cs, pos, slots, kp, vp, num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale
+            )
+            kq = _reference.quantize(kr if fmt == dtype else _reference.rmsnorm_rope(kv, w, 1e-6, cs, pos, H, style == "neox")[0], scale, fmt)
+            vq = _reference.quantize(vr, scale, fmt)
+            k_ok = (kp[:, slots].float() - kq.float()).abs().max().item()
+            v_ok = torch.equal(vp[:, slots].view(torch.uint8), vq.view(torch.uint8))
+            untouched = torch.ones(S, dtype=torch.bool, device="cuda")
+            untouched[slots] = False
+            rest_ok = bool((kp[:, untouched].float() == 7.0).all() and (vp[:, untouched].float() == 7.0).all())
+            out.append(f"pool {fmt} L{L} H{H} D{D} R{R} {style}: K max|diff| {k_ok:.3g}, V bit-equal {v_ok}, other rows untouched {rest_ok}")
+        out.append(f"dense {dtype} L{L} H{H} D{D} R{R} {style}: K rel {rel:.2e}, V equal {torch.equal(v, vr)}")
+    return out
+
+
+def sweep(roof: float) -> list[dict[str, Any]]:
+    """Every (BLOCK_T, num_warps) for the main shape and the other targets, device time via graphs."""
+    results = []
+    real = _launch.block_config
+    cases = [(_bench.MAIN, t) for t in (256, 2048, 16384)] + [(c, 16384) for c in _bench.GPU_CASES[1:6]] + [
+        (_bench.GPU_CASES[6], 16384),
+        (_bench.GPU_CASES[7], 16384),
+    ]
+    for case, T in cases:
+        nbytes = _bench.bytes_moved(case, T)
+        sets = max(1, min(64, math.ceil((256 << 20) / nbytes)))
+        inputs = [_bench.make_inputs(case, T, torch.device("cuda")) for _ in range(sets)]
+        main = case is _bench.MAIN
+        for block_t in (1, 2, 4, 8, 16) if main else (1, 2, 4, 8):
+            for warps in (2, 4, 8) if main else (4, 8):
+                bh = triton_pow2(case.num_kv_heads)
+                bd = triton_pow2(case.head_dim)
+                _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
+                try:
+                    us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
+                except Exception as err:
+                    results.append({"case": case.name, "T": T, "block_t": block_t, "warps": warps, "error": str(err)[:200]})
+                    continue
+                finally:
+                    _launch.block_config = real
+                pct = 100 * nbytes / us / 1e3 / roof
+                results.append({"case": case.name, "T": T, "block_t": block_t, "warps": warps, "us": round(us, 2), "pct": round(pct, 1)})
+        _launch.block_config = real
+        us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
+        results.append({"case": case.name, "T": T, "block_t": "default", "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
+        print(case.name, T, "best:", max((r for r in results if r.get("T") == T and r["case"] == case.name and "pct" in r), key=lambda r: r["pct"]), flush=True)
+        del inputs
+    return results
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def host_breakdown() -> dict[str, float]:
+    """Where host time goes at T = 16: checks alone, direct launch, full calls."""
+    x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
+    args = (x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
+    sig = typedkv._ops._DENSE
+    n = 5000
+    t = time.perf_counter()
+    for _ in range(n):
+        sig.check(args)
+    out = {"check_only_us": (time.perf_counter() - t) / n * 1e6}
+    out.update(_bench.host_overhead(torch.device("cuda")))
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    report["triton"] = triton.__version__
+    report["correctness"] = correctness()
+    print("\n".join(report["correctness"]), flush=True)
+    report["host"] = host_breakdown()
+    print(json.dumps(report["host"], indent=1), flush=True)
+    roof = _bench.copy_roofline_gbps(torch.device("cuda"))
+    report["copy_GBps"] = roof
+    print("copy", roof, flush=True)
+    report["sweep"] = sweep(roof)
+    (out_dir / "tune.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

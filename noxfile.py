@@ -1,0 +1,49 @@
+"""Developer sessions. They run in the current environment (no virtualenv of
+their own): install the project first with ``pip install torch==2.13.0 -e '.[dev]'``
+(CPU) or into the environment that already holds a CUDA torch (GPU machine, no
+network needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["tests", "typecheck", "lint"]
+
+PY = sys.executable
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU suite twice: the PyTorch reference path, then the Triton kernel under its interpreter."""
+    session.run(PY, "-m", "pytest", "-m", "not gpu", *session.posargs)
+    session.run(PY, "-m", "pytest", "-m", "not gpu", *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU suite (CUDA numerics, graphs, sync-free check, memcheck); needs a CUDA device."""
+    session.run(PY, "-m", "pytest", "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the package, the tests and the examples, with stubs/ for triton."""
+    session.run(PY, "-m", "mypy")
+    session.run(PY, "-m", "pytest", "tests/typecheck", "-q")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.run(PY, "-m", "ruff", "check", ".")
+    session.run(PY, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """typedkv bench: sweep T and shapes against the copy roofline; writes JSON and a PNG."""
+    session.run(PY, "-m", "typedkv", "bench", *session.posargs, env={"PYTHONUNBUFFERED": "1", **os.environ})

@@ -1,0 +1,454 @@
+"""``typedkv bench``: typedkv against the copy roofline, PyTorch eager and torch.compile.
+
+Device time is measured by replaying a CUDA graph of many calls (launch gaps
+vanish, as in a captured decode step) over enough rotating input sets that the
+working set exceeds the L2 cache, so every call streams from HBM. Host time per
+call is measured separately at T = 16 with a wall clock over thousands of calls.
+Bytes counted: kv read once, K and V written once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _launch, _reference
+from ._config import set_debug
+from ._ops import materialize_kv, materialize_kv_into_pool
+
+_L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked configuration."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    rope_style: str = "neox"
+    pool: str = ""  # "", "bf16" (pool of kv's dtype) or "fp8"
+
+
+MAIN = Case("L5 H8 D128", 5, 8, 128, 128)
+GPU_CASES = (
+    MAIN,
+    Case("L1 H8 D128", 1, 8, 128, 128),
+    Case("L3 H4 D128", 3, 4, 128, 128),
+    Case("L2 H8 D256 R64", 2, 8, 256, 64),
+    Case("L5 H8 D128 fp16", 5, 8, 128, 128, torch.float16),
+    Case("L5 H8 D128 gptj", 5, 8, 128, 128, rope_style="gptj"),
+    Case("L5 H8 D128 pool", 5, 8, 128, 128, pool="bf16"),
+    Case("L5 H8 D128 pool fp8", 5, 8, 128, 128, pool="fp8"),
+)
+GPU_TOKENS = (16, 256, 2048, 16384, 65536)
+CPU_CASES = (Case("L2 H2 D64", 2, 2, 64, 64, torch.float32), Case("L2 H2 D64 pool", 2, 2, 64, 64, torch.float32, pool="bf16"))
+CPU_TOKENS = (16, 256, 1024)
+
+
+@dataclass
+class Row:
+    """One measured (case, T): microseconds and GB/s per implementation."""
+
+    case: str
+    tokens: int
+    megabytes: float
+    us: dict[str, float] = field(default_factory=dict)
+    gbps: dict[str, float] = field(default_factory=dict)
+    pct_of_copy: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Inputs:
+    kv: torch.Tensor
+    weight: torch.Tensor
+    eps: torch.Tensor
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
+    k_out: torch.Tensor
+    v_out: torch.Tensor
+    slots: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+
+
+def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: int = 0) -> Inputs:
+    """Fresh random inputs for one call (never zeros: they hide unwritten outputs)."""
+    L, H, D, R = case.num_layers, case.num_kv_heads, case.head_dim, case.rotary_dim
+    positions_max = 131072
+    kv = torch.randn(num_tokens, L, 2 * H * D, device=device, dtype=case.dtype)
+    weight = torch.rand(L, D, device=device) + 0.5
+    eps = torch.full((L,), 1e-6, device=device)
+    angles = torch.rand(positions_max, R // 2, device=device) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
+    positions = torch.randint(0, positions_max, (num_tokens,), device=device)
+    k_out = torch.empty(L, num_tokens, H, D, device=device, dtype=case.dtype)
+    v_out = torch.empty_like(k_out)
+    slots = torch.empty(0, dtype=torch.int64, device=device)
+    k_pool = v_pool = torch.empty(0, device=device)
+    if case.pool:
+        num_slots = num_slots or 2 * num_tokens
+        slots = torch.randperm(num_slots, device=device)[:num_tokens]
+        pool_dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
+        k_pool = torch.empty(L, num_slots, H, D, device=device, dtype=pool_dtype)
+        v_pool = torch.empty_like(k_pool)
+    return Inputs(kv, weight, eps, cos_sin, positions, k_out, v_out, slots, k_pool, v_pool)
+
+
+def bytes_moved(case: Case, num_tokens: int) -> int:
+    """kv read once plus K and V (or the pool rows) written once."""
+    elems = num_tokens * case.num_layers * 2 * case.num_kv_heads * case.head_dim
+    written = 1 if case.pool == "fp8" else case.dtype.itemsize
+    return elems * case.dtype.itemsize + elems * written
+
+
+def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
+    style: Any = case.rope_style
+    H = case.num_kv_heads
+    if case.pool:
+        scale = 0.5 if case.pool == "fp8" else None
+        return lambda: materialize_kv_into_pool(
+            x.kv, x.weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, x.v_pool,
+            num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale,
+        )  # fmt: skip
+    return lambda: _discard(
+        materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, rope_style=style, k_out=x.k_out, v_out=x.v_out)
+    )
+
+
+def eager_call(case: Case, x: Inputs, compiled: bool = False) -> Callable[[], None]:
+    """The plain PyTorch path a model would run (the reference), optionally compiled."""
+    neox = case.rope_style == "neox"
+
+    def run(kv: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = _reference.rmsnorm_rope(kv, w, eps, cs, pos, case.num_kv_heads, neox)
+        return k.to(kv.dtype), v
+
+    fn = torch.compile(run, fullgraph=True) if compiled else run
+    if case.pool:
+        def pool_path() -> None:
+            k, v = fn(x.kv, x.weight, x.eps, x.cos_sin, x.positions)
+            for layer in range(case.num_layers):
+                x.k_pool[layer].index_copy_(0, x.slots, k[layer].to(x.k_pool.dtype))
+                x.v_pool[layer].index_copy_(0, x.slots, v[layer].to(x.v_pool.dtype))
+
+        return pool_path
+
+    def dense() -> None:
+        k, v = fn(x.kv, x.weight, x.eps, x.cos_sin, x.positions)
+        x.k_out.copy_(k)
+        x.v_out.copy_(v)
+
+    return dense
+
+
+def staging_call(case: Case, x: Inputs) -> Callable[[], None]:
+    """materialize_kv into a staging buffer, then one indexed copy per layer (the seed engine's path)."""
+    def run() -> None:
+        k, v = materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=case.num_kv_heads, k_out=x.k_out, v_out=x.v_out)
+        for layer in range(case.num_layers):
+            x.k_pool[layer].index_copy_(0, x.slots, k[layer])
+            x.v_pool[layer].index_copy_(0, x.slots, v[layer])
+
+    return run
+
+
+def _discard(_: object) -> None:
+    return None
+
+
+def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25) -> float:
+    """Median device time of one call, from CUDA-graph replays over rotating inputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    # Repeat the rotation so one replay lasts long enough to time well.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def copy_roofline_gbps(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) over a 1 GiB buffer."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    us = gpu_time_us([lambda: _discard(dst.copy_(src))], replays=20)
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def host_time_us(fn: Callable[[], None], calls: int = 3000) -> float:
+    """Wall-clock host time per call, the device kept busy asynchronously."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def seed_style_wrapper(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """A wrapper in the style typedkv replaces: hand-written if-checks, then ``kernel[grid](...)``."""
+    if kv.dim() != 3:
+        raise ValueError(f"kv must be 3-D, got {tuple(kv.shape)}")
+    total_ctx, n_layers, width = kv.shape
+    head_dim = k_norm_weight.shape[-1]
+    if width != 2 * num_kv_heads * head_dim:
+        raise ValueError(f"kv last dim {width} != 2*{num_kv_heads}*{head_dim}")
+    if k_norm_weight.shape != (n_layers, head_dim):
+        raise ValueError(f"bad k_norm_weight shape {tuple(k_norm_weight.shape)}")
+    rotary_dim = cos_sin_cache.shape[-1]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"bad rotary dim {rotary_dim}")
+    if eps.shape != (n_layers,):
+        raise ValueError(f"bad eps shape {tuple(eps.shape)}")
+    if positions.shape != (total_ctx,):
+        raise ValueError(f"bad positions shape {tuple(positions.shape)}")
+    if positions.device != kv.device:
+        positions = positions.to(device=kv.device, dtype=torch.int64)
+    elif positions.dtype != torch.int64:
+        positions = positions.to(torch.int64)
+    expected = (n_layers, total_ctx, num_kv_heads, head_dim)
+    for name, out in (("k_out", k_out), ("v_out", v_out)):
+        if out.shape != expected:
+            raise ValueError(f"Invalid {name} shape: got {tuple(out.shape)}, expected {expected}")
+        if out.device != kv.device or out.dtype != kv.dtype:
+            raise ValueError(f"Invalid {name} device/dtype")
+    _launch.launch(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, None,
+        k_out, (k_out.stride(0), k_out.stride(1), k_out.stride(2)),
+        v_out, (v_out.stride(0), v_out.stride(1), v_out.stride(2)),
+        None, num_kv_heads=num_kv_heads, num_rows=total_ctx, neox=True, k_scale=None, v_scale=None,
+    )  # fmt: skip
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict[str, Any]:
+    """Measure every case on the current CUDA device."""
+    device = torch.device("cuda")
+    _log("measuring the copy roofline ...")
+    roof = copy_roofline_gbps(device)
+    _log(f"  copy: {roof:.0f} GB/s")
+    rows: list[Row] = []
+    for case in cases:
+        for num_tokens in tokens:
+            nbytes = bytes_moved(case, num_tokens)
+            sets = max(1, min(64, math.ceil(_L2_SPAN / nbytes)))
+            inputs = [make_inputs(case, num_tokens, device) for _ in range(sets)]
+            row = Row(case.name, num_tokens, nbytes / 1e6)
+            impls: dict[str, Callable[[Case, Inputs], Callable[[], None]]] = {"typedkv": typedkv_call}
+            if compare and case in (MAIN, GPU_CASES[-2]):
+                impls["eager"] = eager_call
+                impls["compile"] = lambda c, x: eager_call(c, x, compiled=True)
+                if case.pool:
+                    impls["staging"] = staging_call
+            for impl, make in impls.items():
+                _log(f"{case.name:>22}  T={num_tokens:<6} {impl} ...")
+                try:
+                    us = gpu_time_us([make(case, x) for x in inputs])
+                except Exception as err:  # a baseline that cannot be captured is reported, not fatal
+                    _log(f"    {impl} failed: {type(err).__name__}: {err}")
+                    continue
+                row.us[impl] = round(us, 2)
+                row.gbps[impl] = round(nbytes / us / 1e3, 1)
+                row.pct_of_copy[impl] = round(100 * nbytes / us / 1e3 / roof, 1)
+            rows.append(row)
+            del inputs
+            torch.cuda.empty_cache()
+    return {"copy_GBps": round(roof, 1), "rows": [asdict(r) for r in rows], "host": host_overhead(device)}
+
+
+def host_overhead(device: torch.device) -> dict[str, float]:
+    """Host microseconds per call at T = 16 (decode): typedkv vs a seed-style wrapper and a bare launch."""
+    x = make_inputs(MAIN, 16, device)
+    H = MAIN.num_kv_heads
+
+    def production() -> None:
+        materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out)
+
+    def seed() -> None:
+        seed_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
+
+    block_t, block_h, block_d, num_warps = _launch.block_config(16, MAIN.num_layers, H, MAIN.head_dim)
+    grid = (math.ceil(16 / block_t), MAIN.num_layers)
+    captured: dict[str, Any] = {}
+
+    def capture(grid_: Any, params: tuple[Any, ...], num_warps_: int, device_: torch.device) -> None:
+        captured["params"], captured["num_warps"] = params, num_warps_
+
+    real = _launch._launch_cuda
+    _launch._launch_cuda = capture  # record the exact launch arguments once
+    try:
+        production()
+    finally:
+        _launch._launch_cuda = real
+    kernel: Any = _launch.materialize_kv_kernel
+    params = captured["params"]
+
+    def bare() -> None:
+        kernel[grid](*params, num_warps=num_warps)
+
+    out = {"bare_launch_us": host_time_us(bare), "seed_style_wrapper_us": host_time_us(seed)}
+    out["typedkv_production_us"] = host_time_us(production)
+    set_debug(True)
+    try:
+        out["typedkv_debug_us"] = host_time_us(production, calls=1000)
+    finally:
+        set_debug(False)
+    out = {k: round(v, 2) for k, v in out.items()}
+    out["production_vs_seed"] = round(out["typedkv_production_us"] / out["seed_style_wrapper_us"], 3)
+    out["debug_vs_bare"] = round(out["typedkv_debug_us"] / out["bare_launch_us"], 3)
+    return out
+
+
+def run_cpu(tokens: Sequence[int], cases: Sequence[Case]) -> dict[str, Any]:
+    """Small CPU sizes: typedkv's CPU path against a plain copy of the same bytes."""
+    device = torch.device("cpu")
+    rows: list[Row] = []
+    src = torch.randn(1 << 24)
+    dst = torch.empty_like(src)
+    roof = 2 * src.numel() * 4 / _cpu_time_us(lambda: _discard(dst.copy_(src))) / 1e3
+    for case in cases:
+        for num_tokens in tokens:
+            _log(f"{case.name:>22}  T={num_tokens:<6} typedkv (cpu) ...")
+            nbytes = bytes_moved(case, num_tokens)
+            x = make_inputs(case, num_tokens, device, num_slots=4 * num_tokens)
+            us = _cpu_time_us(typedkv_call(case, x))
+            row = Row(case.name, num_tokens, nbytes / 1e6)
+            row.us["typedkv"] = round(us, 2)
+            row.gbps["typedkv"] = round(nbytes / us / 1e3, 2)
+            row.pct_of_copy["typedkv"] = round(100 * nbytes / us / 1e3 / roof, 1)
+            rows.append(row)
+    return {"copy_GBps": round(roof, 1), "rows": [asdict(r) for r in rows]}
+
+
+def _cpu_time_us(fn: Callable[[], None], repeats: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as a fixed-width text table."""
+    lines = [f"copy roofline: {result['copy_GBps']} GB/s (read + write)", ""]
+    lines.append(f"{'case':>22} {'T':>6} {'MB':>8} {'impl':>8} {'us':>10} {'GB/s':>8} {'% copy':>7} {'speedup':>8}")
+    for row in result["rows"]:
+        base = row["us"].get("typedkv")
+        for impl, us in row["us"].items():
+            speedup = f"{us / base:.2f}x" if base and impl != "typedkv" else ""
+            lines.append(
+                f"{row['case']:>22} {row['tokens']:>6} {row['megabytes']:>8.1f} {impl:>8} {us:>10.2f} "
+                f"{row['gbps'][impl]:>8.1f} {row['pct_of_copy'][impl]:>6.1f}% {speedup:>8}"
+            )
+    host = result.get("host")
+    if host:
+        lines += ["", "host time per call at T=16 (us):"]
+        lines += [f"  {k:>24}: {v}" for k, v in host.items()]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Bandwidth against T, one line per (case, implementation), the roofline drawn. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in result["rows"]:
+        for impl, gbps in row["gbps"].items():
+            series.setdefault(f"{row['case']} / {impl}", []).append((row["tokens"], gbps))
+    for label, points in series.items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", label=label, linewidth=2.2 if label.endswith("typedkv") else 1.0)
+    ax.axhline(result["copy_GBps"], color="black", linestyle="--", label="copy roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("GB/s (kv read + K/V written)")
+    ax.set_title(result.get("title", "typedkv bench"))
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(out_dir: Path, quick: bool, compare: bool) -> int:
+    """Run the benchmark for the best available device; print the table, write JSON and PNG."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name()
+        tokens = GPU_TOKENS[:3] if quick else GPU_TOKENS
+        result = run_gpu(tokens, GPU_CASES, compare)
+    else:
+        meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
+        result = run_cpu(CPU_TOKENS, CPU_CASES)
+    result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+    if plot(result, out_dir / "bench.png"):
+        print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    else:
+        print(f"\nwrote {out_dir / 'bench.json'} (install matplotlib for the plot)")
+    return 0
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except ImportError:
+        return "not installed"
+
