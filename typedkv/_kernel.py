@@ -16,6 +16,10 @@ whose slot is negative or ``>= S`` is skipped.
 
 from __future__ import annotations
 
+# The kernels' parameters are deliberately unannotated: Triton reads parameter
+# annotations when it compiles (as type/specialisation hints; `tl.tensor[...]`
+# fails to compile on Triton 3.6), so mypy skips this module's bodies
+# (pyproject.toml: [[tool.mypy.overrides]] for typedkv._kernel).
 import triton
 import triton.language as tl
 
