@@ -72,7 +72,7 @@ def sweep(roof: float) -> list[dict[str, Any]]:
         sets = max(1, min(64, math.ceil((256 << 20) / nbytes)))
         inputs = [_bench.make_inputs(case, T, torch.device("cuda")) for _ in range(sets)]
         main = case is _bench.MAIN
-        for block_t in (1, 2, 4, 8, 16) if main else (1, 2, 4, 8):
+        for block_t in (1, 2, 4, 8):
             for warps in (2, 4, 8) if main else (4, 8):
                 bh = triton_pow2(case.num_kv_heads)
                 bd = triton_pow2(case.head_dim)
@@ -99,15 +99,41 @@ def triton_pow2(n: int) -> int:
 
 
 def host_breakdown() -> dict[str, float]:
-    """Where host time goes at T = 16: checks alone, direct launch, full calls."""
+    """Where host time goes at T = 16: checks alone, parameter building, direct launch, full calls."""
     x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
     args = (x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
     sig = typedkv._ops._DENSE
-    n = 5000
-    t = time.perf_counter()
-    for _ in range(n):
-        sig.check(args)
-    out = {"check_only_us": (time.perf_counter() - t) / n * 1e6}
+
+    def timed(fn: Any, n: int = 5000) -> float:
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        el = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+        return el
+
+    lp = lambda: _launch.launch_params(  # noqa: E731
+        x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, (81920, 1024, 128), x.v_out, (81920, 1024, 128),
+        None, num_kv_heads=8, num_rows=16, neox=True, k_scale=None, v_scale=None,
+    )
+    grid, params, nw = lp()
+    _launch._launch_cuda(grid, params, nw, x.kv.device)
+    compiled = next(iter(_launch._COMPILED.values()))
+    stream = torch.cuda.current_stream().cuda_stream
+    out = {
+        "check_only_us": timed(lambda: sig.check(args)),
+        "launch_params_us": timed(lp),
+        "launch_cuda_us": timed(lambda: _launch._launch_cuda(grid, params, nw, x.kv.device)),
+        "compiled_run_us": timed(lambda: compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *params)),
+        "current_device_us": timed(lambda: torch.cuda.current_device()),
+        "raw_stream_us": timed(lambda: torch._C._cuda_getCurrentRawStream(0)),
+        "positions_check_us": timed(lambda: typedkv._ops._check_positions(x.positions, 131072), n=1000),
+    }
+    bound = sig.check(args)
+    out["debug_check_us"] = timed(lambda: sig.debug_check(args, bound), n=500)
     out.update(_bench.host_overhead(torch.device("cuda")))
     return {k: round(v, 2) for k, v in out.items()}
 

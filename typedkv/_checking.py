@@ -233,7 +233,7 @@ class Signature:
                 raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}")
         # Symbolic dims whose names were bound by a later argument.
         for name, label, spec, shape in deferred:
-            for d, size in zip(spec.dims, shape):
+            for d, size in zip(spec.dims, shape, strict=False):
                 if d.code is not None and eval(d.code, {}, dims) != size:
                     raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
         for code, expr, blame, what in self._rules:
@@ -304,7 +304,7 @@ class Signature:
         dims = bound.dims
         ok = len(shape) == len(spec.dims)
         if ok:
-            for d, size in zip(spec.dims, shape):
+            for d, size in zip(spec.dims, shape, strict=False):
                 if d.name is not None:
                     have = dims.get(d.name)
                     if have is None:
@@ -400,7 +400,7 @@ class Signature:
                     fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
                 return msg + ": " + "; ".join(fixes)
         if len(got) == len(spec.dims):
-            for d, size in zip(spec.dims, got):
+            for d, size in zip(spec.dims, got, strict=False):
                 if (
                     d.name is not None
                     and d.name in dims
@@ -454,7 +454,8 @@ class Signature:
         with jaxtyped("context"):
             for dim, index, _ in self._scalar_dims:
                 # A zero-byte meta tensor binds the dim in jaxtyping's memo.
-                isinstance(torch.empty((args[index],), device="meta"), Shaped[torch.Tensor, f" {dim}"])
+                # To mypy a jaxtyping type is Annotated[...], not a class: it cannot see that isinstance takes it.
+                isinstance(torch.empty((args[index],), device="meta"), Shaped[torch.Tensor, f" {dim}"])  # type: ignore[arg-type]
             for p in self._scalars + self._debug_order:
                 try:
                     die_if_unbearable(args[p.index], self.hints[p.name])

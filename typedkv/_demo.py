@@ -25,7 +25,7 @@ def unfused_kv(
 
     Returns K and V as ``[L, T, H, D]`` in kv's dtype.
     """
-    num_tokens, num_layers, _ = kv.shape
+    _, num_layers, _ = kv.shape
     head_dim = k_norm_weight.shape[1]
     half = cos_sin_cache.shape[1] // 2
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)

@@ -34,13 +34,55 @@ def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.const
     """
     # NaN compares false both ways and stays NaN.
     x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
-    exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    bits = x.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
     exp = tl.maximum(exp, MIN_EXP)  # below the smallest normal the grid is uniform
     # 1.5 * 2**(exp - MANT + 23): adding it leaves exactly the bits of a
     # multiple of the grid step 2**(exp - MANT), rounded to nearest even.
     magic = (((exp - MANT + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
     mag = (tl.abs(x) + magic) - magic
-    return tl.where(x < 0, -mag, mag)
+    # The sign bit copied back, so -0.0 stays -0.0 (0 - 0 would give +0.0).
+    return (mag.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """``x`` (float32) as ``dtype``, rounded to nearest even on every backend.
+
+    Triton's CPU interpreter truncates float32 -> bfloat16; rounding the bits
+    here first makes that conversion exact, and on GPUs changes nothing.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _store_scaled(
+    dst,
+    x,
+    mask,
+    MODE: tl.constexpr,
+    scale_ptr,
+    scale,
+    layer,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+):
+    """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1: FP8 of ``x / scale``, 2: of ``x / scale_ptr[layer]``."""
+    if MODE == 0:
+        tl.store(dst, _cast(x, dst.dtype.element_ty), mask=mask)
+    else:
+        if MODE == 2:
+            scale = tl.load(scale_ptr + layer).to(tl.float32)
+        # One IEEE reciprocal per program, then multiplies: the reference
+        # quantizes with the same x * (1 / scale).
+        inv = tl.div_rn(1.0, scale)
+        tl.store(dst, _to_fp8_grid(x * inv, FP8_MAX, FP8_MANT, FP8_MIN_EXP).to(dst.dtype.element_ty), mask=mask)
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel
@@ -95,60 +137,75 @@ def materialize_kv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-) -> None:
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    # K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
+    # pass-through dims [R, D); each piece is loaded once, contiguously, so no
+    # element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1.
     HALF: tl.constexpr = R // 2
+    PASS: tl.constexpr = D - R
     layer = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.arange(0, BLOCK_H)
-    dim = tl.arange(0, BLOCK_D)
     tok_ok = tok < num_tokens
-    lane_ok = (head[:, None] < H) & (dim[None, :] < D)
-    mask = tok_ok[:, None, None] & lane_ok[None, :, :]
+    head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]
     # Row offsets in int64: T * stride overflows int32 for large batches.
     kv_row = kv_ptr + tok.to(tl.int64) * kv_stride_t + layer * kv_stride_l
-    lane = head[:, None] * D + dim[None, :]
-    k_src = kv_row[:, None, None] + lane[None, :, :]
-    x = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(k_src + H * D, mask=mask, other=0.0)
+    k_head = kv_row[:, None] + (head * D)[None, :]  # [T, H] pointers to each head's K
+
+    w_row = weight_ptr + layer * weight_stride_l
+    pair = tl.arange(0, BLOCK_HALF)
+    pair_ok = pair < HALF
+    m1 = head_ok[:, :, None] & pair_ok[None, None, :]
+    if NEOX:
+        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
+        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0).to(tl.float32)
+        w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
+    else:
+        two = tl.arange(0, 2)
+        dims = 2 * pair[:, None] + two[None, :]  # [HALF, 2]
+        m2 = m1[:, :, :, None] & (two < 2)[None, None, None, :]
+        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(x)
+        w = tl.load(w_row + dims * weight_stride_d, mask=pair_ok[:, None] & (two < 2)[None, :], other=0.0).to(
+            tl.float32
+        )
+        w1, w2 = tl.split(w)
+    sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
+    if PASS > 0:
+        rest = tl.arange(0, BLOCK_PASS)
+        rest_ok = rest < PASS
+        m3 = head_ok[:, :, None] & rest_ok[None, None, :]
+        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0).to(tl.float32)
+        w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
+        sum_sq += tl.sum(x3 * x3, axis=2)
 
     # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
-    dim_ok = dim < D
-    w_row = weight_ptr + layer * weight_stride_l
-    w = tl.load(w_row + dim * weight_stride_d, mask=dim_ok, other=0.0).to(tl.float32)
     if EPS_PER_LAYER:
         layer_eps = tl.load(eps_ptr + layer).to(tl.float32)
     else:
         layer_eps = eps
-    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + layer_eps)
+    rstd = tl.rsqrt(sum_sq / D + layer_eps)[:, :, None]
     store_ty = kv_ptr.dtype.element_ty
-    y = (x * rstd[:, :, None] * w[None, None, :]).to(store_ty).to(tl.float32)
+    y1 = _cast(x1 * rstd * w1[None, None, :], store_ty).to(tl.float32)
+    y2 = _cast(x2 * rstd * w2[None, None, :], store_ty).to(tl.float32)
 
-    # RoPE on the first R dims. Each dim's rotation partner is read again from
-    # kv (the row is already in L1), which avoids a register shuffle.
-    if NEOX:
-        first = dim < HALF
-        partner = tl.where(first, dim + HALF, dim - HALF)
-        freq = tl.where(first, dim, dim - HALF)
-        sign = tl.where(first, -1.0, 1.0)
-    else:
-        partner = dim ^ 1
-        freq = dim // 2
-        sign = tl.where(dim % 2 == 0, -1.0, 1.0)
-    rot = dim < R
-    p_mask = tok_ok[:, None, None] & (head[:, None] < H)[None, :, :] & rot[None, None, :]
-    xp = tl.load(kv_row[:, None, None] + (head[:, None] * D + partner[None, :])[None, :, :], mask=p_mask, other=0.0)
-    wp = tl.load(w_row + partner * weight_stride_d, mask=rot, other=0.0).to(tl.float32)
-    yp = (xp.to(tl.float32) * rstd[:, :, None] * wp[None, None, :]).to(store_ty).to(tl.float32)
-
+    # RoPE. A position outside [0, P) is never read: its token's K becomes NaN.
     pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
     pos_ok = (pos >= 0) & (pos < num_positions)
     cs_row = cos_sin_ptr + pos * cos_sin_stride_p
-    cs_mask = (tok_ok & pos_ok)[:, None] & rot[None, :]
-    cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0).to(tl.float32)
-    k = tl.where(rot[None, None, :], y * cos[:, None, :] + sign[None, None, :] * (yp * sin[:, None, :]), y)
-    k = tl.where(pos_ok[:, None, None], k, float("nan"))
+    cs_mask = (tok_ok & pos_ok)[:, None] & pair_ok[None, :]
+    cos = tl.load(cs_row[:, None] + pair[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row[:, None] + (pair + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
+    sin = sin.to(tl.float32)[:, None, :]
+    cos = cos[:, None, :]
+    bad = tl.where(pos_ok, 0.0, float("nan"))[:, None, None]  # adds NaN to every K dim of a bad token
+    o1 = y1 * cos - y2 * sin + bad
+    o2 = y2 * cos + y1 * sin + bad
 
+    # Destination rows and layer bases.
     if INDEXED:
         row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
         row_ok = tok_ok & (row >= 0) & (row < num_rows)
@@ -161,26 +218,73 @@ def materialize_kv_kernel(
     else:
         k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
         v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
-    out_mask = row_ok[:, None, None] & lane_ok[None, :, :]
-
-    if K_SCALE == 2:
-        k = tl.div_rn(k, tl.load(k_scale_ptr + layer).to(tl.float32))
-    elif K_SCALE == 1:
-        k = tl.div_rn(k, k_scale)
-    if K_SCALE != 0:
-        k = _to_fp8_grid(k, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
-    k_dst = k_base + row[:, None, None] * k_stride_row + (head[:, None] * k_stride_h + dim[None, :])[None, :, :]
-    tl.store(k_dst, k.to(k_ptr.dtype.element_ty), mask=out_mask)
-
-    if V_SCALE != 0:
-        vf = v.to(tl.float32)
-        if V_SCALE == 2:
-            vf = tl.div_rn(vf, tl.load(v_scale_ptr + layer).to(tl.float32))
-        else:
-            vf = tl.div_rn(vf, v_scale)
-        vf = _to_fp8_grid(vf, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
-        v_out = vf.to(v_ptr.dtype.element_ty)
+    out_ok = row_ok[:, None] & (head < H)[None, :]
+    k_dst = k_base + row[:, None] * k_stride_row + (head * k_stride_h)[None, :]  # [T, H]
+    s1 = out_ok[:, :, None] & pair_ok[None, None, :]
+    if NEOX:
+        _store_scaled(
+            k_dst[:, :, None] + pair[None, None, :],
+            o1,
+            s1,
+            K_SCALE,
+            k_scale_ptr,
+            k_scale,
+            layer,
+            FP8_MAX,
+            FP8_MANT,
+            FP8_MIN_EXP,
+        )
+        _store_scaled(
+            k_dst[:, :, None] + (pair + HALF)[None, None, :],
+            o2,
+            s1,
+            K_SCALE,
+            k_scale_ptr,
+            k_scale,
+            layer,
+            FP8_MAX,
+            FP8_MANT,
+            FP8_MIN_EXP,
+        )
     else:
-        v_out = v  # bit for bit
+        s2 = s1[:, :, :, None] & (two < 2)[None, None, None, :]
+        _store_scaled(
+            k_dst[:, :, None, None] + dims[None, None, :, :],
+            tl.join(o1, o2),
+            s2,
+            K_SCALE,
+            k_scale_ptr,
+            k_scale,
+            layer,
+            FP8_MAX,
+            FP8_MANT,
+            FP8_MIN_EXP,
+        )
+    if PASS > 0:
+        y3 = _cast(x3 * rstd * w3[None, None, :], store_ty).to(tl.float32) + bad
+        s3 = out_ok[:, :, None] & rest_ok[None, None, :]
+        _store_scaled(
+            k_dst[:, :, None] + (R + rest)[None, None, :],
+            y3,
+            s3,
+            K_SCALE,
+            k_scale_ptr,
+            k_scale,
+            layer,
+            FP8_MAX,
+            FP8_MANT,
+            FP8_MIN_EXP,
+        )
+
+    # V: copied bit for bit (or quantized for an FP8 pool).
+    dim = tl.arange(0, BLOCK_D)
+    vm = head_ok[:, :, None] & (dim < D)[None, None, :]
+    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
     v_dst = v_base + row[:, None, None] * v_stride_row + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
-    tl.store(v_dst, v_out, mask=out_mask)
+    v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
+    if V_SCALE == 0:
+        tl.store(v_dst, v, mask=v_ok)
+    else:
+        _store_scaled(
+            v_dst, v.to(tl.float32), v_ok, V_SCALE, v_scale_ptr, v_scale, layer, FP8_MAX, FP8_MANT, FP8_MIN_EXP
+        )

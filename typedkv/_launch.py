@@ -13,6 +13,7 @@ pointer alignment), so the direct call runs exactly what ``kernel[grid]`` would.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import triton
 
-from ._kernel import materialize_kv_kernel
+from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -36,8 +37,9 @@ _INT32_LIMIT = 2**31
 _FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
+@functools.lru_cache(maxsize=1024)
 def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch."""
+    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch (cached: it runs on every call)."""
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     per_token = block_h * block_d
@@ -48,12 +50,29 @@ def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: 
     return block_t, block_h, block_d, num_warps
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
+    """Block sizes of the rotary half and of the pass-through dims."""
+    return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
+
+
 def use_kernel(device: torch.device) -> bool:
     """Whether tensors on ``device`` go through the Triton kernel (else the reference)."""
     return device.type == "cuda" or INTERPRETED
 
 
-def launch(
+def launch(*args: Any, **kwargs: Any) -> None:
+    """Build the launch (`launch_params`) and run it: one launch over ``(token blocks, layers)``."""
+    grid, params, num_warps = launch_params(*args, **kwargs)
+    kv = params[0]
+    if kv.device.type != "cuda" or INTERPRETED:
+        kernel: Any = materialize_kv_kernel
+        kernel[grid](*params, num_warps=num_warps)
+    else:
+        _launch_cuda(grid, params, num_warps, kv.device)
+
+
+def launch_params(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,
     eps: float | torch.Tensor,
@@ -71,8 +90,8 @@ def launch(
     neox: bool,
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
-) -> None:
-    """One launch over ``(token blocks, layers)``.
+) -> tuple[tuple[int, int], tuple[Any, ...], int]:
+    """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
     ``k_strides``/``v_strides`` are ``(layer, row, head)`` element strides of the
     destinations (the last dim is contiguous). ``slots`` maps tokens to rows
@@ -82,6 +101,7 @@ def launch(
     """
     num_tokens, num_layers, _ = kv.shape
     head_dim = k_norm_weight.shape[1]
+    rotary_dim = cos_sin_cache.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
     eps_tensor = eps if isinstance(eps, torch.Tensor) else None
     k_scale_tensor = k_scale if isinstance(k_scale, torch.Tensor) else None
@@ -93,27 +113,23 @@ def launch(
     params = (
         kv, kv.stride(0), kv.stride(1),
         k_norm_weight, k_norm_weight.stride(0), k_norm_weight.stride(1),
-        eps_tensor, 0.0 if eps_tensor is not None else float(eps),  # type: ignore[arg-type]
+        eps_tensor, 0.0 if eps_tensor is not None else float(eps),
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions, positions.stride(0),
         slots, slots.stride(0) if slots is not None else 0,
         k_dst, k_stride_l // layer_vec, k_stride_row, k_stride_h,
         v_dst, v_stride_l // layer_vec, v_stride_row, v_stride_h,
         layer_offsets,
-        k_scale_tensor, 1.0 if k_scale is None or k_scale_tensor is not None else float(k_scale),  # type: ignore[arg-type]
-        v_scale_tensor, 1.0 if v_scale is None or v_scale_tensor is not None else float(v_scale),  # type: ignore[arg-type]
+        k_scale_tensor, 1.0 if k_scale is None or k_scale_tensor is not None else float(k_scale),
+        v_scale_tensor, 1.0 if v_scale is None or v_scale_tensor is not None else float(v_scale),
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
-        num_kv_heads, head_dim, cos_sin_cache.shape[1], neox, eps_tensor is not None, slots is not None,
+        num_kv_heads, head_dim, rotary_dim, neox, eps_tensor is not None, slots is not None,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
+        *_piece_blocks(head_dim, rotary_dim),
     )  # fmt: skip
-    grid = (triton.cdiv(num_tokens, block_t), num_layers)
-    if kv.device.type != "cuda" or INTERPRETED:
-        kernel: Any = materialize_kv_kernel
-        kernel[grid](*params, num_warps=num_warps)
-        return
-    _launch_cuda(grid, params, num_warps, kv.device)
+    return (triton.cdiv(num_tokens, block_t), num_layers), params, num_warps
 
 
 # Configuration key -> the CompiledKernel Triton built for it.

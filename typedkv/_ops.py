@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -154,8 +155,8 @@ def materialize_kv_into_pool(
     rope_style : {"neox", "gptj"}
         As in :func:`materialize_kv`.
     k_scale, v_scale : float, or Tensor of shape ``[L]``, optional
-        FP8 pools only: the stored value is ``x / scale`` saturated to the format's
-        finite range. A missing scale means 1.0 (values are still saturated).
+        FP8 pools only: the stored value is ``x / scale`` (computed as
+        ``x * (1 / scale)`` in float32) saturated to the format's finite range. A missing scale means 1.0 (values are still saturated).
         A tensor scale is read in the kernel: no host sync.
 
     Raises
@@ -180,7 +181,8 @@ def materialize_kv_into_pool(
     if _launch.use_kernel(kv.device):
         if isinstance(k_pool, Tensor):
             k_dst, k_strides = k_pool, (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2))
-            v_dst, v_strides = v_pool, (v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))  # type: ignore[union-attr]
+            v_dst = cast(Tensor, v_pool)  # _pool_layout checked that it is stacked as k_pool is
+            v_strides = (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2))
             table = None
         else:
             k_layers, v_layers = _layers(k_pool), _layers(v_pool)
@@ -250,7 +252,7 @@ def _pool_layout(
                 raise InputError(
                     f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
                 )
-    if any(_overlaps(k, v) for k, v in zip(k_layers, v_layers)):
+    if any(_overlaps(k, v) for k, v in zip(k_layers, v_layers, strict=False)):
         raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
 
 

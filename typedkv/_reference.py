@@ -23,7 +23,7 @@ def rmsnorm_rope(
     neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K normed and rotated (float32) and V (kv's dtype), both ``[L, T, H, D]``."""
-    num_tokens, num_layers, _ = kv.shape
+    _, num_layers, _ = kv.shape
     head_dim = k_norm_weight.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     half = rotary_dim // 2
@@ -57,14 +57,18 @@ def rmsnorm_rope(
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (``[L, T, H, D]``) as ``dtype``; FP8 targets get ``saturate(x / scale)``."""
+    """``x`` (``[L, T, H, D]``) as ``dtype``; FP8 targets get ``saturate(x / scale)``.
+
+    The division is ``x * (1 / scale)`` in float32, one reciprocal per layer, as
+    the kernel computes it.
+    """
     if dtype.itemsize != 1:
         return x.to(dtype)
     xf = x.float()
     if isinstance(scale, torch.Tensor):
-        xf = xf / scale.float().view(-1, 1, 1, 1)
+        xf = xf * scale.float().reciprocal().view(-1, 1, 1, 1)
     elif scale is not None:
-        xf = xf / torch.tensor(scale, dtype=torch.float32)
+        xf = xf * torch.tensor(scale, dtype=torch.float32).reciprocal()
     limit = torch.finfo(dtype).max
     # clamp keeps NaN, as the kernel does.
     return xf.clamp(-limit, limit).to(dtype)
