@@ -59,11 +59,10 @@ def correctness() -> list[str]:
     return out
 
 
-def sweep(roof: float) -> list[dict[str, Any]]:
-    """Every (BLOCK_T, num_warps) for the main shape and the other targets, device time via graphs."""
-    results = []
+def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """Launch configurations for the main shape and the other targets, device time via graphs."""
     real = _launch.block_config
-    cases = [(_bench.MAIN, t) for t in (256, 2048, 16384)] + [(c, 16384) for c in _bench.GPU_CASES[1:6]] + [
+    cases = [(_bench.MAIN, t) for t in (16384, 2048, 256)] + [(c, 16384) for c in _bench.GPU_CASES[1:6]] + [
         (_bench.GPU_CASES[6], 16384),
         (_bench.GPU_CASES[7], 16384),
     ]
@@ -72,23 +71,32 @@ def sweep(roof: float) -> list[dict[str, Any]]:
         sets = max(1, min(64, math.ceil((256 << 20) / nbytes)))
         inputs = [_bench.make_inputs(case, T, torch.device("cuda")) for _ in range(sets)]
         main = case is _bench.MAIN
-        for block_t in (1, 2, 4, 8):
-            for warps in (2, 4, 8) if main else (4, 8):
-                bh = triton_pow2(case.num_kv_heads)
-                bd = triton_pow2(case.head_dim)
-                _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
-                try:
-                    us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
-                except Exception as err:
-                    results.append({"case": case.name, "T": T, "block_t": block_t, "warps": warps, "error": str(err)[:200]})
-                    continue
-                finally:
-                    _launch.block_config = real
-                pct = 100 * nbytes / us / 1e3 / roof
-                results.append({"case": case.name, "T": T, "block_t": block_t, "warps": warps, "us": round(us, 2), "pct": round(pct, 1)})
+        configs = [
+            (bt, w, sp, ev)
+            for bt in ((1, 2, 4) if main else (1, 2))
+            for w in ((2, 4, 8) if main else (4, 8))
+            for sp in (False, True)
+            for ev in ("", "evict_first")
+        ]
+        for block_t, warps, split, evict in configs:
+            bh = triton_pow2(case.num_kv_heads)
+            bd = triton_pow2(case.head_dim)
+            _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
+            _launch.SPLIT_KV, _launch.EVICT = split, evict
+            cfg = {"case": case.name, "T": T, "block_t": block_t, "warps": warps, "split": split, "evict": evict}
+            try:
+                us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
+            except Exception as err:
+                results.append({**cfg, "error": str(err)[:300]})
+                continue
+            finally:
+                _launch.block_config = real
+                _launch.SPLIT_KV, _launch.EVICT = False, ""
+            results.append({**cfg, "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
         _launch.block_config = real
         us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
         results.append({"case": case.name, "T": T, "block_t": "default", "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
+        out.write_text(json.dumps(results, indent=1))
         print(case.name, T, "best:", max((r for r in results if r.get("T") == T and r["case"] == case.name and "pct" in r), key=lambda r: r["pct"]), flush=True)
         del inputs
     return results
@@ -99,7 +107,7 @@ def triton_pow2(n: int) -> int:
 
 
 def host_breakdown() -> dict[str, float]:
-    """Where host time goes at T = 16: checks alone, parameter building, direct launch, full calls."""
+    """Where host time goes at T = 16: plan lookup, per-call values, the launch, full calls."""
     x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
     args = (x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
     sig = typedkv._ops._DENSE
@@ -115,25 +123,19 @@ def host_breakdown() -> dict[str, float]:
         torch.cuda.synchronize()
         return el
 
-    lp = lambda: _launch.launch_params(  # noqa: E731
-        x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, (81920, 1024, 128), x.v_out, (81920, 1024, 128),
-        None, num_kv_heads=8, num_rows=16, neox=True, k_scale=None, v_scale=None,
-    )
-    grid, params, nw = lp()
-    _launch._launch_cuda(grid, params, nw, x.kv.device)
-    compiled = next(iter(_launch._COMPILED.values()))
-    stream = torch.cuda.current_stream().cuda_stream
+    typedkv.materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out)
+    plan = sig.plan(args, lambda b: None)
+    values = _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None)
     out = {
-        "check_only_us": timed(lambda: sig.check(args)),
-        "launch_params_us": timed(lp),
-        "launch_cuda_us": timed(lambda: _launch._launch_cuda(grid, params, nw, x.kv.device)),
-        "compiled_run_us": timed(lambda: compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *params)),
-        "current_device_us": timed(lambda: torch.cuda.current_device()),
-        "raw_stream_us": timed(lambda: torch._C._cuda_getCurrentRawStream(0)),
+        "full_check_us": timed(lambda: sig.check(args)),
+        "plan_lookup_us": timed(lambda: sig.plan(args, lambda b: None)),
+        "varying_us": timed(lambda: _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None)),
+        "launch_call_us": timed(lambda: plan.launch(values)),
+        "direct_compiled": float(plan.launch.compiled is not None),
         "positions_check_us": timed(lambda: typedkv._ops._check_positions(x.positions, 131072), n=1000),
     }
     bound = sig.check(args)
-    out["debug_check_us"] = timed(lambda: sig.debug_check(args, bound), n=500)
+    out["debug_typecheck_us"] = timed(lambda: sig.debug_check(args, bound), n=300)
     out.update(_bench.host_overhead(torch.device("cuda")))
     return {k: round(v, 2) for k, v in out.items()}
 
@@ -152,7 +154,8 @@ def main() -> None:
     roof = _bench.copy_roofline_gbps(torch.device("cuda"))
     report["copy_GBps"] = roof
     print("copy", roof, flush=True)
-    report["sweep"] = sweep(roof)
+    (out_dir / "tune.json").write_text(json.dumps(report, indent=1))
+    sweep(roof, [], out_dir / "sweep.json")
     (out_dir / "tune.json").write_text(json.dumps(report, indent=1))
 
 

@@ -77,6 +77,22 @@ class Bound:
     bound_by: dict[str, str] = field(default_factory=dict)
 
 
+def _meta(x: Any) -> Any:
+    """What a check's verdict on ``x`` depends on (never the tensor's values or address)."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.shape, x.stride(), x.device)
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(map(_meta, x)))
+    if isinstance(x, float):
+        return float  # any float passes; its value is the kernel's business
+    if isinstance(x, (int, str, bool)) or x is None:
+        return (type(x), x)
+    return (type(x), id(x))  # rejected by the check anyway
+
+
+_PLANS_MAX = 4096
+
+
 def _parse_array(hint: Any) -> _ArraySpec:
     dims = []
     for token in hint.dim_str.split():
@@ -191,6 +207,26 @@ class Signature:
         self._outputs = frozenset(outputs)
         self._rules = [(compile(expr, expr, "eval"), expr, blame, what) for expr, blame, what in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
+        self._plans: dict[tuple[Any, ...], Any] = {}
+
+    # ----------------------------------------------------------------- plan cache
+    def plan(self, args: Sequence[Any], build: Callable[[Bound], Any]) -> Any:
+        """The plan for ``args``' layout: checked and built on the first call, then reused.
+
+        A check's verdict depends only on each argument's type and, for tensors,
+        dtype, shape, strides and device (the fingerprint), so a layout that
+        passed once passes again: decode loops pay a dictionary lookup instead
+        of the full check. ``build`` turns the bound dims into the op's plan
+        (relational checks, launch configuration); it may raise `InputError`.
+        """
+        fingerprint = tuple(map(_meta, args))
+        plan = self._plans.get(fingerprint)
+        if plan is None:
+            plan = build(self.check(args))
+            if len(self._plans) >= _PLANS_MAX:
+                self._plans.clear()
+            self._plans[fingerprint] = plan
+        return plan
 
     # ------------------------------------------------------------------ production
     def check(self, args: Sequence[Any]) -> Bound:

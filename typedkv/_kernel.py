@@ -85,14 +85,15 @@ def _store_scaled(
         tl.store(dst, _to_fp8_grid(x * inv, FP8_MAX, FP8_MANT, FP8_MIN_EXP).to(dst.dtype.element_ty), mask=mask)
 
 
-# Ints that change with every batch are not specialised on (one compiled kernel
-# serves every T); the layer strides among them arrive divided by LAYER_VEC so
-# the compiler still sees 16-byte aligned rows.
-@triton.jit(do_not_specialize=["k_stride_l", "v_stride_l", "num_tokens", "num_rows"])
-def materialize_kv_kernel(
-    kv_ptr,
-    kv_stride_t,
-    kv_stride_l,
+@triton.jit
+def _k_part(
+    k_head,
+    head_ok,
+    tok,
+    tok_ok,
+    layer,
+    row_ok,
+    k_dst,
     weight_ptr,
     weight_stride_l,
     weight_stride_d,
@@ -103,71 +104,51 @@ def materialize_kv_kernel(
     cos_sin_stride_r,
     positions_ptr,
     positions_stride,
-    slots_ptr,
-    slots_stride,
-    k_ptr,
-    k_stride_l,
-    k_stride_row,
-    k_stride_h,
-    v_ptr,
-    v_stride_l,
-    v_stride_row,
-    v_stride_h,
-    layer_offsets_ptr,
+    num_positions,
     k_scale_ptr,
     k_scale,
-    v_scale_ptr,
-    v_scale,
-    num_tokens,
-    num_positions,
-    num_rows,
+    store_ty: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
     NEOX: tl.constexpr,
     EPS_PER_LAYER: tl.constexpr,
-    INDEXED: tl.constexpr,
-    LAYER_TABLE: tl.constexpr,
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer]
-    V_SCALE: tl.constexpr,
+    K_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
-    LAYER_VEC: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
-    # K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
-    # pass-through dims [R, D); each piece is loaded once, contiguously, so no
-    # element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1.
+    """K of BLOCK_T tokens, all heads, one layer: RMSNorm, RoPE, store.
+
+    K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
+    pass-through dims [R, D); each piece is loaded once, contiguously, so no
+    element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1.
+    """
     HALF: tl.constexpr = R // 2
     PASS: tl.constexpr = D - R
-    layer = tl.program_id(1)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.arange(0, BLOCK_H)
-    tok_ok = tok < num_tokens
-    head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]
-    # Row offsets in int64: T * stride overflows int32 for large batches.
-    kv_row = kv_ptr + tok.to(tl.int64) * kv_stride_t + layer * kv_stride_l
-    k_head = kv_row[:, None] + (head * D)[None, :]  # [T, H] pointers to each head's K
-
     w_row = weight_ptr + layer * weight_stride_l
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
-        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
-        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0).to(tl.float32)
+        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0, eviction_policy=EVICT).to(
+            tl.float32
+        )
         w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
     else:
         two = tl.arange(0, 2)
         dims = 2 * pair[:, None] + two[None, :]  # [HALF, 2]
         m2 = m1[:, :, :, None] & (two < 2)[None, None, None, :]
-        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0, eviction_policy=EVICT).to(
+            tl.float32
+        )
         x1, x2 = tl.split(x)
         w = tl.load(w_row + dims * weight_stride_d, mask=pair_ok[:, None] & (two < 2)[None, :], other=0.0).to(
             tl.float32
@@ -178,7 +159,9 @@ def materialize_kv_kernel(
         rest = tl.arange(0, BLOCK_PASS)
         rest_ok = rest < PASS
         m3 = head_ok[:, :, None] & rest_ok[None, None, :]
-        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0).to(tl.float32)
+        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0, eviction_policy=EVICT).to(
+            tl.float32
+        )
         w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
         sum_sq += tl.sum(x3 * x3, axis=2)
 
@@ -188,7 +171,6 @@ def materialize_kv_kernel(
     else:
         layer_eps = eps
     rstd = tl.rsqrt(sum_sq / D + layer_eps)[:, :, None]
-    store_ty = kv_ptr.dtype.element_ty
     y1 = _cast(x1 * rstd * w1[None, None, :], store_ty).to(tl.float32)
     y2 = _cast(x2 * rstd * w2[None, None, :], store_ty).to(tl.float32)
 
@@ -205,21 +187,7 @@ def materialize_kv_kernel(
     o1 = y1 * cos - y2 * sin + bad
     o2 = y2 * cos + y1 * sin + bad
 
-    # Destination rows and layer bases.
-    if INDEXED:
-        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
-        row_ok = tok_ok & (row >= 0) & (row < num_rows)
-    else:
-        row = tok.to(tl.int64)
-        row_ok = tok_ok
-    if LAYER_TABLE:
-        k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
-        v_base = v_ptr + tl.load(layer_offsets_ptr + tl.num_programs(1) + layer)
-    else:
-        k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
-        v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
     out_ok = row_ok[:, None] & (head < H)[None, :]
-    k_dst = k_base + row[:, None] * k_stride_row + (head * k_stride_h)[None, :]  # [T, H]
     s1 = out_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
         _store_scaled(
@@ -276,10 +244,35 @@ def materialize_kv_kernel(
             FP8_MIN_EXP,
         )
 
-    # V: copied bit for bit (or quantized for an FP8 pool).
+
+@triton.jit
+def _v_part(
+    k_head,
+    head_ok,
+    row_ok,
+    v_base,
+    row,
+    v_stride_row,
+    v_stride_h,
+    layer,
+    v_scale_ptr,
+    v_scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    V_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool)."""
+    head = tl.arange(0, BLOCK_H)
+    out_ok = row_ok[:, None] & (head < H)[None, :]
     dim = tl.arange(0, BLOCK_D)
     vm = head_ok[:, :, None] & (dim < D)[None, None, :]
-    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
+    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0, eviction_policy=EVICT)
     v_dst = v_base + row[:, None, None] * v_stride_row + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
     v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
     if V_SCALE == 0:
@@ -288,3 +281,100 @@ def materialize_kv_kernel(
         _store_scaled(
             v_dst, v.to(tl.float32), v_ok, V_SCALE, v_scale_ptr, v_scale, layer, FP8_MAX, FP8_MANT, FP8_MIN_EXP
         )
+
+
+# Ints that change with every batch are not specialised on (one compiled kernel
+# serves every T); the layer strides among them arrive divided by LAYER_VEC so
+# the compiler still sees 16-byte aligned rows.
+@triton.jit(do_not_specialize=["k_stride_l", "v_stride_l", "num_tokens", "num_rows"])
+def materialize_kv_kernel(
+    kv_ptr,
+    kv_stride_t,
+    kv_stride_l,
+    weight_ptr,
+    weight_stride_l,
+    weight_stride_d,
+    eps_ptr,
+    eps,
+    cos_sin_ptr,
+    cos_sin_stride_p,
+    cos_sin_stride_r,
+    positions_ptr,
+    positions_stride,
+    slots_ptr,
+    slots_stride,
+    k_ptr,
+    k_stride_l,
+    k_stride_row,
+    k_stride_h,
+    v_ptr,
+    v_stride_l,
+    v_stride_row,
+    v_stride_h,
+    layer_offsets_ptr,
+    k_scale_ptr,
+    k_scale,
+    v_scale_ptr,
+    v_scale,
+    num_tokens,
+    num_positions,
+    num_rows,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    NEOX: tl.constexpr,
+    EPS_PER_LAYER: tl.constexpr,
+    INDEXED: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,
+    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer]
+    V_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    LAYER_VEC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    layer = tl.program_id(1)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.arange(0, BLOCK_H)
+    tok_ok = tok < num_tokens
+    head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]
+    # Row offsets in int64: T * stride overflows int32 for large batches.
+    kv_row = kv_ptr + tok.to(tl.int64) * kv_stride_t + layer * kv_stride_l
+    k_head = kv_row[:, None] + (head * D)[None, :]  # [T, H] pointers to each head's K
+
+    # Destination rows and layer bases.
+    if INDEXED:
+        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
+        row_ok = tok_ok & (row >= 0) & (row < num_rows)
+    else:
+        row = tok.to(tl.int64)
+        row_ok = tok_ok
+    if LAYER_TABLE:
+        k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
+        v_base = v_ptr + tl.load(layer_offsets_ptr + tl.num_programs(1) + layer)
+    else:
+        k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
+        v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
+    k_dst = k_base + row[:, None] * k_stride_row + (head * k_stride_h)[None, :]  # [T, H]
+    store_ty = kv_ptr.dtype.element_ty
+    # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
+    part = tl.program_id(2)
+    if not SPLIT or part == 0:
+        _k_part(
+            k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
+            eps_ptr, eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
+            num_positions, k_scale_ptr, k_scale, store_ty, H, D, R, NEOX, EPS_PER_LAYER, K_SCALE,
+            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, EVICT,
+        )  # fmt: skip
+    if not SPLIT or part == 1:
+        _v_part(
+            k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, layer, v_scale_ptr, v_scale,
+            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, EVICT,
+        )  # fmt: skip

@@ -33,7 +33,9 @@ _TILE = 4096
 # Below this many programs the H200's 132 SMs idle: small T trades tile size
 # for parallelism.
 _MIN_PROGRAMS = 528
-_INT32_LIMIT = 2**31
+# K and V in separate programs (grid axis 2), and the cache hint for kv's loads.
+SPLIT_KV = False
+EVICT = ""
 _FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
@@ -61,17 +63,6 @@ def use_kernel(device: torch.device) -> bool:
     return device.type == "cuda" or INTERPRETED
 
 
-def launch(*args: Any, **kwargs: Any) -> None:
-    """Build the launch (`launch_params`) and run it: one launch over ``(token blocks, layers)``."""
-    grid, params, num_warps = launch_params(*args, **kwargs)
-    kv = params[0]
-    if kv.device.type != "cuda" or INTERPRETED:
-        kernel: Any = materialize_kv_kernel
-        kernel[grid](*params, num_warps=num_warps)
-    else:
-        _launch_cuda(grid, params, num_warps, kv.device)
-
-
 def launch_params(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,
@@ -90,7 +81,7 @@ def launch_params(
     neox: bool,
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
-) -> tuple[tuple[int, int], tuple[Any, ...], int]:
+) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
     ``k_strides``/``v_strides`` are ``(layer, row, head)`` element strides of the
@@ -103,9 +94,9 @@ def launch_params(
     head_dim = k_norm_weight.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
-    eps_tensor = eps if isinstance(eps, torch.Tensor) else None
-    k_scale_tensor = k_scale if isinstance(k_scale, torch.Tensor) else None
-    v_scale_tensor = v_scale if isinstance(v_scale, torch.Tensor) else None
+    _, _, eps_t, eps_f, *_, k_t, k_f, v_t, v_f = varying(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_scale, v_scale
+    )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     k_stride_l, k_stride_row, k_stride_h = k_strides
     v_stride_l, v_stride_row, v_stride_h = v_strides
@@ -113,61 +104,106 @@ def launch_params(
     params = (
         kv, kv.stride(0), kv.stride(1),
         k_norm_weight, k_norm_weight.stride(0), k_norm_weight.stride(1),
-        eps_tensor, 0.0 if eps_tensor is not None else float(eps),
+        eps_t, eps_f,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions, positions.stride(0),
         slots, slots.stride(0) if slots is not None else 0,
         k_dst, k_stride_l // layer_vec, k_stride_row, k_stride_h,
         v_dst, v_stride_l // layer_vec, v_stride_row, v_stride_h,
-        layer_offsets,
-        k_scale_tensor, 1.0 if k_scale is None or k_scale_tensor is not None else float(k_scale),
-        v_scale_tensor, 1.0 if v_scale is None or v_scale_tensor is not None else float(v_scale),
+        layer_offsets, k_t, k_f, v_t, v_f,
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
-        num_kv_heads, head_dim, rotary_dim, neox, eps_tensor is not None, slots is not None,
+        num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim),
+        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, EVICT,
     )  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t), num_layers), params, num_warps
+    return (triton.cdiv(num_tokens, block_t), num_layers, 2 if SPLIT_KV else 1), params, num_warps
 
 
-# Configuration key -> the CompiledKernel Triton built for it.
-_COMPILED: dict[tuple[Any, ...], Any] = {}
 _NAMES = tuple(inspect.signature(materialize_kv_kernel.fn).parameters)
 _POINTERS = tuple(i for i, n in enumerate(_NAMES) if n.endswith("_ptr"))
-_UNSPECIALISED = tuple(_NAMES.index(n) for n in ("k_stride_l", "v_stride_l", "num_tokens", "num_rows"))
-# Everything else Triton specialises on by value (ints, constexprs); floats it
-# passes as fp32 whatever their value.
-_STATIC = tuple(
-    i for i, n in enumerate(_NAMES) if i not in _POINTERS and i not in _UNSPECIALISED and n not in _FLOAT_PARAMS
-)
+# What changes from call to call under one checked layout: the tensors and the
+# float scalars (Triton passes floats as fp32 whatever their value). Everything
+# else -- ints, constexprs -- is fixed by the layout.
+_VARYING = tuple(i for i, n in enumerate(_NAMES) if i in _POINTERS or n in _FLOAT_PARAMS)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _launch_cuda(grid: tuple[int, int], params: tuple[Any, ...], num_warps: int, device: torch.device) -> None:
-    if torch.cuda.current_device() != device.index:
-        with torch.cuda.device(device):
-            _launch_cuda(grid, params, num_warps, device)
-        return
-    pointers = [params[i] for i in _POINTERS]
-    aligned = not any(p.data_ptr() & 15 for p in pointers if p is not None)
-    small = all(params[i] < _INT32_LIMIT for i in _UNSPECIALISED)
-    no_hooks = triton.knobs.runtime.launch_enter_hook is None and triton.knobs.runtime.launch_exit_hook is None
-    cacheable = aligned and small and no_hooks
-    key = (device.index, num_warps, *(None if p is None else p.dtype for p in pointers), *(params[i] for i in _STATIC))
-    compiled = _COMPILED.get(key) if cacheable else None
-    if compiled is None:
+def varying(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    layer_offsets: torch.Tensor | None,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+) -> tuple[Any, ...]:
+    """The per-call kernel arguments, in kernel order (the `_VARYING` slots)."""
+    eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
+    k_t, k_f = (k_scale, 1.0) if isinstance(k_scale, torch.Tensor) else (None, 1.0 if k_scale is None else float(k_scale))
+    v_t, v_f = (v_scale, 1.0) if isinstance(v_scale, torch.Tensor) else (None, 1.0 if v_scale is None else float(v_scale))
+    return (kv, k_norm_weight, eps_t, eps_f, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_t, k_f, v_t, v_f)
+
+
+def _hooks_idle() -> bool:
+    """No launch hook registered (a profiler would need Triton's own launch path)."""
+    runtime = triton.knobs.runtime
+    return all(h is None or not getattr(h, "calls", True) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class Launch:
+    """One launch prepared from a checked layout, run once per call.
+
+    Built from the first call's arguments; later calls with the same layout
+    (shapes, strides, dtypes, devices) fill in their own tensors and floats. On
+    CUDA the compiled kernel is called directly once Triton has built it: every
+    value Triton specialises on is fixed by the layout, except pointer
+    alignment, which is checked on each call.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.grid, params, self.num_warps = launch_params(*args, **kwargs)
+        self.template = [None if i in _VARYING else p for i, p in enumerate(params)]
+        kv = params[0]
+        self.device = kv.device
+        self.direct = kv.device.type == "cuda" and not INTERPRETED
+        self.compiled: Any = None
+
+    def __call__(self, values: tuple[Any, ...]) -> None:
+        """Launch with this call's `varying` values."""
+        params = self.template.copy()
+        for i, value in zip(_VARYING, values):
+            params[i] = value
         kernel: Any = materialize_kv_kernel
-        compiled = kernel[grid](*params, num_warps=num_warps)
-        if cacheable and not hasattr(compiled, "result"):
-            _COMPILED[key] = compiled
-        return
-    if _current_stream is not None:
-        stream = _current_stream(device.index)
-    else:
-        stream = torch.cuda.current_stream(device).cuda_stream
-    compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *params)
+        if not self.direct:
+            kernel[self.grid](*params, num_warps=self.num_warps)
+            return
+        if torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):
+                self._cuda(params, kernel)
+        else:
+            self._cuda(params, kernel)
+
+    def _cuda(self, params: list[Any], kernel: Any) -> None:
+        aligned = not any(params[i].data_ptr() & 15 for i in _POINTERS if params[i] is not None)
+        compiled = self.compiled
+        if compiled is None or not aligned or not _hooks_idle():
+            compiled = kernel[self.grid](*params, num_warps=self.num_warps)
+            # Only a kernel compiled for aligned pointers serves later aligned calls.
+            if aligned and not hasattr(compiled, "result"):
+                self.compiled = compiled
+            return
+        if _current_stream is not None:
+            stream = _current_stream(self.device.index)
+        else:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        grid = self.grid
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params)
 
 
 def _pow2_divisor(value: int, cap: int) -> int:

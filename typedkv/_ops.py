@@ -7,19 +7,49 @@ under ``TRITON_INTERPRET=1``) and `_reference` (CPU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
 from . import _launch, _reference
-from ._checking import Signature
+from ._checking import Bound, Signature
 from ._config import debug_enabled
 from ._errors import InputError
 from ._types import Index, ParamFloat, PoolFloat, RopeStyle, StorageFloat
 
 _ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
+
+
+@dataclass
+class _Plan:
+    """What one checked layout needs at every call."""
+
+    bound: Bound
+    empty: bool  # T == 0 or L == 0: nothing to compute
+    kernel: bool  # the Triton kernel (else the PyTorch reference)
+    launch: _launch.Launch | None = None  # built at the first launch, when the outputs exist
+    typechecked: bool = False  # debug mode's beartype + jaxtyping pass done for this layout
+
+
+def _planner(check_relations: Callable[[], None] | None = None) -> Callable[[Bound], _Plan]:
+    def build(bound: Bound) -> _Plan:
+        if check_relations is not None:
+            check_relations()
+        dims = bound.dims
+        return _Plan(bound, dims["T"] == 0 or dims["L"] == 0, _launch.use_kernel(bound.device))
+
+    return build
+
+
+def _debug(signature: Signature, plan: _Plan, args: tuple[object, ...]) -> None:
+    # The annotations' verdict depends on the layout only: one full beartype +
+    # jaxtyping pass per layout; the value checks run on every call.
+    if not plan.typechecked:
+        signature.debug_check(args, plan.bound)
+        plan.typechecked = True
 
 
 def materialize_kv(
@@ -75,32 +105,32 @@ def materialize_kv(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     args = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
-    bound = _DENSE.check(args)
-    if k_out is not None and v_out is not None and _overlaps(k_out, v_out):
+    plan: _Plan = _DENSE.plan(args, _planner())
+    if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
     if debug_enabled() and not torch.compiler.is_compiling():
-        _DENSE.debug_check(args, bound)
+        _debug(_DENSE, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
-    dims = bound.dims
-    shape = (dims["L"], dims["T"], num_kv_heads, dims["D"])
+    dims = plan.bound.dims
     if k_out is None:
-        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        k_out = torch.empty((dims["L"], dims["T"], num_kv_heads, dims["D"]), dtype=kv.dtype, device=kv.device)
     if v_out is None:
-        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    if dims["T"] == 0:
+        v_out = torch.empty((dims["L"], dims["T"], num_kv_heads, dims["D"]), dtype=kv.dtype, device=kv.device)
+    if plan.empty:
         return k_out, v_out
-    neox = rope_style == "neox"
-    if _launch.use_kernel(kv.device):
-        _launch.launch(
+    if not plan.kernel:
+        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style == "neox")
+        k_out.copy_(k)
+        v_out.copy_(v)
+        return k_out, v_out
+    if plan.launch is None:
+        plan.launch = _launch.Launch(
             kv, k_norm_weight, eps, cos_sin_cache, positions, None,
             k_out, (k_out.stride(0), k_out.stride(1), k_out.stride(2)),
             v_out, (v_out.stride(0), v_out.stride(1), v_out.stride(2)),
-            None, num_kv_heads=num_kv_heads, num_rows=dims["T"], neox=neox, k_scale=None, v_scale=None,
+            None, num_kv_heads=num_kv_heads, num_rows=dims["T"], neox=rope_style == "neox", k_scale=None, v_scale=None,
         )  # fmt: skip
-    else:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-        k_out.copy_(k)
-        v_out.copy_(v)
+    plan.launch(_launch.varying(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, None))
     return k_out, v_out
 
 
@@ -168,37 +198,37 @@ def materialize_kv_into_pool(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
         num_kv_heads, rope_style, k_scale, v_scale,
     )  # fmt: skip
-    bound = _POOL.check(args)
-    _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+    plan: _Plan = _POOL.plan(args, _planner(lambda: _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)))
+    k_layers, v_layers = _layers(k_pool), _layers(v_pool)
+    if any(_same_memory(k, v) for k, v in zip(k_layers, v_layers)):
+        raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
     if debug_enabled() and not torch.compiler.is_compiling():
-        _POOL.debug_check(args, bound)
+        _debug(_POOL, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
-        _check_slots(cache_loc, bound.dims["S"])
-    num_tokens = bound.dims["T"]
-    if num_tokens == 0:
+        _check_slots(cache_loc, plan.bound.dims["S"])
+    if plan.empty:
         return
     neox = rope_style == "neox"
-    if _launch.use_kernel(kv.device):
-        if isinstance(k_pool, Tensor):
-            k_dst, k_strides = k_pool, (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2))
-            v_dst = cast(Tensor, v_pool)  # _pool_layout checked that it is stacked as k_pool is
-            v_strides = (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2))
-            table = None
-        else:
-            k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-            k_dst, k_strides = k_layers[0], (0, k_layers[0].stride(0), k_layers[0].stride(1))
-            v_dst, v_strides = v_layers[0], (0, v_layers[0].stride(0), v_layers[0].stride(1))
-            table = _layer_table(k_layers, v_layers)
-        _launch.launch(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
-            k_dst, k_strides, v_dst, v_strides, table,
-            num_kv_heads=num_kv_heads, num_rows=bound.dims["S"], neox=neox, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+    if not plan.kernel:
+        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+        _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
+        _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
         return
-    k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-    k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-    _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
-    _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
+    if isinstance(k_pool, Tensor):
+        k_dst, v_dst, table = k_pool, v_pool, None
+    else:
+        k_dst, v_dst, table = k_layers[0], v_layers[0], _layer_table(k_layers, v_layers)
+    if plan.launch is None:
+        stacked = isinstance(k_pool, Tensor)
+        k_strides = (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if stacked else (0, k_dst.stride(0), k_dst.stride(1))
+        v_strides = (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2)) if stacked else (0, v_dst.stride(0), v_dst.stride(1))
+        plan.launch = _launch.Launch(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, k_strides, v_dst, v_strides, table,
+            num_kv_heads=num_kv_heads, num_rows=plan.bound.dims["S"], neox=neox, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    plan.launch(
+        _launch.varying(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, table, k_scale, v_scale)
+    )
 
 
 _POOL = Signature(
@@ -252,8 +282,6 @@ def _pool_layout(
                 raise InputError(
                     f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
                 )
-    if any(_overlaps(k, v) for k, v in zip(k_layers, v_layers, strict=False)):
-        raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
 
 
 def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
@@ -268,7 +296,7 @@ def _describe(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def _overlaps(a: Tensor, b: Tensor) -> bool:
+def _same_memory(a: Tensor, b: Tensor) -> bool:
     # The same first element: one buffer passed twice. K and V as two halves of
     # one allocation (an engine's usual pool) start apart and pass.
     return a.numel() > 0 and a.data_ptr() == b.data_ptr()
@@ -298,9 +326,12 @@ def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tens
 
 
 def _check_positions(positions: Tensor, num_positions: int) -> None:
-    bad = ((positions < 0) | (positions >= num_positions)).nonzero()
-    if bad.numel():
-        t = int(bad[0, 0])
+    """Debug mode: every position in [0, P). One device sync."""
+    if positions.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+    if lo < 0 or hi >= num_positions:
+        t = int(((positions < 0) | (positions >= num_positions)).nonzero()[0, 0])
         raise InputError(
             f"positions: expected values in [0, P={num_positions}), got {int(positions[t])} at token {t}: "
             "extend cos_sin_cache to cover every position"
@@ -308,16 +339,19 @@ def _check_positions(positions: Tensor, num_positions: int) -> None:
 
 
 def _check_slots(cache_loc: Tensor, num_slots: int) -> None:
-    bad = (cache_loc >= num_slots).nonzero()
-    if bad.numel():
-        t = int(bad[0, 0])
+    """Debug mode: every slot below S, no slot used twice. One device sync."""
+    if cache_loc.numel() == 0:
+        return
+    ordered = torch.sort(cache_loc).values
+    repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
+    hi, dup = torch.stack((ordered[-1].long(), repeated.long())).tolist()
+    if hi >= num_slots:
+        t = int((cache_loc >= num_slots).nonzero()[0, 0])
         raise InputError(
             f"cache_loc: expected slots below S={num_slots} (or negative to skip), got {int(cache_loc[t])} at token {t}"
         )
-    used = cache_loc[cache_loc >= 0]
-    unique, counts = torch.unique(used, return_counts=True)
-    if bool((counts > 1).any()):
-        slot = int(unique[counts > 1][0])
+    if dup:
+        slot = int(ordered[1:][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)][0])
         tokens = (cache_loc == slot).nonzero().flatten().tolist()
         raise InputError(
             f"cache_loc: expected distinct slots, got slot {slot} for tokens {tokens}: "
