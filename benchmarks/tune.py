@@ -40,13 +40,15 @@ def correctness() -> list[str]:
         rel = ((k.double() - kr.double()).norm() / kr.double().norm()).item()
         S = 2 * T
         slots = torch.randperm(S, device="cuda")[:T]
-        for fmt in (dtype, torch.float8_e4m3fn):
+        for fmt in (dtype, torch.float8_e4m3fn, torch.float8_e5m2):
             kp = torch.full((L, S, H, D), 7.0, device="cuda").to(fmt)
+            typedkv.set_debug(True)  # one call in debug mode: exercises the value checks on CUDA
             vp = kp.clone()
             scale = 0.5 if fmt != dtype else None
             typedkv.materialize_kv_into_pool(
                 kv, w, 1e-6, cs, pos, slots, kp, vp, num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale
             )
+            typedkv.set_debug(False)
             kq = _reference.quantize(kr if fmt == dtype else _reference.rmsnorm_rope(kv, w, 1e-6, cs, pos, H, style == "neox")[0], scale, fmt)
             vq = _reference.quantize(vr, scale, fmt)
             k_ok = (kp[:, slots].float() - kq.float()).abs().max().item()
@@ -76,14 +78,15 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
             for bt in ((1, 2, 4) if main else (1, 2))
             for w in ((2, 4, 8) if main else (4, 8))
             for sp in (False, True)
-            for ev in ("", "evict_first")
+            for ev in (False, True)
         ]
-        for block_t, warps, split, evict in configs:
+        for block_t, warps, split, layer_fast in configs:
+            evict = ""
             bh = triton_pow2(case.num_kv_heads)
             bd = triton_pow2(case.head_dim)
             _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
-            _launch.SPLIT_KV, _launch.EVICT = split, evict
-            cfg = {"case": case.name, "T": T, "block_t": block_t, "warps": warps, "split": split, "evict": evict}
+            _launch.SPLIT_KV, _launch.LAYER_FAST = split, layer_fast
+            cfg = {"case": case.name, "T": T, "block_t": block_t, "warps": warps, "split": split, "layer_fast": layer_fast}
             try:
                 us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
             except Exception as err:
@@ -91,7 +94,7 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
                 continue
             finally:
                 _launch.block_config = real
-                _launch.SPLIT_KV, _launch.EVICT = False, ""
+                _launch.SPLIT_KV, _launch.LAYER_FAST = False, False
             results.append({**cfg, "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
         _launch.block_config = real
         us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)

@@ -342,22 +342,13 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     def seed() -> None:
         seed_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
 
-    block_t, _, _, num_warps = _launch.block_config(16, MAIN.num_layers, H, MAIN.head_dim)
-    grid = (math.ceil(16 / block_t), MAIN.num_layers)
-    captured: dict[str, Any] = {}
-
-    # Same parameter names as _launch._launch_cuda, which it stands in for.
-    def capture(grid: Any, params: tuple[Any, ...], num_warps: int, device: torch.device) -> None:
-        captured["params"], captured["num_warps"] = params, num_warps
-
-    real = _launch._launch_cuda
-    _launch._launch_cuda = capture  # record the exact launch arguments once
-    try:
-        production()
-    finally:
-        _launch._launch_cuda = real
+    grid, params, num_warps = _launch.launch_params(
+        x.kv, x.weight, x.eps, x.cos_sin, x.positions, None,
+        x.k_out, (x.k_out.stride(0), x.k_out.stride(1), x.k_out.stride(2)),
+        x.v_out, (x.v_out.stride(0), x.v_out.stride(1), x.v_out.stride(2)),
+        None, num_kv_heads=H, num_rows=16, neox=True, k_scale=None, v_scale=None,
+    )  # fmt: skip
     kernel: Any = _launch.materialize_kv_kernel
-    params = captured["params"]
 
     def bare() -> None:
         kernel[grid](*params, num_warps=num_warps)

@@ -46,13 +46,14 @@ def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.const
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr):
+def _cast(x, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """``x`` (float32) as ``dtype``, rounded to nearest even on every backend.
 
-    Triton's CPU interpreter truncates float32 -> bfloat16; rounding the bits
-    here first makes that conversion exact, and on GPUs changes nothing.
+    Triton's CPU interpreter truncates float32 -> bfloat16; with SOFT_ROUND the
+    bits are rounded here first, which makes that conversion exact. GPUs round
+    to nearest even in hardware and skip it.
     """
-    if dtype == tl.bfloat16:
+    if SOFT_ROUND and dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True).to(dtype)
@@ -72,17 +73,24 @@ def _store_scaled(
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
 ):
     """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1: FP8 of ``x / scale``, 2: of ``x / scale_ptr[layer]``."""
     if MODE == 0:
-        tl.store(dst, _cast(x, dst.dtype.element_ty), mask=mask)
+        tl.store(dst, _cast(x, dst.dtype.element_ty, SOFT_ROUND), mask=mask)
     else:
         if MODE == 2:
             scale = tl.load(scale_ptr + layer).to(tl.float32)
         # One IEEE reciprocal per program, then multiplies: the reference
         # quantizes with the same x * (1 / scale).
         inv = tl.div_rn(1.0, scale)
-        tl.store(dst, _to_fp8_grid(x * inv, FP8_MAX, FP8_MANT, FP8_MIN_EXP).to(dst.dtype.element_ty), mask=mask)
+        x = x * inv
+        if SOFT_ROUND:
+            x = _to_fp8_grid(x, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+        else:
+            # Hardware conversion rounds to nearest even; saturate first (NaN stays NaN).
+            x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,6 +129,7 @@ def _k_part(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     EVICT: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
 ):
     """K of BLOCK_T tokens, all heads, one layer: RMSNorm, RoPE, store.
 
@@ -171,8 +180,8 @@ def _k_part(
     else:
         layer_eps = eps
     rstd = tl.rsqrt(sum_sq / D + layer_eps)[:, :, None]
-    y1 = _cast(x1 * rstd * w1[None, None, :], store_ty).to(tl.float32)
-    y2 = _cast(x2 * rstd * w2[None, None, :], store_ty).to(tl.float32)
+    y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+    y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
 
     # RoPE. A position outside [0, P) is never read: its token's K becomes NaN.
     pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
@@ -201,6 +210,7 @@ def _k_part(
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
+            SOFT_ROUND,
         )
         _store_scaled(
             k_dst[:, :, None] + (pair + HALF)[None, None, :],
@@ -213,6 +223,7 @@ def _k_part(
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
+            SOFT_ROUND,
         )
     else:
         s2 = s1[:, :, :, None] & (two < 2)[None, None, None, :]
@@ -227,9 +238,10 @@ def _k_part(
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
+            SOFT_ROUND,
         )
     if PASS > 0:
-        y3 = _cast(x3 * rstd * w3[None, None, :], store_ty).to(tl.float32) + bad
+        y3 = _cast(x3 * rstd * w3[None, None, :], store_ty, SOFT_ROUND).to(tl.float32) + bad
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
         _store_scaled(
             k_dst[:, :, None] + (R + rest)[None, None, :],
@@ -242,6 +254,7 @@ def _k_part(
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
+            SOFT_ROUND,
         )
 
 
@@ -266,6 +279,7 @@ def _v_part(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVICT: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
 ):
     """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool)."""
     head = tl.arange(0, BLOCK_H)
@@ -279,7 +293,17 @@ def _v_part(
         tl.store(v_dst, v, mask=v_ok)
     else:
         _store_scaled(
-            v_dst, v.to(tl.float32), v_ok, V_SCALE, v_scale_ptr, v_scale, layer, FP8_MAX, FP8_MANT, FP8_MIN_EXP
+            v_dst,
+            v.to(tl.float32),
+            v_ok,
+            V_SCALE,
+            v_scale_ptr,
+            v_scale,
+            layer,
+            FP8_MAX,
+            FP8_MANT,
+            FP8_MIN_EXP,
+            SOFT_ROUND,
         )
 
 
@@ -339,9 +363,20 @@ def materialize_kv_kernel(
     BLOCK_PASS: tl.constexpr,
     SPLIT: tl.constexpr,
     EVICT: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
+    NUM_LAYERS: tl.constexpr,
+    LAYER_FAST: tl.constexpr,
 ):
-    layer = tl.program_id(1)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # One program per (token block, layer) on a 1-D grid; LAYER_FAST puts a
+    # token's layers on neighbouring programs, so kv is read front to back.
+    pid = tl.program_id(0)
+    if LAYER_FAST:
+        layer = pid % NUM_LAYERS
+        block = pid // NUM_LAYERS
+    else:
+        block = pid % tl.cdiv(num_tokens, BLOCK_T)
+        layer = pid // tl.cdiv(num_tokens, BLOCK_T)
+    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.arange(0, BLOCK_H)
     tok_ok = tok < num_tokens
     head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]
@@ -358,7 +393,7 @@ def materialize_kv_kernel(
         row_ok = tok_ok
     if LAYER_TABLE:
         k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
-        v_base = v_ptr + tl.load(layer_offsets_ptr + tl.num_programs(1) + layer)
+        v_base = v_ptr + tl.load(layer_offsets_ptr + NUM_LAYERS + layer)
     else:
         k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
         v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
@@ -371,10 +406,10 @@ def materialize_kv_kernel(
             k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
             eps_ptr, eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
             num_positions, k_scale_ptr, k_scale, store_ty, H, D, R, NEOX, EPS_PER_LAYER, K_SCALE,
-            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, EVICT,
+            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, EVICT, SOFT_ROUND,
         )  # fmt: skip
     if not SPLIT or part == 1:
         _v_part(
             k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, layer, v_scale_ptr, v_scale,
-            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, EVICT,
+            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, EVICT, SOFT_ROUND,
         )  # fmt: skip

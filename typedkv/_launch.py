@@ -36,6 +36,7 @@ _MIN_PROGRAMS = 528
 # K and V in separate programs (grid axis 2), and the cache hint for kv's loads.
 SPLIT_KV = False
 EVICT = ""
+LAYER_FAST = False
 _FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
@@ -116,9 +117,9 @@ def launch_params(
         num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, EVICT,
+        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, EVICT, INTERPRETED, num_layers, LAYER_FAST,
     )  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t), num_layers, 2 if SPLIT_KV else 1), params, num_warps
+    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if SPLIT_KV else 1), params, num_warps
 
 
 _NAMES = tuple(inspect.signature(materialize_kv_kernel.fn).parameters)
