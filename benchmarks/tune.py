@@ -94,7 +94,7 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
                 continue
             finally:
                 _launch.block_config = real
-                _launch.SPLIT_KV, _launch.LAYER_FAST = False, False
+                _launch.SPLIT_KV, _launch.LAYER_FAST = True, True
             results.append({**cfg, "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
         _launch.block_config = real
         us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)

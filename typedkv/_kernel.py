@@ -128,7 +128,6 @@ def _k_part(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
-    EVICT: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
 ):
     """K of BLOCK_T tokens, all heads, one layer: RMSNorm, RoPE, store.
@@ -145,19 +144,15 @@ def _k_part(
     pair_ok = pair < HALF
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
-        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0, eviction_policy=EVICT).to(
-            tl.float32
-        )
+        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
+        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0).to(tl.float32)
         w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
     else:
         two = tl.arange(0, 2)
         dims = 2 * pair[:, None] + two[None, :]  # [HALF, 2]
         m2 = m1[:, :, :, None] & (two < 2)[None, None, None, :]
-        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0, eviction_policy=EVICT).to(
-            tl.float32
-        )
+        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0).to(tl.float32)
         x1, x2 = tl.split(x)
         w = tl.load(w_row + dims * weight_stride_d, mask=pair_ok[:, None] & (two < 2)[None, :], other=0.0).to(
             tl.float32
@@ -168,9 +163,7 @@ def _k_part(
         rest = tl.arange(0, BLOCK_PASS)
         rest_ok = rest < PASS
         m3 = head_ok[:, :, None] & rest_ok[None, None, :]
-        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0, eviction_policy=EVICT).to(
-            tl.float32
-        )
+        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0).to(tl.float32)
         w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
         sum_sq += tl.sum(x3 * x3, axis=2)
 
@@ -278,7 +271,6 @@ def _v_part(
     FP8_MIN_EXP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    EVICT: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
 ):
     """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool)."""
@@ -286,7 +278,7 @@ def _v_part(
     out_ok = row_ok[:, None] & (head < H)[None, :]
     dim = tl.arange(0, BLOCK_D)
     vm = head_ok[:, :, None] & (dim < D)[None, None, :]
-    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0, eviction_policy=EVICT)
+    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
     v_dst = v_base + row[:, None, None] * v_stride_row + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
     v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
     if V_SCALE == 0:
@@ -362,7 +354,6 @@ def materialize_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     SPLIT: tl.constexpr,
-    EVICT: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
     LAYER_FAST: tl.constexpr,
@@ -406,10 +397,10 @@ def materialize_kv_kernel(
             k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
             eps_ptr, eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
             num_positions, k_scale_ptr, k_scale, store_ty, H, D, R, NEOX, EPS_PER_LAYER, K_SCALE,
-            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, EVICT, SOFT_ROUND,
+            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
         )  # fmt: skip
     if not SPLIT or part == 1:
         _v_part(
             k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, layer, v_scale_ptr, v_scale,
-            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, EVICT, SOFT_ROUND,
+            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
         )  # fmt: skip

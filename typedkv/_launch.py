@@ -27,30 +27,21 @@ from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Tile elements one program aims for: enough bytes in flight per program to
-# stream at memory speed, few enough registers to keep occupancy.
-_TILE = 4096
-# Below this many programs the H200's 132 SMs idle: small T trades tile size
-# for parallelism.
-_MIN_PROGRAMS = 528
-# K and V in separate programs (grid axis 2), and the cache hint for kv's loads.
-SPLIT_KV = False
-EVICT = ""
-LAYER_FAST = False
+# Measured on the H200 (docs/performance-notes.md): one token per program, K and
+# V in separate programs (grid axis 2), a token's layers on neighbouring
+# programs. Every (BLOCK_T, warps, split, order) tried came within 3% of the best
+# for every benchmarked shape; this one's worst case was closest to the best.
+SPLIT_KV = True
+LAYER_FAST = True
 _FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
 @functools.lru_cache(maxsize=1024)
 def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch (cached: it runs on every call)."""
+    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch (cached: it runs on every new layout)."""
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    per_token = block_h * block_d
-    block_t = max(1, min(16, _TILE // per_token))
-    while block_t > 1 and triton.cdiv(num_tokens, block_t) * num_layers < _MIN_PROGRAMS:
-        block_t //= 2
-    num_warps = 8 if block_t * per_token >= 4096 else 4
-    return block_t, block_h, block_d, num_warps
+    return 1, block_h, block_d, 4 if block_h * block_d <= 1024 else 8
 
 
 @functools.lru_cache(maxsize=64)
@@ -117,7 +108,7 @@ def launch_params(
         num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, EVICT, INTERPRETED, num_layers, LAYER_FAST,
+        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, INTERPRETED, num_layers, LAYER_FAST,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if SPLIT_KV else 1), params, num_warps
 
@@ -146,15 +137,36 @@ def varying(
 ) -> tuple[Any, ...]:
     """The per-call kernel arguments, in kernel order (the `_VARYING` slots)."""
     eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
-    k_t, k_f = (k_scale, 1.0) if isinstance(k_scale, torch.Tensor) else (None, 1.0 if k_scale is None else float(k_scale))
-    v_t, v_f = (v_scale, 1.0) if isinstance(v_scale, torch.Tensor) else (None, 1.0 if v_scale is None else float(v_scale))
-    return (kv, k_norm_weight, eps_t, eps_f, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_t, k_f, v_t, v_f)
+    k_t, k_f = (
+        (k_scale, 1.0) if isinstance(k_scale, torch.Tensor) else (None, 1.0 if k_scale is None else float(k_scale))
+    )
+    v_t, v_f = (
+        (v_scale, 1.0) if isinstance(v_scale, torch.Tensor) else (None, 1.0 if v_scale is None else float(v_scale))
+    )
+    return (
+        kv,
+        k_norm_weight,
+        eps_t,
+        eps_f,
+        cos_sin_cache,
+        positions,
+        slots,
+        k_dst,
+        v_dst,
+        layer_offsets,
+        k_t,
+        k_f,
+        v_t,
+        v_f,
+    )
 
 
 def _hooks_idle() -> bool:
     """No launch hook registered (a profiler would need Triton's own launch path)."""
     runtime = triton.knobs.runtime
-    return all(h is None or not getattr(h, "calls", True) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    return all(
+        h is None or not getattr(h, "calls", True) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
 
 
 class Launch:
@@ -204,7 +216,9 @@ class Launch:
         else:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         grid = self.grid
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params)
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
+        )
 
 
 def _pow2_divisor(value: int, cap: int) -> int:
