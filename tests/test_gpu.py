@@ -1,0 +1,306 @@
+"""GPU suite (``pytest -m gpu``, ``nox -s gpu``): the Triton kernel on CUDA.
+
+Numerics over the core grid against the float64 reference, the pool op in every
+layout and FP8 format, CUDA-graph capture and replay with new values, the
+absence of host syncs in production mode, and a ``compute-sanitizer`` memcheck
+run. Skipped (by conftest) where no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_numerics import STORAGE, STYLES, Case, _dims_and_rotary, assert_matches_reference, make_case
+from torch import Tensor
+
+import typedkv
+from typedkv import RopeStyle, _reference
+
+pytestmark = pytest.mark.gpu
+
+_DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in STORAGE]
+
+
+def cuda(case: Case) -> Case:
+    """The same inputs on the GPU."""
+    eps = case.eps.cuda() if isinstance(case.eps, Tensor) else case.eps
+    return replace(
+        case,
+        kv=case.kv.cuda(),
+        k_norm_weight=case.k_norm_weight.cuda(),
+        eps=eps,
+        cos_sin_cache=case.cos_sin_cache.cuda(),
+        positions=case.positions.cuda(),
+    )
+
+
+@pytest.mark.parametrize("rope_style", STYLES)
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), _dims_and_rotary())
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 33, 1000])
+def test_grid_cuda(num_tokens: int, head_dim: int, rotary_dim: int, dtype: torch.dtype, rope_style: RopeStyle) -> None:
+    """The core grid (T x D x R x dtype x style, L=3, H=2) on CUDA against the float64 reference."""
+    case = cuda(make_case(num_tokens, 3, 2, head_dim, rotary_dim, dtype, rope_style))
+    k, v = case.run()
+    assert k.is_cuda and v.is_cuda
+    assert_matches_reference(case, k, v)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 8])
+@pytest.mark.parametrize("eps_kind", ["float", "tensor"])
+def test_heads_and_eps_cuda(num_kv_heads: int, eps_kind: str) -> None:
+    eps: float | Tensor = 1e-5 if eps_kind == "float" else torch.tensor([1e-6, 1e-3, 0.5])
+    case = cuda(make_case(129, 3, num_kv_heads, 128, 128, torch.bfloat16, eps=eps))
+    k, v = case.run()
+    assert_matches_reference(case, k, v)
+
+
+def test_outputs_into_slab_cuda() -> None:
+    """k_out/v_out as [:, :T] views of a larger slab: the rest of the slab is untouched."""
+    case = cuda(make_case(33, 3, 2, 128, 64, torch.bfloat16))
+    slab = torch.full((2, 3, 64, 2, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    k, v = case.run(k_out=slab[0, :, :33], v_out=slab[1, :, :33])
+    assert k.data_ptr() == slab[0].data_ptr()
+    assert_matches_reference(case, k, v)
+    assert bool((slab[:, :, 33:] == 7.0).all())
+
+
+def test_out_of_range_positions_cuda() -> None:
+    """Production: a position outside [0, P) gives NaN K for that token and touches nothing else."""
+    typedkv.set_debug(False)
+    case = cuda(make_case(16, 2, 2, 128, 128, torch.bfloat16))
+    positions = case.positions.clone()
+    positions[3] = 10**9
+    positions[5] = -1
+    k, v = replace(case, positions=positions).run()
+    assert bool(k[:, [3, 5]].isnan().all())
+    good = [t for t in range(16) if t not in (3, 5)]
+    ref_k, ref_v = case.reference()
+    assert torch.equal(v, ref_v)
+    assert not bool(k[:, good].isnan().any())
+    assert float((k[:, good].double() - ref_k[:, good]).abs().max()) < 0.1
+
+
+# ------------------------------------------------------------------------ pools
+
+
+def _pool_inputs(num_tokens: int, num_slots: int, fmt: torch.dtype) -> tuple[Case, Tensor]:
+    case = cuda(make_case(num_tokens, 3, 2, 128, 128, torch.bfloat16, num_positions=4096))
+    slots = torch.randperm(num_slots, device="cuda")[:num_tokens]
+    slots[::7] = -1  # padding tokens
+    return case, slots
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["stacked", "list", "padded-list"])
+@pytest.mark.parametrize("scale_kind", ["none", "float", "tensor"])
+def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str) -> None:
+    if fmt == torch.bfloat16 and scale_kind != "none":
+        pytest.skip("scales are for FP8 pools")
+    num_tokens, num_slots, L = 300, 1000, 3
+    case, slots = _pool_inputs(num_tokens, num_slots, fmt)
+    scale: float | Tensor | None = {
+        "none": None,
+        "float": 0.25,
+        "tensor": torch.tensor([0.5, 2.0, 0.125], device="cuda"),
+    }[scale_kind]
+    sentinel = torch.full((L, num_slots, 2, 128), 3.0, device="cuda").to(fmt)
+    k_buf, v_buf = sentinel.clone(), sentinel.clone()
+    k_pool: Any
+    v_pool: Any
+    if layout == "stacked":
+        k_pool, v_pool = k_buf, v_buf
+    elif layout == "list":
+        k_pool, v_pool = list(k_buf.unbind(0)), list(v_buf.unbind(0))
+    else:
+        # Per-layer views with padded rows: each row of 4 heads holds our 2.
+        wide_k = torch.full((L, num_slots, 4, 128), 3.0, device="cuda").to(fmt)
+        wide_v = wide_k.clone()
+        k_pool, v_pool = [w[:, :2] for w in wide_k.unbind(0)], [w[:, :2] for w in wide_v.unbind(0)]
+    typedkv.materialize_kv_into_pool(
+        case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, k_pool, v_pool,
+        num_kv_heads=2, k_scale=scale, v_scale=scale,
+    )  # fmt: skip
+    k32, v = _reference.rmsnorm_rope(case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, 2, True)
+    want_k = _reference.quantize(k32 if fmt.itemsize == 1 else k32.to(case.kv.dtype), scale, fmt)
+    want_v = _reference.quantize(v, scale, fmt)
+    k_got = torch.stack(list(k_pool)) if isinstance(k_pool, list) else k_pool
+    v_got = torch.stack(list(v_pool)) if isinstance(v_pool, list) else v_pool
+    keep = slots >= 0
+    rows = slots[keep]
+    assert torch.equal(v_got[:, rows].view(torch.uint8), want_v[:, keep].contiguous().view(torch.uint8))
+    # K: the kernel's float32 norm may differ from the reference's in the last
+    # bit, which can move a value across a rounding boundary of the pool's
+    # format: at most one step of that format at the value's magnitude.
+    info = torch.finfo(fmt)
+    want = want_k[:, keep].float()
+    diff = (k_got[:, rows].float() - want).abs()
+    step = want.abs() * info.eps + info.smallest_normal * info.eps
+    assert bool((diff <= step).all()), f"K off by more than one {fmt} step: max {float((diff - step).max())}"
+    untouched = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert bool((k_got[:, untouched].float() == 3.0).all()) and bool((v_got[:, untouched].float() == 3.0).all())
+    if layout == "padded-list":
+        assert bool((wide_k[:, :, 2:].float() == 3.0).all()) and bool((wide_v[:, :, 2:].float() == 3.0).all())
+
+
+def test_pool_memory_stable_cuda() -> None:
+    """Repeated pool writes allocate nothing (the layer table is cached per set of pools)."""
+    case, slots = _pool_inputs(64, 256, torch.bfloat16)
+    k_pool = [torch.empty(256, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    v_pool = [torch.empty(256, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    typedkv.set_debug(False)
+
+    def call() -> None:
+        typedkv.materialize_kv_into_pool(
+            case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, k_pool, v_pool,
+            num_kv_heads=2,
+        )  # fmt: skip
+
+    call()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+# ---------------------------------------------------------- no syncs, CUDA graphs
+
+
+def test_production_makes_no_sync() -> None:
+    """Production mode never synchronises with the device (both ops, dense and pool)."""
+    typedkv.set_debug(False)
+    case = cuda(make_case(64, 3, 2, 128, 128, torch.bfloat16, eps=torch.full((3,), 1e-6)))
+    slots = torch.randperm(256, device="cuda")[:64]
+    k_pool = torch.empty(3, 256, 2, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    v_pool = torch.empty_like(k_pool)
+    pools = [torch.empty(256, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(6)]
+    scale = torch.ones(3, device="cuda")
+
+    def calls() -> None:
+        case.run()
+        typedkv.materialize_kv_into_pool(
+            case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, k_pool, v_pool,
+            num_kv_heads=2, k_scale=scale, v_scale=0.5,
+        )  # fmt: skip
+        typedkv.materialize_kv_into_pool(
+            case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, pools[:3], pools[3:],
+            num_kv_heads=2,
+        )  # fmt: skip
+
+    calls()  # first call per layout builds its plan (and the list pools' layer table)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_debug_mode_does_sync_and_checks() -> None:
+    """Debug mode catches out-of-range positions on CUDA (it may sync to do so)."""
+    typedkv.set_debug(True)
+    case = cuda(make_case(8, 2, 2, 64, 64, torch.float16))
+    positions = case.positions.clone()
+    positions[2] = 10**6
+    with pytest.raises(typedkv.InputError, match="positions: expected values in"):
+        replace(case, positions=positions).run()
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_cuda_graph_replay_new_values(pool: bool) -> None:
+    """Captured at fixed T, replayed with new inputs copied in: results follow the new values."""
+    typedkv.set_debug(False)
+    T, L, H, D = 48, 3, 2, 128
+    case = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512))
+    static = replace(
+        case,
+        kv=case.kv.clone(),
+        positions=case.positions.clone(),
+    )
+    slots = torch.randperm(200, device="cuda")[:T]
+    k_pool = torch.zeros(L, 200, H, D, dtype=torch.bfloat16, device="cuda")
+    v_pool = torch.zeros_like(k_pool)
+    k_out = torch.empty(L, T, H, D, dtype=torch.bfloat16, device="cuda")
+    v_out = torch.empty_like(k_out)
+
+    def step() -> None:
+        if pool:
+            typedkv.materialize_kv_into_pool(
+                static.kv, static.k_norm_weight, static.eps, static.cos_sin_cache, static.positions, slots,
+                k_pool, v_pool, num_kv_heads=H,
+            )  # fmt: skip
+        else:
+            static.run(k_out=k_out, v_out=v_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture: compiles, builds the plan
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        fresh = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512, seed=100 + seed))
+        static.kv.copy_(fresh.kv)
+        static.positions.copy_(fresh.positions)
+        graph.replay()
+        torch.cuda.synchronize()
+        if pool:
+            k, v = k_pool[:, slots], v_pool[:, slots]
+        else:
+            k, v = k_out, v_out
+        assert_matches_reference(fresh, k, v)
+
+
+# -------------------------------------------------------------- compute-sanitizer
+
+_SANITIZED = """
+import torch, typedkv
+torch.manual_seed(0)
+T, L, H, D, P = 37, 2, 3, 80, 50
+kv = torch.randn(T, L, 2 * H * D, device="cuda", dtype=torch.bfloat16)
+w = torch.rand(L, D, device="cuda") + 0.5
+cs = torch.randn(P, 32, device="cuda")
+pos = torch.randint(0, P, (T,), device="cuda")
+pos[0] = 10**9  # out of range: must not be read
+k, v = typedkv.materialize_kv(kv, w, 1e-6, cs, pos, num_kv_heads=H, rope_style="gptj")
+slots = torch.randperm(100, device="cuda")[:T]
+slots[1] = -5
+slots[2] = 10**6  # beyond the pool: must not be written
+pools = [torch.empty(100, H, D, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2 * L)]
+typedkv.materialize_kv_into_pool(kv, w, 1e-6, cs, pos, slots, pools[:L], pools[L:], num_kv_heads=H, k_scale=0.5)
+torch.cuda.synchronize()
+print("sanitized run done")
+"""
+
+
+def test_compute_sanitizer_memcheck(tmp_path: Path) -> None:
+    """compute-sanitizer's memcheck finds no invalid access, out-of-range positions and slots included."""
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = tmp_path / "sanitized.py"
+    script.write_text(_SANITIZED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    assert "sanitized run done" in report
+    assert "ERROR SUMMARY: 0 errors" in report
