@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from beartype import BeartypeConf
 from beartype.door import die_if_unbearable
 from beartype.roar import BeartypeDoorHintViolation
 from jaxtyping import Shaped, jaxtyped
@@ -91,6 +92,8 @@ def _meta(x: Any) -> Any:
 
 
 _PLANS_MAX = 4096
+# As mypy: an int is accepted where a float is annotated.
+_BEARTYPE = BeartypeConf(is_pep484_tower=True)
 
 
 def _parse_array(hint: Any) -> _ArraySpec:
@@ -129,7 +132,8 @@ def _parse_param(name: str, index: int, hint: Any) -> _Param:
         elif origin is typing.Literal:
             param.literals = typing.get_args(member)
         elif member in (int, float, bool, str):
-            param.scalars += (member,)
+            # An int is a float where one is asked for (PEP 484's numeric tower, as mypy has it).
+            param.scalars += (member, int) if member is float else (member,)
         else:
             raise TypeError(f"typedkv: cannot check annotation {member!r} of {name}")
     return param
@@ -144,7 +148,9 @@ def _or_list(items: Sequence[str]) -> str:
 
 
 def _type_name(value: object) -> str:
-    return type(value).__qualname__
+    kind = type(value)
+    # numpy.int64, not "int64", which would read like a dtype.
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
 
 
 class Signature:
@@ -266,7 +272,7 @@ class Signature:
             elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
                 continue
             else:
-                raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}")
+                raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}")
         # Symbolic dims whose names were bound by a later argument.
         for name, label, spec, shape in deferred:
             for d, size in zip(spec.dims, shape, strict=False):
@@ -284,7 +290,8 @@ class Signature:
             kinds.append("a torch.Tensor")
         if p.sequence is not None:
             kinds.append(f"a sequence of {p.sequence_len} torch.Tensors")
-        kinds += [{int: "an int", float: "a float", str: "a str", bool: "a bool"}[s] for s in p.scalars]
+        words = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
+        kinds += [words[s] for s in p.scalars if not (s is int and float in p.scalars)]
         if p.optional:
             kinds.append("None")
         return _or_list(kinds)
@@ -299,7 +306,7 @@ class Signature:
             return
         # bool is an int to Python, never a head count or an eps to us.
         if isinstance(value, bool) or not isinstance(value, p.scalars):
-            raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}")
+            raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}")
         if isinstance(value, int) and value < 1 and any(p.name == a for _, _, a in self._scalar_dims):
             raise InputError(f"{p.name}: expected a positive int, got {value}")
 
@@ -331,21 +338,28 @@ class Signature:
         args: Sequence[Any],
         deferred: list[tuple[str, str, _ArraySpec, torch.Size]],
     ) -> None:
-        if value.dtype not in spec.dtypes:
+        like = self._same_dtype.get(name)
+        if like is not None:
+            # An output must be exactly kv's dtype: say so, not the whole family.
+            if value.dtype != args[like[0]].dtype:
+                raise InputError(self._like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound))
+        elif value.dtype not in spec.dtypes:
             raise InputError(
                 f"{label}: expected dtype {_or_list(spec.dtype_names)}, got {_fmt_dtype(value.dtype)}"
-                + self._dtype_fix(label, spec, value)
+                + self._dtype_fix(name, label, spec)
             )
         shape = value.shape
         dims = bound.dims
         ok = len(shape) == len(spec.dims)
+        # Dims first seen on this tensor are bound only once it passes, so a
+        # message about it never quotes a size it brought itself.
+        new: dict[str, int] = {}
         if ok:
-            for d, size in zip(spec.dims, shape, strict=False):
+            for d, size in zip(spec.dims, shape, strict=True):
                 if d.name is not None:
-                    have = dims.get(d.name)
+                    have = dims.get(d.name, new.get(d.name))
                     if have is None:
-                        dims[d.name] = size
-                        bound.bound_by[d.name] = label
+                        new[d.name] = size
                     elif have != size:
                         ok = False
                         break
@@ -353,41 +367,51 @@ class Signature:
                     if d.fixed != size:
                         ok = False
                         break
-                elif all(n in dims for n in d.needs):
-                    if eval(d.code, {}, dims) != size:
+                elif all(n in dims or n in new for n in d.needs):
+                    if eval(d.code, {}, {**dims, **new}) != size:
                         ok = False
                         break
                 else:
                     deferred.append((name, label, spec, shape))
         if not ok:
             raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
-        if name in self._same_dtype:
-            index, other = self._same_dtype[name]
-            want = args[index].dtype
-            if value.dtype != want or value.device != bound.device:
-                raise InputError(self._like_message(name, label, spec, value, want, other, bound))
-        elif value.device != bound.device:
+        for dim, size in new.items():
+            dims[dim] = size
+            bound.bound_by[dim] = label
+        if value.device != bound.device:
+            if like is not None:
+                raise InputError(self._like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound))
             raise InputError(
                 f"{label}: expected device {bound.device} ({self._device_of}'s device), got {value.device}: "
-                f"move it once, outside the hot loop: {label}.to({self._device_of}.device)"
+                + (
+                    f"allocate it on {self._device_of}.device"
+                    if name in self._outputs
+                    else f"move it once, outside the hot loop: {label}.to({self._device_of}.device)"
+                )
             )
         if name in self._inner_contiguous and value.numel() and value.stride(-1) != 1 and shape[-1] != 1:
             raise InputError(
                 f"{label}: the last dim must be contiguous (stride 1), got strides {tuple(value.stride())}"
                 + (
-                    f": allocate it as {self._alloc(spec, bound)}"
+                    f": allocate it with a contiguous last dim ({label}.contiguous() would write into a copy)"
                     if name in self._outputs
                     else f": pass {label}.contiguous()"
                 )
             )
-
-    def _dtype_fix(self, label: str, spec: _ArraySpec, value: torch.Tensor) -> str:
-        if spec.dtype_names[0].startswith("int"):
-            return (
-                f": pass {label}.long()"
-                if not value.dtype.is_floating_point
-                else f": pass {label}.long() (positions are whole numbers)"
+        if name in self._outputs and value.numel() > 1 and any(
+            st == 0 and n > 1 for st, n in zip(value.stride(), shape, strict=True)
+        ):
+            raise InputError(
+                f"{label}: expected memory of its own for every element, got strides {tuple(value.stride())} "
+                "(an expanded view): writes to it would collide"
             )
+
+    def _dtype_fix(self, name: str, label: str, spec: _ArraySpec) -> str:
+        if spec.dtype_names[0].startswith("int"):
+            return f": pass {label}.long()"
+        if name in self._outputs:
+            # Converting an output would write into a copy.
+            return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
         return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
 
     def _expected(self, spec: _ArraySpec, dims: Mapping[str, int]) -> str:
@@ -404,13 +428,19 @@ class Signature:
                     parts.append(d.text)
         return "(" + ", ".join(parts) + ")"
 
-    def _sizes(self, spec: _ArraySpec, dims: Mapping[str, int]) -> list[int] | None:
-        out = []
+    def _sizes(self, spec: _ArraySpec, dims: Mapping[str, int]) -> list[int | None] | None:
+        """Expected sizes, ``None`` where a dim is not bound yet; ``None`` for a wrong rank."""
+        out: list[int | None] = []
         for d in spec.dims:
-            try:
-                out.append(d.fixed if d.fixed is not None else dims[d.name] if d.name else eval(d.code, {}, dict(dims)))
-            except (KeyError, NameError):
-                return None
+            if d.fixed is not None:
+                out.append(d.fixed)
+            elif d.name is not None:
+                out.append(dims.get(d.name))
+            else:
+                try:
+                    out.append(eval(d.code, {}, dict(dims)))
+                except NameError:
+                    out.append(None)
         return out
 
     def _alloc(self, spec: _ArraySpec, bound: Bound) -> str:
@@ -422,21 +452,23 @@ class Signature:
         dims = bound.dims
         msg = f"{label}: expected shape {self._expected(spec, dims)}, got {got}"
         want = self._sizes(spec, dims)
+        # An output the op can allocate itself (k_out, v_out) gets a torch.empty
+        # fix; a pool is the caller's memory and only gets told what is wrong.
+        allocatable = name in self._outputs and name in self._same_dtype
         fixes: list[str] = []
-        if want is not None and len(want) == len(got) and sorted(want) == sorted(got):
-            diff = [i for i in range(len(got)) if got[i] != want[i]]
-            if len(diff) == 2:
-                i, j = diff
-                fixes.append(f"dims {i} and {j} look swapped")
-                first = spec.dims[i].name
-                if name in self._outputs:
-                    word = _DIM_WORDS.get(first or "", f"dim {first}")
-                    fixes.append(f"allocate {word} first: {self._alloc(spec, bound)}")
-                elif j != len(got) - 1:
-                    fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
-                return msg + ": " + "; ".join(fixes)
+        swap = _swapped(want, got) if want is not None and len(want) == len(got) else None
+        if swap is not None:
+            i, j = swap
+            fixes.append(f"dims {i} and {j} look swapped")
+            first = spec.dims[i].name
+            if name in self._outputs:
+                word = _DIM_WORDS.get(first or "", f"dim {first}")
+                fixes.append(f"allocate {word} first" + (f": {self._alloc(spec, bound)}" if allocatable else ""))
+            elif j != len(got) - 1:
+                fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
+            return msg + ": " + "; ".join(fixes)
         if len(got) == len(spec.dims):
-            for d, size in zip(spec.dims, got, strict=False):
+            for d, size in zip(spec.dims, got, strict=True):
                 if (
                     d.name is not None
                     and d.name in dims
@@ -446,7 +478,7 @@ class Signature:
                     fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}")
                 elif d.code is not None and all(n in dims for n in d.needs) and eval(d.code, {}, dict(dims)) != size:
                     fixes.append(self._symbolic_fix(d, size, dims))
-        if name in self._outputs and want is not None:
+        if allocatable and want is not None and None not in want:
             fixes.append(f"allocate it as {self._alloc(spec, bound)}, or pass {name}=None")
         return msg + (": " + "; ".join(f for f in fixes if f) if fixes else "")
 
@@ -494,9 +526,32 @@ class Signature:
                 isinstance(torch.empty((args[index],), device="meta"), Shaped[torch.Tensor, f" {dim}"])  # type: ignore[arg-type]
             for p in self._scalars + self._debug_order:
                 try:
-                    die_if_unbearable(args[p.index], self.hints[p.name])
+                    die_if_unbearable(args[p.index], self.hints[p.name], conf=_BEARTYPE)
                 except BeartypeDoorHintViolation as err:
                     raise InputError(f"{p.name}: {err}") from None
+
+
+def _scalar_fix(p: _Param, value: object) -> str:
+    """For a numpy (or other array-library) scalar where a Python number is expected: how to convert."""
+    if isinstance(value, torch.Tensor) or not hasattr(value, "item") or not p.scalars:
+        return ""
+    kind = "float" if float in p.scalars else "int"
+    return f": pass {kind}({p.name})"
+
+
+def _swapped(want: Sequence[int | None], got: Sequence[int]) -> tuple[int, int] | None:
+    """The two dims whose exchange would fix ``got``, if there is exactly one such pair."""
+    wrong = [i for i, w in enumerate(want) if w is not None and w != got[i]]
+    if len(wrong) == 2:
+        i, j = wrong
+        return (i, j) if (got[i], got[j]) == (want[j], want[i]) else None
+    if len(wrong) == 1:
+        (i,) = wrong
+        # The other dim of the pair is one not bound yet (S of a pool, say).
+        free = [j for j, w in enumerate(want) if w is None and got[j] == want[i]]
+        if len(free) == 1:
+            return min(i, free[0]), max(i, free[0])
+    return None
 
 
 def _spec_of(p: _Param) -> _ArraySpec:

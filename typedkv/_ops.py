@@ -200,8 +200,7 @@ def materialize_kv_into_pool(
     )  # fmt: skip
     plan: _Plan = _POOL.plan(args, _planner(lambda: _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)))
     k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-    if any(_same_memory(k, v) for k, v in zip(k_layers, v_layers)):
-        raise InputError("v_pool: expected memory apart from k_pool, got tensors sharing it")
+    _check_apart(k_pool, v_pool, k_layers, v_layers)
     if debug_enabled() and not torch.compiler.is_compiling():
         _debug(_POOL, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
@@ -236,6 +235,7 @@ _POOL = Signature(
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
     sequence_len={"k_pool": "L", "v_pool": "L"},
+    outputs=("k_pool", "v_pool"),
     rules=(_ROTARY_RULE,),
     inner_contiguous=("kv", "k_pool", "v_pool"),
 )
@@ -258,14 +258,17 @@ def _pool_layout(
     # A stacked pool is one tensor; a list is checked layer by layer.
     k_layers = [k_pool] if isinstance(k_pool, Tensor) else k_pool
     v_layers = [v_pool] if isinstance(v_pool, Tensor) else v_pool
+    if not k_layers:
+        return  # L == 0: nothing to write
     dtype = k_layers[0].dtype
     for name, layers in (("k_pool", k_layers), ("v_pool", v_layers)):
         for i, layer in enumerate(layers):
             label = name if stacked else f"{name}[{i}]"
             if layer.dtype != dtype:
+                first = "k_pool" if stacked else "k_pool[0]"
                 raise InputError(
-                    f"{label}: expected dtype {_dt(dtype)} (k_pool's), got {_dt(layer.dtype)}: "
-                    "K and V pools share one dtype"
+                    f"{label}: expected dtype {_dt(dtype)} ({first}'s), got {_dt(layer.dtype)}: "
+                    "every K and V pool tensor shares one dtype"
                 )
             if not stacked and layer.stride() != layers[0].stride():
                 raise InputError(
@@ -274,7 +277,8 @@ def _pool_layout(
                 )
     if dtype != kv.dtype and dtype not in _FP8:
         raise InputError(
-            f"k_pool: expected dtype {_dt(kv.dtype)} (kv's) or float8_e4m3fn or float8_e5m2, got {_dt(dtype)}"
+            f"k_pool: expected dtype {_dt(kv.dtype)} (kv's), float8_e4m3fn or float8_e5m2, got {_dt(dtype)}: "
+            "allocate the pool with dtype=kv.dtype or an FP8 dtype"
         )
     if dtype not in _FP8:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -296,6 +300,27 @@ def _describe(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
+def _check_apart(
+    k_pool: Tensor | Sequence[Tensor],
+    v_pool: Tensor | Sequence[Tensor],
+    k_layers: Sequence[Tensor],
+    v_layers: Sequence[Tensor],
+) -> None:
+    """Every layer's K and V pool its own memory: no tensor passed twice (addresses change per call)."""
+    if isinstance(k_pool, Tensor):
+        if _same_memory(k_pool, v_pool):  # type: ignore[arg-type]
+            raise InputError("v_pool: expected memory apart from k_pool, got the same tensor")
+        return
+    starts = [t.data_ptr() for t in (*k_layers, *v_layers) if t.numel()]
+    if len(set(starts)) < len(starts):
+        names = [f"k_pool[{i}]" for i in range(len(k_layers))] + [f"v_pool[{i}]" for i in range(len(v_layers))]
+        seen: dict[int, str] = {}
+        for name, t in zip(names, (*k_layers, *v_layers), strict=True):
+            if t.numel() and t.data_ptr() in seen:
+                raise InputError(f"{name}: expected memory of its own, got the same memory as {seen[t.data_ptr()]}")
+            seen[t.data_ptr()] = name
+
+
 def _same_memory(a: Tensor, b: Tensor) -> bool:
     # The same first element: one buffer passed twice. K and V as two halves of
     # one allocation (an engine's usual pool) start apart and pass.
@@ -304,12 +329,13 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
 
 # Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device.
 # Built once per set of pool addresses (a pinned host copy, no sync) and reused.
-_TABLES: OrderedDict[tuple[int, ...], tuple[Tensor, Tensor]] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]] = OrderedDict()
 _TABLES_MAX = 16
 
 
 def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tensor:
-    key = tuple(t.data_ptr() for t in k_layers) + tuple(t.data_ptr() for t in v_layers)
+    # Offsets are in elements: the same addresses in another dtype need another table.
+    key = (k_layers[0].element_size(), k_layers[0].device, *(t.data_ptr() for t in (*k_layers, *v_layers)))
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -332,10 +358,9 @@ def _check_positions(positions: Tensor, num_positions: int) -> None:
     lo, hi = torch.stack(torch.aminmax(positions)).tolist()
     if lo < 0 or hi >= num_positions:
         t = int(((positions < 0) | (positions >= num_positions)).nonzero()[0, 0])
-        raise InputError(
-            f"positions: expected values in [0, P={num_positions}), got {int(positions[t])} at token {t}: "
-            "extend cos_sin_cache to cover every position"
-        )
+        got = int(positions[t])
+        fix = "positions are never negative" if got < 0 else "extend cos_sin_cache to cover every position"
+        raise InputError(f"positions: expected values in [0, P={num_positions}), got {got} at token {t}: {fix}")
 
 
 def _check_slots(cache_loc: Tensor, num_slots: int) -> None:

@@ -1,0 +1,136 @@
+"""An independent float64 reference for ``typedkv.materialize_kv``, written from DESIGN.md.
+
+It deliberately shares no code with ``typedkv._reference``: a mistake copied into
+both would pass every comparison. The math follows the contract's "unfused model
+path" literally:
+
+1. K RMSNorm in float64: ``x / sqrt(mean(x**2) + eps[l]) * k_norm_weight[l]``;
+2. the normed K rounded to the storage dtype (what an unfused model stores between
+   the norm and RoPE);
+3. RoPE in float64 on the first ``R`` dims, with ``cos``/``sin`` read from row
+   ``positions[t]`` of the cache; dims ``>= R`` pass through;
+4. V copied unchanged.
+
+K is returned in float64 *without* the final rounding to the storage dtype, so a
+test can measure the op's error against the exact value of the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["materialize_kv64", "rotation_pairs"]
+
+
+def rotation_pairs(rotary_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
+    """The dims RoPE rotates together, as two index vectors.
+
+    Pair ``i`` (``0 <= i < R/2``) is rotated by angle ``i`` of the cache row:
+    ``(first[i], second[i])`` becomes
+    ``(a*cos_i - b*sin_i, b*cos_i + a*sin_i)`` for ``a, b`` the values at those dims.
+
+    Parameters
+    ----------
+    rotary_dim : int
+        ``R``, even.
+    rope_style : {"neox", "gptj"}
+        ``"neox"`` pairs dim ``i`` with ``i + R/2`` (halves); ``"gptj"`` pairs
+        ``2i`` with ``2i + 1`` (interleaved).
+
+    Returns
+    -------
+    first, second : Tensor of int64, shape ``[R/2]``
+    """
+    half = rotary_dim // 2
+    i = torch.arange(half)
+    if rope_style == "neox":
+        return i, i + half
+    if rope_style == "gptj":
+        return 2 * i, 2 * i + 1
+    raise ValueError(f"unknown rope_style {rope_style!r}")
+
+
+def materialize_kv64(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps: float | Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    num_kv_heads: int,
+    rope_style: str = "neox",
+    *,
+    round_after_norm: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """K and V of every layer, K computed in float64.
+
+    Parameters
+    ----------
+    kv : Tensor ``[T, L, 2*H*D]``
+        Per layer the K block (head-major) then the V block, in the storage dtype.
+    k_norm_weight : Tensor ``[L, D]``
+    eps : float or Tensor ``[L]``
+    cos_sin_cache : Tensor ``[P, R]``
+        Columns ``[0, R/2)`` cos, ``[R/2, R)`` sin.
+    positions : Tensor ``[T]``
+        Positions outside ``[0, P)`` give an all-NaN K row for that token (the
+        op's documented production behaviour).
+    num_kv_heads : int
+        ``H``.
+    rope_style : {"neox", "gptj"}
+    round_after_norm : bool
+        Round the normed K to kv's dtype before RoPE (the contract). ``False``
+        gives the single-rounding variant, used by tests to show that the op does
+        the intermediate rounding.
+
+    Returns
+    -------
+    k : Tensor ``[L, T, H, D]``, float64
+        Not rounded to the storage dtype after RoPE.
+    v : Tensor ``[L, T, H, D]``, kv's dtype
+        The V block, a copy of kv's bits.
+    """
+    num_tokens, num_layers, width = kv.shape
+    head_dim = k_norm_weight.shape[1]
+    rotary_dim = cos_sin_cache.shape[1]
+    num_positions = cos_sin_cache.shape[0]
+    heads = num_kv_heads * head_dim
+    if width != 2 * heads:
+        raise ValueError(f"kv width {width} != 2*H*D = {2 * heads}")
+
+    # [T, L, H, D] -> [L, T, H, D]; float64 holds every storage value exactly.
+    blocks = kv.reshape(num_tokens, num_layers, 2, num_kv_heads, head_dim).permute(2, 1, 0, 3, 4)
+    x = blocks[0].to(torch.float64)
+    v = blocks[1].clone()
+
+    # 1. RMSNorm, per layer eps and weight.
+    if isinstance(eps, Tensor):
+        eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1, 1)
+    else:
+        eps64 = torch.full((num_layers, 1, 1, 1), float(eps), dtype=torch.float64, device=kv.device)
+    mean_square = (x * x).sum(dim=-1, keepdim=True) / head_dim
+    weight = k_norm_weight.to(torch.float64).reshape(num_layers, 1, 1, head_dim)
+    y = x / torch.sqrt(mean_square + eps64) * weight
+
+    # 2. The unfused model stores the normed K in kv's dtype.
+    if round_after_norm:
+        y = y.to(kv.dtype).to(torch.float64)
+
+    # 3. RoPE, pair by pair. Out-of-range positions read row 0 and are then
+    #    overwritten with NaN, so the reference never indexes out of bounds.
+    pos = positions.to(torch.int64)
+    valid = (pos >= 0) & (pos < num_positions)
+    table = cos_sin_cache.to(torch.float64)
+    if num_positions == 0:  # an empty cache: every position is out of range
+        table = torch.zeros(1, rotary_dim, dtype=torch.float64, device=kv.device)
+    rows = table[torch.where(valid, pos, 0)]  # [T, R]
+    half = rotary_dim // 2
+    cos = rows[:, :half].reshape(1, num_tokens, 1, half)
+    sin = rows[:, half:].reshape(1, num_tokens, 1, half)
+    first, second = (i.to(kv.device) for i in rotation_pairs(rotary_dim, rope_style))
+    a, b = y[..., first], y[..., second]
+    k = y.clone()
+    k[..., first] = a * cos - b * sin
+    k[..., second] = b * cos + a * sin
+    k[:, ~valid] = float("nan")
+    return k, v
