@@ -41,6 +41,8 @@ def rmsnorm_rope(
     y = (k * rstd * weight).to(kv.dtype).float()
 
     valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    if cos_sin_cache.shape[0] == 0:  # no position is valid: nothing may be read
+        cos_sin_cache = cos_sin_cache.new_zeros(1, rotary_dim)
     cos_sin = cos_sin_cache[torch.where(valid, positions, 0).long()].float()
     cos = cos_sin[None, :, None, :half]
     sin = cos_sin[None, :, None, half:]
