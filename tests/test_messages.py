@@ -171,7 +171,7 @@ DENSE = [
     _case(
         lambda: {"v_out": _out(torch.int32)},
         "v_out: expected dtype bfloat16 on cpu (kv's dtype and device), got dtype int32 on cpu: allocate it "
-        'as torch.empty(3, 5, 2, 16, dtype=kv.dtype, device=kv.device), or pass v_out=None',
+        "as torch.empty(3, 5, 2, 16, dtype=kv.dtype, device=kv.device), or pass v_out=None",
         "v_out-int32",
     ),
     _case(
@@ -182,14 +182,14 @@ DENSE = [
     ),
     _case(
         lambda: {"k_out": _out(shape=(L, T, H, 2 * D))[..., ::2]},
-        'k_out: the last dim must be contiguous (stride 1), got strides (320, 64, 32, 2): allocate it with a '
-        'contiguous last dim (k_out.contiguous() would write into a copy)',
+        "k_out: the last dim must be contiguous (stride 1), got strides (320, 64, 32, 2): allocate it with a "
+        "contiguous last dim (k_out.contiguous() would write into a copy)",
         "k_out-strided-last-dim",
     ),
     _case(
         lambda: {"v_out": _out(shape=(L, T, D, H)).transpose(2, 3)},
-        'v_out: the last dim must be contiguous (stride 1), got strides (160, 32, 1, 2): allocate it with a '
-        'contiguous last dim (v_out.contiguous() would write into a copy)',
+        "v_out: the last dim must be contiguous (stride 1), got strides (160, 32, 1, 2): allocate it with a "
+        "contiguous last dim (v_out.contiguous() would write into a copy)",
         "v_out-transposed-last-dim",
     ),
     _case(_same_out, "v_out: expected a tensor apart from k_out, got one sharing its memory", "k_out-is-v_out"),
@@ -267,7 +267,11 @@ DENSE = [
     _case(lambda: {"eps": True}, "eps: expected a torch.Tensor or a float, got bool", "eps-bool"),
     _case(lambda: {"eps": None}, "eps: expected a torch.Tensor or a float, got NoneType", "eps-None"),
     _case(lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor or a float, got str", "eps-str"),
-    _case(lambda: {"eps": np.float32(1e-6)}, 'eps: expected a torch.Tensor or a float, got numpy.float32: pass float(eps)', "eps-np-float32"),
+    _case(
+        lambda: {"eps": np.float32(1e-6)},
+        "eps: expected a torch.Tensor or a float, got numpy.float32: pass float(eps)",
+        "eps-np-float32",
+    ),
     _case(
         lambda: {"eps": torch.full((L + 1,), 1e-6)},
         "eps: expected shape (L=3), got (4,): L=3 comes from kv",
@@ -308,7 +312,7 @@ DENSE = [
     # positions
     _case(
         lambda: {"positions": torch.tensor([3.0, 0.0, 31.0, 7.0, 12.0])},
-        'positions: expected dtype int32 or int64, got float32: pass positions.long()',
+        "positions: expected dtype int32 or int64, got float32: pass positions.long()",
         "positions-float32",
     ),
     _case(
@@ -337,7 +341,11 @@ DENSE = [
     _case(lambda: {"num_kv_heads": 2.0}, "num_kv_heads: expected an int, got float", "num_kv_heads-float"),
     _case(lambda: {"num_kv_heads": "2"}, "num_kv_heads: expected an int, got str", "num_kv_heads-str"),
     _case(lambda: {"num_kv_heads": True}, "num_kv_heads: expected an int, got bool", "num_kv_heads-bool"),
-    _case(lambda: {"num_kv_heads": np.int64(2)}, 'num_kv_heads: expected an int, got numpy.int64: pass int(num_kv_heads)', "num_kv_heads-np-int64"),
+    _case(
+        lambda: {"num_kv_heads": np.int64(2)},
+        "num_kv_heads: expected an int, got numpy.int64: pass int(num_kv_heads)",
+        "num_kv_heads-np-int64",
+    ),
     _case(lambda: {"num_kv_heads": 0}, "num_kv_heads: expected a positive int, got 0", "num_kv_heads-zero"),
     _case(lambda: {"num_kv_heads": -2}, "num_kv_heads: expected a positive int, got -2", "num_kv_heads-negative"),
     # rope_style
@@ -383,12 +391,12 @@ POOL = [
     # k_pool / v_pool shapes
     _case(
         lambda: {"k_pool": _pool(shape=(L, S, H + 1, D))},
-        'k_pool: expected shape (L=3, S, H=2, D=16), got (3, 10, 3, 16): H=2 comes from num_kv_heads',
+        "k_pool: expected shape (L=3, S, H=2, D=16), got (3, 10, 3, 16): H=2 comes from num_kv_heads",
         "k_pool-other-H",
     ),
     _case(
         lambda: {"k_pool": _pool(shape=(L, S, H, D + 1))},
-        'k_pool: expected shape (L=3, S, H=2, D=16), got (3, 10, 2, 17): D=16 comes from k_norm_weight',
+        "k_pool: expected shape (L=3, S, H=2, D=16), got (3, 10, 2, 17): D=16 comes from k_norm_weight",
         "k_pool-other-D",
     ),
     _case(
@@ -398,14 +406,14 @@ POOL = [
     ),
     _case(
         lambda: {"k_pool": _pool(shape=(S, L, H, D))},
-        'k_pool: expected shape (L=3, S, H=2, D=16), got (10, 3, 2, 16): dims 0 and 1 look swapped; allocate '
-        'layers first',
+        "k_pool: expected shape (L=3, S, H=2, D=16), got (10, 3, 2, 16): dims 0 and 1 look swapped; allocate "
+        "layers first",
         "k_pool-slots-first",
     ),
     _case(
         lambda: {"k_pool": _pool(shape=(L, H, S, D))},
-        'k_pool: expected shape (L=3, S, H=2, D=16), got (3, 2, 10, 16): dims 1 and 2 look swapped; allocate '
-        'slots first',
+        "k_pool: expected shape (L=3, S, H=2, D=16), got (3, 2, 10, 16): dims 1 and 2 look swapped; allocate "
+        "slots first",
         "k_pool-heads-before-slots",
     ),
     _case(
@@ -430,12 +438,12 @@ POOL = [
     ),
     _case(
         lambda: {"num_kv_heads": 4},
-        'k_pool: expected shape (L=3, S, H=4, D=16), got (3, 10, 2, 16): H=4 comes from num_kv_heads',
+        "k_pool: expected shape (L=3, S, H=4, D=16), got (3, 10, 2, 16): H=4 comes from num_kv_heads",
         "num_kv_heads-wrong",
     ),
     _case(
         lambda: {"k_pool": list(_pool(shape=(L, S, H + 1, D))), "v_pool": list(_pool())},
-        'k_pool[0]: expected shape (S, H=2, D=16), got (10, 3, 16): H=2 comes from num_kv_heads',
+        "k_pool[0]: expected shape (S, H=2, D=16), got (10, 3, 16): H=2 comes from num_kv_heads",
         "k_pool-layer-other-H",
     ),
     _case(
@@ -450,14 +458,14 @@ POOL = [
     ),
     _case(
         lambda: {"k_pool": _pool(shape=(L, S, H, 2 * D))[..., ::2]},
-        'k_pool: the last dim must be contiguous (stride 1), got strides (640, 64, 32, 2): allocate it with a'
-        ' contiguous last dim (k_pool.contiguous() would write into a copy)',
+        "k_pool: the last dim must be contiguous (stride 1), got strides (640, 64, 32, 2): allocate it with a"
+        " contiguous last dim (k_pool.contiguous() would write into a copy)",
         "k_pool-strided-last-dim",
     ),
     _case(
         lambda: {"k_pool": list(_pool(shape=(L, S, H, 2 * D))[..., ::2]), "v_pool": list(_pool())},
-        'k_pool[0]: the last dim must be contiguous (stride 1), got strides (64, 32, 2): allocate it with a '
-        'contiguous last dim (k_pool[0].contiguous() would write into a copy)',
+        "k_pool[0]: the last dim must be contiguous (stride 1), got strides (64, 32, 2): allocate it with a "
+        "contiguous last dim (k_pool[0].contiguous() would write into a copy)",
         "k_pool-layer-strided-last-dim",
     ),
     # layout kinds, non-tensors
@@ -516,37 +524,35 @@ POOL = [
     _case(
         lambda: {"k_pool": _pool(torch.float16), "v_pool": _pool(torch.float16)},
         "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float16: allocate the pool"
-        ' with dtype=kv.dtype or an FP8 dtype',
+        " with dtype=kv.dtype or an FP8 dtype",
         "pool-float16-for-bfloat16-kv",
     ),
     _case(
         lambda: {"k_pool": list(_pool(torch.float32)), "v_pool": list(_pool(torch.float32))},
         "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float32: allocate the pool"
-        ' with dtype=kv.dtype or an FP8 dtype',
+        " with dtype=kv.dtype or an FP8 dtype",
         "per-layer-pool-float32-for-bfloat16-kv",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.float64), "v_pool": _pool(torch.float64)},
-        'k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got float64: '
-        'allocate it with one of these dtypes',
+        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got float64: "
+        "allocate it with one of these dtypes",
         "pool-float64",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.uint8), "v_pool": _pool(torch.uint8)},
-        'k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: allocate'
-        ' it with one of these dtypes',
+        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: allocate"
+        " it with one of these dtypes",
         "pool-uint8",
     ),
     _case(
         lambda: {"v_pool": _pool(torch.float8_e4m3fn)},
-        "v_pool: expected dtype bfloat16 (k_pool's), got float8_e4m3fn: every K and V pool tensor shares one "
-        'dtype',
+        "v_pool: expected dtype bfloat16 (k_pool's), got float8_e4m3fn: every K and V pool tensor shares one dtype",
         "v_pool-fp8-k_pool-bfloat16",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.float8_e4m3fn), "v_pool": _pool(torch.float8_e5m2)},
-        "v_pool: expected dtype float8_e4m3fn (k_pool's), got float8_e5m2: every K and V pool tensor shares "
-        'one dtype',
+        "v_pool: expected dtype float8_e4m3fn (k_pool's), got float8_e5m2: every K and V pool tensor shares one dtype",
         "v_pool-e5m2-k_pool-e4m3fn",
     ),
     _case(
@@ -554,8 +560,7 @@ POOL = [
             "k_pool": [_pool(shape=(S, H, D)), _pool(torch.float16, (S, H, D)), _pool(shape=(S, H, D))],
             "v_pool": list(_pool()),
         },
-        "k_pool[1]: expected dtype bfloat16 (k_pool[0]'s), got float16: every K and V pool tensor shares one "
-        'dtype',
+        "k_pool[1]: expected dtype bfloat16 (k_pool[0]'s), got float16: every K and V pool tensor shares one dtype",
         "k_pool-layers-dtypes-differ",
     ),
     _case(
@@ -564,7 +569,7 @@ POOL = [
             "v_pool": [_pool(shape=(S, H, D)), _pool(torch.float8_e4m3fn, (S, H, D)), _pool(shape=(S, H, D))],
         },
         "v_pool[1]: expected dtype bfloat16 (k_pool[0]'s), got float8_e4m3fn: every K and V pool tensor "
-        'shares one dtype',
+        "shares one dtype",
         "v_pool-layer-dtype-differs",
     ),
     # scales
@@ -600,7 +605,7 @@ POOL = [
     # cache_loc
     _case(
         lambda: {"cache_loc": torch.tensor([4.0, -1.0, 0.0, 9.0, 2.0])},
-        'cache_loc: expected dtype int32 or int64, got float32: pass cache_loc.long()',
+        "cache_loc: expected dtype int32 or int64, got float32: pass cache_loc.long()",
         "cache_loc-float32",
     ),
     _case(
@@ -626,8 +631,10 @@ POOL = [
         "cache_loc-other-device",
     ),
     # aliasing, devices
-    _case(_same_pool, 'v_pool: expected memory apart from k_pool, got the same tensor', "k_pool-is-v_pool"),
-    _case(_same_layers, 'v_pool[0]: expected memory of its own, got the same memory as k_pool[0]', "same-layer-tensors"),
+    _case(_same_pool, "v_pool: expected memory apart from k_pool, got the same tensor", "k_pool-is-v_pool"),
+    _case(
+        _same_layers, "v_pool[0]: expected memory of its own, got the same memory as k_pool[0]", "same-layer-tensors"
+    ),
     _case(
         lambda: {"k_pool": _pool().to("meta")},
         "k_pool: expected device cpu (kv's device), got meta: allocate it on kv.device",
@@ -693,7 +700,7 @@ VALUES_DENSE = [
     ),
     _case(
         lambda: {"positions": torch.tensor([3, 0, 31, -1, 12])},
-        'positions: expected values in [0, P=32), got -1 at token 3: positions are never negative',
+        "positions: expected values in [0, P=32), got -1 at token 3: positions are never negative",
         "position-negative",
     ),
 ]

@@ -17,8 +17,6 @@ The file also runs under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, ~0.2-
 per launch at these sizes, ~40 s for the file): shapes stay small (``T * L`` programs
 per launch).
 
-Two tests are strict ``xfail`` under the interpreter only, each naming a library
-bug; when one is fixed its test XPASSes and fails: drop the marker then.
 """
 
 from __future__ import annotations
@@ -617,15 +615,7 @@ def test_fp8_special_values(pool_dtype: torch.dtype, scales: str) -> None:
 @pytest.mark.parametrize(
     "pool_dtype",
     [
-        pytest.param(
-            torch.float8_e4m3fn,
-            marks=pytest.mark.xfail(
-                INTERPRETED,
-                strict=True,
-                reason="library bug: under TRITON_INTERPRET=1 a NaN stored into a float8_e4m3fn pool becomes "
-                "+-384.0 (0x7C/0xFC): the interpreter's float32 -> e4m3fn cast truncates NaN's mantissa",
-            ),
-        ),
+        torch.float8_e4m3fn,
         torch.float8_e5m2,
     ],
     ids=_name,
@@ -671,12 +661,6 @@ def test_fp8_negative_zero(pool_dtype: torch.dtype) -> None:
     run.check()
 
 
-@pytest.mark.xfail(
-    INTERPRETED,
-    strict=True,
-    reason="library bug: the per-layer pool table cache (_ops._TABLES) is keyed on data_ptrs only; "
-    "per-layer pools of another element size at the same addresses reuse stale element offsets",
-)
 def test_per_layer_pools_reallocated_with_another_dtype() -> None:
     """An engine frees a float16 cache and allocates an FP8 one at the same addresses."""
     layers, slots, heads, head_dim = 3, 8, 2, 16

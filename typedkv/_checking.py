@@ -150,7 +150,9 @@ def _or_list(items: Sequence[str]) -> str:
 def _type_name(value: object) -> str:
     kind = type(value)
     # numpy.int64, not "int64", which would read like a dtype.
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+    return (
+        kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+    )
 
 
 class Signature:
@@ -272,7 +274,9 @@ class Signature:
             elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
                 continue
             else:
-                raise InputError(f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}")
+                raise InputError(
+                    f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}"
+                )
         # Symbolic dims whose names were bound by a later argument.
         for name, label, spec, shape in deferred:
             for d, size in zip(spec.dims, shape, strict=False):
@@ -398,8 +402,10 @@ class Signature:
                     else f": pass {label}.contiguous()"
                 )
             )
-        if name in self._outputs and value.numel() > 1 and any(
-            st == 0 and n > 1 for st, n in zip(value.stride(), shape, strict=True)
+        if (
+            name in self._outputs
+            and value.numel() > 1
+            and any(st == 0 and n > 1 for st, n in zip(value.stride(), shape, strict=True))
         ):
             raise InputError(
                 f"{label}: expected memory of its own for every element, got strides {tuple(value.stride())} "

@@ -87,10 +87,16 @@ def _store_scaled(
         x = x * inv
         if SOFT_ROUND:
             x = _to_fp8_grid(x, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+            q = x.to(dst.dtype.element_ty)
+            if FP8_MANT == 3:
+                # The interpreter's cast to float8_e4m3fn loses NaN (gives +-384):
+                # NaN is S.1111.111 in that format, the sign kept.
+                nan_bits = (((x.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+                q = tl.where(x != x, nan_bits, q.to(tl.uint8, bitcast=True)).to(dst.dtype.element_ty, bitcast=True)
         else:
             # Hardware conversion rounds to nearest even; saturate first (NaN stays NaN).
-            x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
-        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+            q = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x)).to(dst.dtype.element_ty)
+        tl.store(dst, q, mask=mask)
 
 
 @triton.jit

@@ -119,7 +119,9 @@ def materialize_kv(
     if plan.empty:
         return k_out, v_out
     if not plan.kernel:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style == "neox")
+        k, v = _reference.rmsnorm_rope(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style == "neox"
+        )
         k_out.copy_(k)
         v_out.copy_(v)
         return k_out, v_out
@@ -219,14 +221,20 @@ def materialize_kv_into_pool(
         k_dst, v_dst, table = k_layers[0], v_layers[0], _layer_table(k_layers, v_layers)
     if plan.launch is None:
         stacked = isinstance(k_pool, Tensor)
-        k_strides = (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if stacked else (0, k_dst.stride(0), k_dst.stride(1))
-        v_strides = (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2)) if stacked else (0, v_dst.stride(0), v_dst.stride(1))
+        k_strides = (
+            (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if stacked else (0, k_dst.stride(0), k_dst.stride(1))
+        )
+        v_strides = (
+            (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2)) if stacked else (0, v_dst.stride(0), v_dst.stride(1))
+        )
         plan.launch = _launch.Launch(
             kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, k_strides, v_dst, v_strides, table,
             num_kv_heads=num_kv_heads, num_rows=plan.bound.dims["S"], neox=neox, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     plan.launch(
-        _launch.varying(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, table, k_scale, v_scale)
+        _launch.varying(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, table, k_scale, v_scale
+        )
     )
 
 
