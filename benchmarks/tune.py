@@ -81,7 +81,6 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
             for ev in (False, True)
         ]
         for block_t, warps, split, layer_fast in configs:
-            evict = ""
             bh = triton_pow2(case.num_kv_heads)
             bd = triton_pow2(case.head_dim)
             _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)

@@ -190,7 +190,7 @@ class Launch:
     def __call__(self, values: tuple[Any, ...]) -> None:
         """Launch with this call's `varying` values."""
         params = self.template.copy()
-        for i, value in zip(_VARYING, values):
+        for i, value in zip(_VARYING, values, strict=True):
             params[i] = value
         kernel: Any = materialize_kv_kernel
         if not self.direct:

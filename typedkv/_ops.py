@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -215,12 +214,14 @@ def materialize_kv_into_pool(
         _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
         _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
         return
-    if isinstance(k_pool, Tensor):
+    k_dst: Tensor
+    v_dst: Tensor
+    stacked = isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor)
+    if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
         k_dst, v_dst, table = k_pool, v_pool, None
     else:
         k_dst, v_dst, table = k_layers[0], v_layers[0], _layer_table(k_layers, v_layers)
     if plan.launch is None:
-        stacked = isinstance(k_pool, Tensor)
         k_strides = (
             (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if stacked else (0, k_dst.stride(0), k_dst.stride(1))
         )
