@@ -6,6 +6,7 @@ The public surface is exactly what this module re-exports.
 from ._config import debug_enabled as debug_enabled
 from ._config import set_debug as set_debug
 from ._errors import InputError as InputError
+from ._materializer import KVMaterializer as KVMaterializer
 from ._ops import materialize_kv as materialize_kv
 from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
 from ._types import RopeStyle as RopeStyle
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "InputError",
+    "KVMaterializer",
     "RopeStyle",
     "debug_enabled",
     "materialize_kv",

@@ -67,20 +67,16 @@ def _store_scaled(
     x,
     mask,
     MODE: tl.constexpr,
-    scale_ptr,
     scale,
-    layer,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
 ):
-    """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1: FP8 of ``x / scale``, 2: of ``x / scale_ptr[layer]``."""
+    """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1 and 2: FP8 of ``x / scale``."""
     if MODE == 0:
         tl.store(dst, _cast(x, dst.dtype.element_ty, SOFT_ROUND), mask=mask)
     else:
-        if MODE == 2:
-            scale = tl.load(scale_ptr + layer).to(tl.float32)
         # One IEEE reciprocal per program, then multiplies: the reference
         # quantizes with the same x * (1 / scale).
         inv = tl.div_rn(1.0, scale)
@@ -111,7 +107,6 @@ def _k_part(
     weight_ptr,
     weight_stride_l,
     weight_stride_d,
-    eps_ptr,
     eps,
     cos_sin_ptr,
     cos_sin_stride_p,
@@ -119,14 +114,12 @@ def _k_part(
     positions_ptr,
     positions_stride,
     num_positions,
-    k_scale_ptr,
     k_scale,
     store_ty: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
     NEOX: tl.constexpr,
-    EPS_PER_LAYER: tl.constexpr,
     K_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -174,11 +167,7 @@ def _k_part(
         sum_sq += tl.sum(x3 * x3, axis=2)
 
     # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
-    if EPS_PER_LAYER:
-        layer_eps = tl.load(eps_ptr + layer).to(tl.float32)
-    else:
-        layer_eps = eps
-    rstd = tl.rsqrt(sum_sq / D + layer_eps)[:, :, None]
+    rstd = tl.rsqrt(sum_sq / D + eps)[:, :, None]
     y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
     y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
 
@@ -191,7 +180,8 @@ def _k_part(
     sin = tl.load(cs_row[:, None] + (pair + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
     sin = sin.to(tl.float32)[:, None, :]
     cos = cos[:, None, :]
-    bad = tl.where(pos_ok, 0.0, float("nan"))[:, None, None]  # adds NaN to every K dim of a bad token
+    # Added to every K dim: NaN for a bad token, -0.0 (which changes no bits, -0.0 included) otherwise.
+    bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o1 = y1 * cos - y2 * sin + bad
     o2 = y2 * cos + y1 * sin + bad
 
@@ -203,9 +193,7 @@ def _k_part(
             o1,
             s1,
             K_SCALE,
-            k_scale_ptr,
             k_scale,
-            layer,
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
@@ -216,9 +204,7 @@ def _k_part(
             o2,
             s1,
             K_SCALE,
-            k_scale_ptr,
             k_scale,
-            layer,
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
@@ -231,9 +217,7 @@ def _k_part(
             tl.join(o1, o2),
             s2,
             K_SCALE,
-            k_scale_ptr,
             k_scale,
-            layer,
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
@@ -247,9 +231,7 @@ def _k_part(
             y3,
             s3,
             K_SCALE,
-            k_scale_ptr,
             k_scale,
-            layer,
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
@@ -266,8 +248,6 @@ def _v_part(
     row,
     v_stride_row,
     v_stride_h,
-    layer,
-    v_scale_ptr,
     v_scale,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -295,9 +275,7 @@ def _v_part(
             v.to(tl.float32),
             v_ok,
             V_SCALE,
-            v_scale_ptr,
             v_scale,
-            layer,
             FP8_MAX,
             FP8_MANT,
             FP8_MIN_EXP,
@@ -317,6 +295,7 @@ def materialize_kv_kernel(
     weight_stride_l,
     weight_stride_d,
     eps_ptr,
+    eps_stride,
     eps,
     cos_sin_ptr,
     cos_sin_stride_p,
@@ -335,8 +314,10 @@ def materialize_kv_kernel(
     v_stride_h,
     layer_offsets_ptr,
     k_scale_ptr,
+    k_scale_stride,
     k_scale,
     v_scale_ptr,
+    v_scale_stride,
     v_scale,
     num_tokens,
     num_positions,
@@ -348,7 +329,7 @@ def materialize_kv_kernel(
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
     LAYER_TABLE: tl.constexpr,
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer]
+    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer * k_scale_stride]
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -396,17 +377,24 @@ def materialize_kv_kernel(
         v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
     k_dst = k_base + row[:, None] * k_stride_row + (head * k_stride_h)[None, :]  # [T, H]
     store_ty = kv_ptr.dtype.element_ty
+    # Per-layer scalars read once here, honouring the tensors' strides.
+    if EPS_PER_LAYER:
+        eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
+    if K_SCALE == 2:
+        k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
+    if V_SCALE == 2:
+        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
     if not SPLIT or part == 0:
         _k_part(
             k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
-            eps_ptr, eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-            num_positions, k_scale_ptr, k_scale, store_ty, H, D, R, NEOX, EPS_PER_LAYER, K_SCALE,
+            eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
+            num_positions, k_scale, store_ty, H, D, R, NEOX, K_SCALE,
             FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
         )  # fmt: skip
     if not SPLIT or part == 1:
         _v_part(
-            k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, layer, v_scale_ptr, v_scale,
+            k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, v_scale,
             H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
         )  # fmt: skip

@@ -96,13 +96,15 @@ def launch_params(
     params = (
         kv, kv.stride(0), kv.stride(1),
         k_norm_weight, k_norm_weight.stride(0), k_norm_weight.stride(1),
-        eps_t, eps_f,
+        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions, positions.stride(0),
         slots, slots.stride(0) if slots is not None else 0,
         k_dst, k_stride_l // layer_vec, k_stride_row, k_stride_h,
         v_dst, v_stride_l // layer_vec, v_stride_row, v_stride_h,
-        layer_offsets, k_t, k_f, v_t, v_f,
+        layer_offsets,
+        k_t, k_t.stride(0) if k_t is not None else 0, k_f,
+        v_t, v_t.stride(0) if v_t is not None else 0, v_f,
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _launch, _reference
+from . import _launch, _library, _reference
 from ._checking import Bound, Signature
 from ._config import debug_enabled
 from ._errors import InputError
@@ -103,11 +103,16 @@ def materialize_kv(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    if torch.compiler.is_compiling():
+        return _library.materialize_kv(
+            kv, k_norm_weight, eps, cos_sin_cache, positions,
+            num_kv_heads=num_kv_heads, rope_style=rope_style, k_out=k_out, v_out=v_out,
+        )  # fmt: skip
     args = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
     plan: _Plan = _DENSE.plan(args, _planner())
     if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
-    if debug_enabled() and not torch.compiler.is_compiling():
+    if debug_enabled():
         _debug(_DENSE, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
     dims = plan.bound.dims
@@ -195,6 +200,11 @@ def materialize_kv_into_pool(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    if torch.compiler.is_compiling():
+        return _library.materialize_kv_into_pool(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+            num_kv_heads=num_kv_heads, rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     args = (
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
         num_kv_heads, rope_style, k_scale, v_scale,
@@ -202,7 +212,7 @@ def materialize_kv_into_pool(
     plan: _Plan = _POOL.plan(args, _planner(lambda: _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)))
     k_layers, v_layers = _layers(k_pool), _layers(v_pool)
     _check_apart(k_pool, v_pool, k_layers, v_layers)
-    if debug_enabled() and not torch.compiler.is_compiling():
+    if debug_enabled():
         _debug(_POOL, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
         _check_slots(cache_loc, plan.bound.dims["S"])

@@ -1,0 +1,263 @@
+"""The ops as registered torch ops (``torch.ops.typedkv.*``), for torch.compile and CUDA graphs.
+
+Eager calls of the public functions never come here: they check and launch
+directly, since an op's dispatch costs host time a decode step cannot spare.
+While torch.compile traces, the public functions call these ops instead (the
+``materialize_kv`` and ``materialize_kv_into_pool`` below, which keep the public
+signatures), so the graph holds one opaque op per call and never a graph break:
+
+- the **fake** implementation runs the production checks on the fake tensors,
+  so misuse is rejected at trace time with the eager message (debug mode's
+  beartype and value checks run in eager calls only);
+- the **real** implementation, on CPU and CUDA alike, is the eager public
+  function, called when the compiled graph runs;
+- every op returns nothing and declares exactly what it writes (``k_out`` and
+  ``v_out``, or the two pools) in ``mutates_args``, so functionalization and
+  CUDA-graph replay see every write and reorder or alias none of them.
+
+An op schema has no ``float | Tensor`` union: eps and the FP8 scales travel as
+a ``(value, tensor)`` pair of which the tensor wins when given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from . import _ops
+from ._types import RopeStyle
+
+
+def _split(value: float | Tensor | None) -> tuple[float | None, Tensor | None]:
+    return (None, value) if isinstance(value, Tensor) else (value, None)
+
+
+def _join(value: float | None, tensor: Tensor | None) -> float | Tensor | None:
+    return tensor if tensor is not None else value
+
+
+def _eps(value: float | None, tensor: Tensor | None) -> float | Tensor:
+    eps = _join(value, tensor)
+    assert eps is not None  # the traced functions pass one of the two
+    return eps
+
+
+# ------------------------------------------------------------------ dense op
+
+
+@torch.library.custom_op("typedkv::materialize_kv_out", mutates_args=("k_out", "v_out"))
+def materialize_kv_out(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    num_kv_heads: int,
+    rope_style: str,
+    k_out: Tensor,
+    v_out: Tensor,
+) -> None:
+    """`typedkv.materialize_kv` into ``k_out`` and ``v_out``."""
+    _ops.materialize_kv(
+        kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions,
+        num_kv_heads=num_kv_heads, rope_style=cast(RopeStyle, rope_style), k_out=k_out, v_out=v_out,
+    )  # fmt: skip
+
+
+@materialize_kv_out.register_fake
+def _materialize_kv_out_fake(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    num_kv_heads: int,
+    rope_style: str,
+    k_out: Tensor,
+    v_out: Tensor,
+) -> None:
+    eps = _join(eps_value, eps_tensor)
+    _ops._DENSE.check((kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out))
+
+
+# ------------------------------------------------------------------- pool ops
+
+
+@torch.library.custom_op("typedkv::materialize_kv_into_pool_stacked", mutates_args=("k_pool", "v_pool"))
+def materialize_kv_into_pool_stacked(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    cache_loc: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    num_kv_heads: int,
+    rope_style: str,
+    k_scale_value: float | None,
+    k_scale_tensor: Tensor | None,
+    v_scale_value: float | None,
+    v_scale_tensor: Tensor | None,
+) -> None:
+    """`typedkv.materialize_kv_into_pool` with ``[L, S, H, D]`` pools."""
+    _pool(
+        kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("typedkv::materialize_kv_into_pool_list", mutates_args=("k_pool", "v_pool"))
+def materialize_kv_into_pool_list(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    cache_loc: Tensor,
+    k_pool: Sequence[Tensor],
+    v_pool: Sequence[Tensor],
+    num_kv_heads: int,
+    rope_style: str,
+    k_scale_value: float | None,
+    k_scale_tensor: Tensor | None,
+    v_scale_value: float | None,
+    v_scale_tensor: Tensor | None,
+) -> None:
+    """`typedkv.materialize_kv_into_pool` with one ``[S, H, D]`` pool per layer."""
+    _pool(
+        kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+    )  # fmt: skip
+
+
+def _pool(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    cache_loc: Tensor,
+    k_pool: Tensor | Sequence[Tensor],
+    v_pool: Tensor | Sequence[Tensor],
+    num_kv_heads: int,
+    rope_style: str,
+    k_scale_value: float | None,
+    k_scale_tensor: Tensor | None,
+    v_scale_value: float | None,
+    v_scale_tensor: Tensor | None,
+) -> None:
+    _ops.materialize_kv_into_pool(
+        kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+        num_kv_heads=num_kv_heads, rope_style=cast(RopeStyle, rope_style),
+        k_scale=_join(k_scale_value, k_scale_tensor), v_scale=_join(v_scale_value, v_scale_tensor),
+    )  # fmt: skip
+
+
+@materialize_kv_into_pool_stacked.register_fake
+@materialize_kv_into_pool_list.register_fake
+def _pool_fake(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps_value: float | None,
+    eps_tensor: Tensor | None,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    cache_loc: Tensor,
+    k_pool: Tensor | Sequence[Tensor],
+    v_pool: Tensor | Sequence[Tensor],
+    num_kv_heads: int,
+    rope_style: str,
+    k_scale_value: float | None,
+    k_scale_tensor: Tensor | None,
+    v_scale_value: float | None,
+    v_scale_tensor: Tensor | None,
+) -> None:
+    eps = _join(eps_value, eps_tensor)
+    k_scale, v_scale = _join(k_scale_value, k_scale_tensor), _join(v_scale_value, v_scale_tensor)
+    _ops._POOL.check(
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads, rope_style,
+         k_scale, v_scale)
+    )  # fmt: skip
+    _ops._pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+
+
+# ------------------------------------------------- what the public ops trace
+
+
+def materialize_kv(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps: float | Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    *,
+    num_kv_heads: int,
+    rope_style: RopeStyle,
+    k_out: Tensor | None,
+    v_out: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """`typedkv.materialize_kv` while torch.compile traces: the outputs, then one op call."""
+    if k_out is None:
+        k_out = _empty_out(kv, k_norm_weight, num_kv_heads)
+    if v_out is None:
+        v_out = _empty_out(kv, k_norm_weight, num_kv_heads)
+    eps_value, eps_tensor = _split(eps)
+    materialize_kv_out(
+        kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out
+    )
+    return k_out, v_out
+
+
+def materialize_kv_into_pool(
+    kv: Tensor,
+    k_norm_weight: Tensor,
+    eps: float | Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    cache_loc: Tensor,
+    k_pool: Tensor | Sequence[Tensor],
+    v_pool: Tensor | Sequence[Tensor],
+    *,
+    num_kv_heads: int,
+    rope_style: RopeStyle,
+    k_scale: float | Tensor | None,
+    v_scale: float | Tensor | None,
+) -> None:
+    """`typedkv.materialize_kv_into_pool` while torch.compile traces: one op call."""
+    eps_value, eps_tensor = _split(eps)
+    k_scale_value, k_scale_tensor = _split(k_scale)
+    v_scale_value, v_scale_tensor = _split(v_scale)
+    if isinstance(k_pool, Tensor) != isinstance(v_pool, Tensor):
+        # The eager message; raised here because no op schema takes the mixed layout.
+        _ops._pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+    if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
+        materialize_kv_into_pool_stacked(
+            kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+        )  # fmt: skip
+    else:
+        materialize_kv_into_pool_list(
+            kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, list(k_pool), list(v_pool),
+            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+        )  # fmt: skip
+
+
+def _empty_out(kv: Tensor, k_norm_weight: Tensor, num_kv_heads: int) -> Tensor:
+    """A ``[L, T, H, D]`` output like the eager op allocates.
+
+    Arguments that cannot size it get a placeholder: the op's fake
+    implementation rejects them (they come before the outputs) with the eager message.
+    """
+    if kv.dim() == 3 and k_norm_weight.dim() == 2 and isinstance(num_kv_heads, int) and num_kv_heads > 0:
+        shape = (kv.shape[1], kv.shape[0], num_kv_heads, k_norm_weight.shape[1])
+        return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    return torch.empty(0)

@@ -1,0 +1,314 @@
+"""`KVMaterializer`: a draft model's whole K/V path, built once from its layers' weights.
+
+A call is one GEMM for all layers (``hidden @ W_all.T``, written into a
+workspace the object keeps) and one fused launch. The workspace grows to the
+next power of two of ``T`` and is reused after that: a decode loop at a fixed
+``T`` allocates nothing for it, and nothing in a call waits for the device, so
+the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._checking import Bound, Signature
+from ._errors import InputError
+from ._ops import _ROTARY_RULE, materialize_kv, materialize_kv_into_pool
+from ._types import Index, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+
+
+def _weights(
+    k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    kv_weight: StorageFloat[Tensor, "L 2*H*D hidden"] | Sequence[StorageFloat[Tensor, "2*H*D hidden"]],
+    kv_bias: StorageFloat[Tensor, "L 2*H*D"] | Sequence[StorageFloat[Tensor, " 2*H*D"]] | None,
+    eps: float | ParamFloat[Tensor, " L"],
+    num_kv_heads: int,
+    rope_style: RopeStyle,
+) -> None:
+    """The constructor's arguments, ordered so that ``D`` is bound before ``kv_weight`` needs it."""
+
+
+_WEIGHTS = Signature(
+    _weights,
+    scalar_dims={"H": "num_kv_heads"},
+    device_of="cos_sin_cache",
+    sequence_len={"k_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
+    rules=(_ROTARY_RULE,),
+)
+
+
+def _projection(
+    kv_weight: StorageFloat[Tensor, "N hidden"],
+    hidden: StorageFloat[Tensor, "T hidden"],
+    positions: Index[Tensor, " T"],
+    cache_loc: Index[Tensor, " T"] | None,
+) -> None:
+    """A call's own arguments against the weights (the op then checks the rest, T bound by the GEMM's output)."""
+
+
+_PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_weight", same_dtype={"hidden": "kv_weight"})
+
+# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
+_STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
+
+
+class KVMaterializer(nn.Module):
+    """The K/V path of a draft model's layers: one GEMM for all layers, then one fused launch.
+
+    Built once from the layers' weights; then ``m(hidden, positions)`` gives
+    every layer's K (RMSNorm, then RoPE) and V, and ``m.into_pool(...)`` writes
+    them straight into a paged pool. Inference only: the weights are detached.
+
+    Parameters
+    ----------
+    kv_weight : Tensor ``[L, 2*H*D, hidden]``, or a sequence of L tensors ``[2*H*D, hidden]``
+        Each layer's K/V projection as ``nn.Linear`` weight rows: K rows first,
+        then V rows. bfloat16 | float16 | float32; ``hidden`` must have this dtype.
+        Per-layer tensors are copied into one stacked weight; a contiguous
+        stacked tensor is used as it is (not copied).
+    k_norm_weight : Tensor ``[L, D]``, or a sequence of L tensors ``[D]``
+        Each layer's K RMSNorm weight, any float dtype. ``D`` (head dim) is read from here.
+    eps : float, Tensor ``[L]``, or a sequence of L floats
+        RMSNorm epsilon, one for all layers or one per layer.
+    cos_sin_cache : Tensor ``[P, R]``
+        As in :func:`typedkv.materialize_kv`. Every tensor argument must be on its device.
+    num_kv_heads : int
+        ``H``.
+    rope_style : {"neox", "gptj"}
+        As in :func:`typedkv.materialize_kv`.
+    kv_bias : Tensor ``[L, 2*H*D]``, or a sequence of L tensors ``[2*H*D]``, optional
+        Each layer's projection bias, kv_weight's dtype.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype or device misuse; a layer that disagrees with the
+        others is named (``kv_weight[2]: expected shape ...``).
+
+    Notes
+    -----
+    The GEMM writes into a workspace that grows to the next power of two of
+    ``T`` and is then reused, so a call at a fixed ``T`` allocates nothing but
+    its outputs (none for :meth:`into_pool`) and never waits for the device.
+    For CUDA graphs: call once at the captured ``T`` before capturing, and
+    capture the largest ``T`` first -- a graph keeps using the workspace it was
+    captured with, which a later call at a larger ``T`` replaces. Under
+    ``torch.compile`` the GEMM is an ordinary op of the graph and the workspace
+    is not used.
+    """
+
+    kv_weight: Tensor
+    kv_bias: Tensor | None
+    k_norm_weight: Tensor
+    cos_sin_cache: Tensor
+    eps: float | Tensor
+
+    def __init__(
+        self,
+        kv_weight: StorageFloat[Tensor, "L 2*H*D hidden"] | Sequence[StorageFloat[Tensor, "2*H*D hidden"]],
+        k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
+        eps: float | ParamFloat[Tensor, " L"] | Sequence[float],
+        cos_sin_cache: ParamFloat[Tensor, "P R"],
+        *,
+        num_kv_heads: int,
+        rope_style: RopeStyle = "neox",
+        kv_bias: StorageFloat[Tensor, "L 2*H*D"] | Sequence[StorageFloat[Tensor, " 2*H*D"]] | None = None,
+    ) -> None:
+        super().__init__()
+        _check_layer_counts(kv_weight, k_norm_weight, kv_bias, eps)
+        layer_eps = _eps_of_layers(eps, cos_sin_cache)
+        bound = _WEIGHTS.check((k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style))
+        _check_layer_dtypes(kv_weight, k_norm_weight, kv_bias)
+        weight = _stacked(kv_weight)
+        self.num_layers = weight.shape[0]
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = bound.dims["D"]
+        self.hidden_size = bound.dims["hidden"]
+        self.rope_style: RopeStyle = rope_style
+        # All layers' rows as one nn.Linear weight [L*2*H*D, hidden]: the GEMM's layer-major output is kv's layout.
+        self.register_buffer("kv_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
+        bias = None if kv_bias is None else _stacked(kv_bias).flatten()
+        self.register_buffer("kv_bias", bias, persistent=False)
+        self.register_buffer("k_norm_weight", _stacked(k_norm_weight), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
+        if isinstance(layer_eps, Tensor):
+            self.register_buffer("eps", layer_eps.detach(), persistent=False)
+        else:
+            self.eps = cast(float, layer_eps)
+        self._workspace: Tensor | None = None
+
+    def forward(
+        self,
+        hidden: StorageFloat[Tensor, "T hidden"],
+        positions: Index[Tensor, " T"],
+    ) -> tuple[StorageFloat[Tensor, "L T H D"], StorageFloat[Tensor, "L T H D"]]:
+        """K and V of every layer for ``hidden``.
+
+        Parameters
+        ----------
+        hidden : Tensor, shape ``[T, hidden]``, kv_weight's dtype and device
+            The hidden states the layers project K/V from.
+        positions : Tensor, shape ``[T]``, int32 | int64
+            Each token's position, as in :func:`typedkv.materialize_kv`.
+
+        Returns
+        -------
+        k, v : Tensor, shape ``[L, T, H, D]``, hidden's dtype
+            Newly allocated.
+
+        Raises
+        ------
+        InputError
+            For any shape, dtype or device misuse.
+        """
+        return materialize_kv(
+            self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
+            num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
+        )  # fmt: skip
+
+    def into_pool(
+        self,
+        hidden: StorageFloat[Tensor, "T hidden"],
+        positions: Index[Tensor, " T"],
+        cache_loc: Index[Tensor, " T"],
+        k_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
+        v_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
+        *,
+        k_scale: float | ParamFloat[Tensor, " L"] | None = None,
+        v_scale: float | ParamFloat[Tensor, " L"] | None = None,
+    ) -> None:
+        """K and V of every layer for ``hidden``, written straight into a paged pool.
+
+        Parameters
+        ----------
+        hidden, positions
+            As in :meth:`forward`.
+        cache_loc, k_pool, v_pool, k_scale, v_scale
+            As in :func:`typedkv.materialize_kv_into_pool`. The pools are
+            written in place, rows named by ``cache_loc`` only.
+
+        Raises
+        ------
+        InputError
+            For any shape, dtype, device or layout misuse.
+        """
+        materialize_kv_into_pool(
+            self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
+            k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
+        )
+
+    def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
+        """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
+
+        Checks the call's arguments first, so that their messages speak of ``hidden``.
+        """
+        if torch.compiler.is_compiling():
+            # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
+            return F.linear(hidden, self.kv_weight, self.kv_bias).view(hidden.shape[0], self.num_layers, -1)
+        _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
+        num_tokens = hidden.shape[0]
+        out = self._workspace_rows(num_tokens)
+        if self.kv_bias is None:
+            torch.mm(hidden, self.kv_weight.t(), out=out)
+        else:
+            torch.addmm(self.kv_bias, hidden, self.kv_weight.t(), out=out)
+        return out.view(num_tokens, self.num_layers, -1)
+
+    def _workspace_rows(self, num_tokens: int) -> Tensor:
+        """The first ``num_tokens`` rows of the workspace, grown first if it is too small."""
+        workspace, weight = self._workspace, self.kv_weight
+        if (
+            workspace is None
+            or workspace.shape[0] < num_tokens
+            or workspace.dtype != weight.dtype
+            or workspace.device != weight.device
+        ):
+            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
+            # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
+            with torch.inference_mode(False):
+                workspace = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+            self._workspace = workspace
+        return workspace[:num_tokens]
+
+
+def _checked(bound: Bound) -> bool:
+    return True
+
+
+def _layer_count(value: object, stacked_dims: int) -> int | None:
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.dim() == stacked_dims else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def _check_layer_counts(kv_weight: object, k_norm_weight: object, kv_bias: object, eps: object) -> None:
+    """Every per-layer argument has as many layers as kv_weight (the signature cannot tell for sequences)."""
+    num_layers = _layer_count(kv_weight, _STACKED_DIMS["kv_weight"])
+    if num_layers == 0:
+        raise InputError("kv_weight: expected at least one layer, got none")
+    if num_layers is None:
+        return  # neither layers nor a sequence: the signature check names the problem
+    for name, value in (("k_norm_weight", k_norm_weight), ("kv_bias", kv_bias), ("eps", eps)):
+        count = _layer_count(value, _STACKED_DIMS[name])
+        if count is not None and count != num_layers:
+            raise InputError(f"{name}: expected L={num_layers} layers (kv_weight has {num_layers}), got {count}")
+
+
+def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
+    """A sequence of per-layer floats as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
+    if not isinstance(eps, (list, tuple)):
+        return eps
+    for i, value in enumerate(eps):
+        if isinstance(value, bool) or not isinstance(value, float):
+            raise InputError(f"eps[{i}]: expected a float, got {type(value).__qualname__}")
+    device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
+    return torch.tensor(eps, dtype=torch.float32, device=device)
+
+
+def _check_layer_dtypes(
+    kv_weight: Tensor | Sequence[Tensor],
+    k_norm_weight: Tensor | Sequence[Tensor],
+    kv_bias: Tensor | Sequence[Tensor] | None,
+) -> None:
+    for name, value in (("kv_weight", kv_weight), ("k_norm_weight", k_norm_weight), ("kv_bias", kv_bias)):
+        if isinstance(value, (list, tuple)):
+            for i, layer in enumerate(value):
+                if layer.dtype != value[0].dtype:
+                    raise InputError(
+                        f"{name}[{i}]: expected dtype {_dt(value[0].dtype)} ({name}[0]'s), got {_dt(layer.dtype)}: "
+                        "the layers share one dtype"
+                    )
+    if kv_bias is not None:
+        weight_dtype, bias_dtype = _stacked_dtype(kv_weight), _stacked_dtype(kv_bias)
+        if bias_dtype != weight_dtype:
+            raise InputError(
+                f"kv_bias: expected dtype {_dt(weight_dtype)} (kv_weight's), got {_dt(bias_dtype)}: "
+                f"convert it with kv_bias.to(torch.{_dt(weight_dtype)})"
+            )
+
+
+def _stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
+    return value.detach() if isinstance(value, Tensor) else torch.stack([layer.detach() for layer in value])
+
+
+def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
+    return value.dtype if isinstance(value, Tensor) else value[0].dtype
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
