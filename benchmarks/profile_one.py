@@ -26,8 +26,18 @@ def main() -> None:
         compiled = plan.launch.compiled if plan.launch is not None else None
         if compiled is not None:
             md = compiled.metadata
-            print(case.name, "regs", getattr(compiled, "n_regs", None), "spills", getattr(compiled, "n_spills", None),
-                  "shared", getattr(md, "shared", None), "warps", getattr(md, "num_warps", None), flush=True)
+            print(
+                case.name,
+                "regs",
+                getattr(compiled, "n_regs", None),
+                "spills",
+                getattr(compiled, "n_spills", None),
+                "shared",
+                getattr(md, "shared", None),
+                "warps",
+                getattr(md, "num_warps", None),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

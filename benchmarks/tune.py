@@ -49,14 +49,18 @@ def correctness() -> list[str]:
                 kv, w, 1e-6, cs, pos, slots, kp, vp, num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale
             )
             typedkv.set_debug(False)
-            kq = _reference.quantize(kr if fmt == dtype else _reference.rmsnorm_rope(kv, w, 1e-6, cs, pos, H, style == "neox")[0], scale, fmt)
+            kq = _reference.quantize(
+                kr if fmt == dtype else _reference.rmsnorm_rope(kv, w, 1e-6, cs, pos, H, style == "neox")[0], scale, fmt
+            )
             vq = _reference.quantize(vr, scale, fmt)
             k_ok = (kp[:, slots].float() - kq.float()).abs().max().item()
             v_ok = torch.equal(vp[:, slots].view(torch.uint8), vq.view(torch.uint8))
             untouched = torch.ones(S, dtype=torch.bool, device="cuda")
             untouched[slots] = False
             rest_ok = bool((kp[:, untouched].float() == 7.0).all() and (vp[:, untouched].float() == 7.0).all())
-            out.append(f"pool {fmt} L{L} H{H} D{D} R{R} {style}: K max|diff| {k_ok:.3g}, V bit-equal {v_ok}, other rows untouched {rest_ok}")
+            out.append(
+                f"pool {fmt} L{L} H{H} D{D} R{R} {style}: K max|diff| {k_ok:.3g}, V bit-equal {v_ok}, other rows untouched {rest_ok}"
+            )
         out.append(f"dense {dtype} L{L} H{H} D{D} R{R} {style}: K rel {rel:.2e}, V equal {torch.equal(v, vr)}")
     return out
 
@@ -64,10 +68,14 @@ def correctness() -> list[str]:
 def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
     """Launch configurations for the main shape and the other targets, device time via graphs."""
     real = _launch.block_config
-    cases = [(_bench.MAIN, t) for t in (16384, 2048, 256)] + [(c, 16384) for c in _bench.GPU_CASES[1:6]] + [
-        (_bench.GPU_CASES[6], 16384),
-        (_bench.GPU_CASES[7], 16384),
-    ]
+    cases = (
+        [(_bench.MAIN, t) for t in (16384, 2048, 256)]
+        + [(c, 16384) for c in _bench.GPU_CASES[1:6]]
+        + [
+            (_bench.GPU_CASES[6], 16384),
+            (_bench.GPU_CASES[7], 16384),
+        ]
+    )
     for case, T in cases:
         nbytes = _bench.bytes_moved(case, T)
         sets = max(1, min(64, math.ceil((256 << 20) / nbytes)))
@@ -85,7 +93,14 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
             bd = triton_pow2(case.head_dim)
             _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
             _launch.SPLIT_KV, _launch.LAYER_FAST = split, layer_fast
-            cfg = {"case": case.name, "T": T, "block_t": block_t, "warps": warps, "split": split, "layer_fast": layer_fast}
+            cfg = {
+                "case": case.name,
+                "T": T,
+                "block_t": block_t,
+                "warps": warps,
+                "split": split,
+                "layer_fast": layer_fast,
+            }
             try:
                 us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
             except Exception as err:
@@ -97,9 +112,26 @@ def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[st
             results.append({**cfg, "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
         _launch.block_config = real
         us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
-        results.append({"case": case.name, "T": T, "block_t": "default", "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
+        results.append(
+            {
+                "case": case.name,
+                "T": T,
+                "block_t": "default",
+                "us": round(us, 2),
+                "pct": round(100 * nbytes / us / 1e3 / roof, 1),
+            }
+        )
         out.write_text(json.dumps(results, indent=1))
-        print(case.name, T, "best:", max((r for r in results if r.get("T") == T and r["case"] == case.name and "pct" in r), key=lambda r: r["pct"]), flush=True)
+        print(
+            case.name,
+            T,
+            "best:",
+            max(
+                (r for r in results if r.get("T") == T and r["case"] == case.name and "pct" in r),
+                key=lambda r: r["pct"],
+            ),
+            flush=True,
+        )
         del inputs
     return results
 
@@ -131,7 +163,11 @@ def host_breakdown() -> dict[str, float]:
     out = {
         "full_check_us": timed(lambda: sig.check(args)),
         "plan_lookup_us": timed(lambda: sig.plan(args, lambda b: None)),
-        "varying_us": timed(lambda: _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None)),
+        "varying_us": timed(
+            lambda: _launch.varying(
+                x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None
+            )
+        ),
         "launch_call_us": timed(lambda: plan.launch(values)),
         "direct_compiled": float(plan.launch.compiled is not None),
         "positions_check_us": timed(lambda: typedkv._ops._check_positions(x.positions, 131072), n=1000),

@@ -1,0 +1,2 @@
+from .jit import JITFunction as JITFunction
+from .jit import KernelInterface as KernelInterface

@@ -1,0 +1,86 @@
+"""The documented calls (DESIGN.md): mypy --strict must accept every line, with these exact types."""
+
+from collections.abc import Sequence
+from typing import Final, assert_type
+
+import torch
+from _inputs import (
+    H,
+    cache_loc,
+    cos_sin_cache,
+    eps_per_layer,
+    k_norm_weight,
+    k_out,
+    k_pool,
+    k_pool_layers,
+    kv,
+    positions,
+    v_out,
+    v_pool,
+    v_pool_layers,
+)
+from torch import Tensor
+
+import typedkv
+from typedkv import RopeStyle
+
+# materialize_kv: eps one float or one per layer; returns exactly two tensors.
+assert_type(
+    typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H),
+    tuple[Tensor, Tensor],
+)
+k, v = typedkv.materialize_kv(kv, k_norm_weight, eps_per_layer, cos_sin_cache, positions, num_kv_heads=H)
+assert_type(k, Tensor)
+assert_type(v, Tensor)
+k, v = typedkv.materialize_kv(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style="gptj", k_out=k_out, v_out=v_out
+)
+k, v = typedkv.materialize_kv(
+    kv,
+    k_norm_weight,
+    eps=1e-5,
+    cos_sin_cache=cos_sin_cache,
+    positions=positions.int(),
+    num_kv_heads=H,
+    rope_style="neox",
+    k_out=None,
+    v_out=None,
+)
+
+# rope_style from a variable: annotated with the public alias, or a Final literal.
+style: RopeStyle = "gptj"
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style=style)
+NEOX: Final = "neox"
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style=NEOX)
+
+# materialize_kv_into_pool: stacked pools, per-layer lists, FP8 scales as floats or tensors.
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H
+)
+typedkv.materialize_kv_into_pool(
+    kv,
+    k_norm_weight,
+    eps_per_layer,
+    cos_sin_cache,
+    positions,
+    cache_loc,
+    k_pool_layers,
+    v_pool_layers,
+    num_kv_heads=H,
+    rope_style="gptj",
+    k_scale=0.5,
+    v_scale=torch.ones(2),
+)
+layers: Sequence[Tensor] = tuple(k_pool_layers)
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, layers, layers, num_kv_heads=H, k_scale=None
+)
+
+# The rest of the surface.
+typedkv.set_debug(True)
+assert_type(typedkv.debug_enabled(), bool)
+try:
+    typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H)
+except typedkv.InputError as err:
+    as_value_error: ValueError = err
+    as_type_error: TypeError = err

@@ -1,0 +1,46 @@
+"""Misuse mypy --strict must reject: each marked line, with exactly the codes after ``# E:``."""
+
+# One statement per line, so that each error lands on its marked line.
+# fmt: off
+
+from _inputs import H, cache_loc, cos_sin_cache, k_norm_weight, k_out, k_pool, kv, positions, v_pool
+from torch import Tensor
+
+import typedkv
+
+# num_kv_heads is required and keyword-only.
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions)  # E: call-arg
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, H)  # E: call-arg
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=2.0)  # E: arg-type
+
+# rope_style is "neox" or "gptj", nothing else; a plain str variable is not narrowed to them.
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style="llama")  # E: arg-type
+style = "gptj"
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style=style)  # E: arg-type
+bad_style: typedkv.RopeStyle = "llama"  # E: assignment
+
+# positions (and cache_loc) are tensors, not lists.
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, [0, 1, 2, 3], num_kv_heads=H)  # E: arg-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, [0, 1, 2, 3], k_pool, v_pool, num_kv_heads=H)  # E: arg-type
+
+# eps is a float or a tensor.
+typedkv.materialize_kv(kv, k_norm_weight, "1e-6", cos_sin_cache, positions, num_kv_heads=H)  # E: arg-type
+
+# Two outputs, not three.
+k, v, extra = typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H)  # E: misc
+
+# k_out / v_out are keyword-only (mypy binds the extra positional to num_kv_heads).
+typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, k_out, num_kv_heads=H)  # E: misc arg-type
+
+# materialize_kv_into_pool writes in place and returns None.
+written = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: func-returns-value
+pooled: Tensor = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: func-returns-value assignment
+shape = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H).shape  # E: func-returns-value attr-defined
+
+# Pool options are keyword-only; scales are floats or tensors.
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, H)  # E: call-arg
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, k_scale="0.5")  # E: arg-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, [[k_pool]], v_pool, num_kv_heads=H)  # E: list-item
+
+# The debug switch takes a bool.
+typedkv.set_debug("yes")  # E: arg-type
