@@ -425,20 +425,28 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    series: dict[str, list[tuple[int, float]]] = {}
+    fig, ax = plt.subplots(figsize=(10, 6))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for row in result["rows"]:
         for impl, gbps in row["gbps"].items():
-            series.setdefault(f"{row['case']} / {impl}", []).append((row["tokens"], gbps))
-    for label, points in series.items():
-        xs, ys = zip(*points, strict=False)
-        ax.plot(xs, ys, marker="o", label=label, linewidth=2.2 if label.endswith("typedkv") else 1.0)
+            series.setdefault((row["case"], impl), []).append((row["tokens"], gbps))
+    # One colour per case, one line style per implementation.
+    cases = list(dict.fromkeys(case for case, _ in series))
+    colours = plt.get_cmap("tab10")
+    styles = {"typedkv": "-", "eager": ":", "compile": "--", "staging": "-."}
+    for (case, impl), points in series.items():
+        xs, ys = zip(*points, strict=True)
+        ax.plot(
+            xs, ys, marker="o" if impl == "typedkv" else ".", linestyle=styles.get(impl, "-"),
+            color=colours(cases.index(case) % 10), linewidth=2.2 if impl == "typedkv" else 1.2,
+            label=f"{case} / {impl}",
+        )  # fmt: skip
     ax.axhline(result["copy_GBps"], color="black", linestyle="--", label="copy roofline")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T")
     ax.set_ylabel("GB/s (kv read + K/V written)")
     ax.set_title(result.get("title", "typedkv bench"))
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
