@@ -5,6 +5,7 @@ network needed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -53,6 +54,15 @@ def lint(session: nox.Session) -> None:
     """ruff check and format check."""
     session.run(PY, "-m", "ruff", "check", ".")
     session.run(PY, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """mkdocs build --strict of docs/ into site/ (needs the docs extra: pip install -e '.[docs]')."""
+    if importlib.util.find_spec("mkdocs") is None:
+        session.error("mkdocs is not installed: pip install -e '.[docs]'")
+    # NO_MKDOCS_2_WARNING: material's banner about mkdocs 2, printed on every build.
+    session.run(PY, "-m", "mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

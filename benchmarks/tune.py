@@ -1,7 +1,7 @@
 """Developer script for the H200: check the kernel on CUDA, sweep launch configurations, break down host time.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/tune.py OUT_DIR``.
-Results feed ``typedkv/_launch.py``'s ``block_config`` and ``docs/performance-notes.md``.
+Results feed ``typedkv/_launch.py``'s ``block_config`` and ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations

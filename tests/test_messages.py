@@ -338,7 +338,7 @@ DENSE = [
         "positions-other-device",
     ),
     # num_kv_heads
-    _case(lambda: {"num_kv_heads": 2.0}, "num_kv_heads: expected an int, got float", "num_kv_heads-float"),
+    _case(lambda: {"num_kv_heads": 2.0}, 'num_kv_heads: expected an int, got float: a count is an int (// divides to an int, / to a float)', "num_kv_heads-float"),
     _case(lambda: {"num_kv_heads": "2"}, "num_kv_heads: expected an int, got str", "num_kv_heads-str"),
     _case(lambda: {"num_kv_heads": True}, "num_kv_heads: expected an int, got bool", "num_kv_heads-bool"),
     _case(
@@ -783,7 +783,7 @@ def test_input_error_is_a_value_error_and_a_type_error() -> None:
     assert issubclass(typedkv.InputError, TypeError)
     with pytest.raises(ValueError, match=r"^positions: expected dtype int32 or int64, got float32"):
         dense(positions=torch.zeros(T))
-    with pytest.raises(TypeError, match=r"^num_kv_heads: expected an int, got float$"):
+    with pytest.raises(TypeError, match=r"^num_kv_heads: expected an int, got float: "):
         dense(num_kv_heads=2.0)
 
 

@@ -539,6 +539,8 @@ class Signature:
 
 def _scalar_fix(p: _Param, value: object) -> str:
     """For a numpy (or other array-library) scalar where a Python number is expected: how to convert."""
+    if isinstance(value, float) and int in p.scalars and float not in p.scalars:
+        return ": a count is an int (// divides to an int, / to a float)"
     if isinstance(value, torch.Tensor) or not hasattr(value, "item") or not p.scalars:
         return ""
     kind = "float" if float in p.scalars else "int"

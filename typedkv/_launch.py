@@ -27,7 +27,7 @@ from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Measured on the H200 (docs/performance-notes.md): one token per program, K and
+# Measured on the H200 (benchmarks/NOTES.md): one token per program, K and
 # V in separate programs (grid axis 2), a token's layers on neighbouring
 # programs. Every (BLOCK_T, warps, split, order) tried came within 3% of the best
 # for every benchmarked shape; this one's worst case was closest to the best.
