@@ -338,7 +338,11 @@ DENSE = [
         "positions-other-device",
     ),
     # num_kv_heads
-    _case(lambda: {"num_kv_heads": 2.0}, 'num_kv_heads: expected an int, got float: a count is an int (// divides to an int, / to a float)', "num_kv_heads-float"),
+    _case(
+        lambda: {"num_kv_heads": 2.0},
+        "num_kv_heads: expected an int, got float: a count is an int (// divides to an int, / to a float)",
+        "num_kv_heads-float",
+    ),
     _case(lambda: {"num_kv_heads": "2"}, "num_kv_heads: expected an int, got str", "num_kv_heads-str"),
     _case(lambda: {"num_kv_heads": True}, "num_kv_heads: expected an int, got bool", "num_kv_heads-bool"),
     _case(

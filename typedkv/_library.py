@@ -17,10 +17,21 @@ signatures), so the graph holds one opaque op per call and never a graph break:
 
 An op schema has no ``float | Tensor`` union: eps and the FP8 scales travel as
 a ``(value, tensor)`` pair of which the tensor wins when given.
+
+Written tensors that enter the compiled region as separate tensors sharing one
+allocation (K and V pools as two halves of one buffer, per-layer pools as views
+of one buffer, ``k_out``/``v_out`` views of one slab) are not written in place
+by inductor: it copies them out and back around the op on every call
+(pytorch/pytorch#139628), and before torch 2.13 that copy can read past the end
+of a view with a storage offset and corrupt it (seen on 2.11). The fake
+implementations warn when written tensors share an allocation; separate
+allocations, and views taken inside the compiled region from one tensor, are
+written in place.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import cast
 
@@ -30,6 +41,9 @@ from torch import Tensor
 from . import _ops
 from ._types import RopeStyle
 
+# Before this version inductor's copy of a shared allocation can be wrong, not just slow.
+_SHARED_COPY_FIXED = (2, 13)
+
 
 def _split(value: float | Tensor | None) -> tuple[float | None, Tensor | None]:
     return (None, value) if isinstance(value, Tensor) else (value, None)
@@ -37,6 +51,43 @@ def _split(value: float | Tensor | None) -> tuple[float | None, Tensor | None]:
 
 def _join(value: float | None, tensor: Tensor | None) -> float | Tensor | None:
     return tensor if tensor is not None else value
+
+
+def _static(value: float | None) -> float | None:
+    """A traced scalar as the Python number the checks expect (a guard on its value).
+
+    torch.compile passes an ``int`` or ``float`` argument that changed between
+    calls as a symbol; the layout checks are on concrete numbers.
+    """
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    return value
+
+
+def _warn_shared_allocation(written: Sequence[tuple[str, Tensor]]) -> None:
+    """Trace time: warn when tensors an op writes share an allocation (see the module notes)."""
+    seen: dict[int, str] = {}
+    for name, tensor in written:
+        other = seen.setdefault(tensor.untyped_storage()._cdata, name)
+        if other == name:
+            continue
+        harm = "copies them around the op on every call instead of writing in place"
+        if _torch_version() < _SHARED_COPY_FIXED:
+            harm += f", and with torch {torch.__version__} the copy can corrupt them"
+        warnings.warn(
+            f"typedkv: {name} shares one allocation with {other}: when such tensors enter a torch.compile'd region "
+            f"as separate tensors, inductor {harm} (pytorch/pytorch#139628); give each its own allocation, "
+            "or take the views inside the compiled region from one tensor",
+            stacklevel=2,
+        )
+        return
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _eps(value: float | None, tensor: Tensor | None) -> float | Tensor:
@@ -81,8 +132,10 @@ def _materialize_kv_out_fake(
     k_out: Tensor,
     v_out: Tensor,
 ) -> None:
-    eps = _join(eps_value, eps_tensor)
-    _ops._DENSE.check((kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out))
+    eps = _join(_static(eps_value), eps_tensor)
+    heads = _static(num_kv_heads)
+    _ops._DENSE.check((kv, k_norm_weight, eps, cos_sin_cache, positions, heads, rope_style, k_out, v_out))
+    _warn_shared_allocation((("k_out", k_out), ("v_out", v_out)))
 
 
 # ------------------------------------------------------------------- pool ops
@@ -181,13 +234,20 @@ def _pool_fake(
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
 ) -> None:
-    eps = _join(eps_value, eps_tensor)
-    k_scale, v_scale = _join(k_scale_value, k_scale_tensor), _join(v_scale_value, v_scale_tensor)
+    eps = _join(_static(eps_value), eps_tensor)
+    k_scale = _join(_static(k_scale_value), k_scale_tensor)
+    v_scale = _join(_static(v_scale_value), v_scale_tensor)
+    heads = _static(num_kv_heads)
     _ops._POOL.check(
-        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads, rope_style,
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, heads, rope_style,
          k_scale, v_scale)
     )  # fmt: skip
     _ops._pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+    _warn_shared_allocation([*_labelled("k_pool", k_pool), *_labelled("v_pool", v_pool)])
+
+
+def _labelled(name: str, pool: Tensor | Sequence[Tensor]) -> list[tuple[str, Tensor]]:
+    return [(name, pool)] if isinstance(pool, Tensor) else [(f"{name}[{i}]", t) for i, t in enumerate(pool)]
 
 
 # ------------------------------------------------- what the public ops trace
@@ -257,7 +317,8 @@ def _empty_out(kv: Tensor, k_norm_weight: Tensor, num_kv_heads: int) -> Tensor:
     Arguments that cannot size it get a placeholder: the op's fake
     implementation rejects them (they come before the outputs) with the eager message.
     """
-    if kv.dim() == 3 and k_norm_weight.dim() == 2 and isinstance(num_kv_heads, int) and num_kv_heads > 0:
+    heads_ok = isinstance(num_kv_heads, (int, torch.SymInt)) and not isinstance(num_kv_heads, bool) and num_kv_heads > 0
+    if kv.dim() == 3 and k_norm_weight.dim() == 2 and heads_ok:
         shape = (kv.shape[1], kv.shape[0], num_kv_heads, k_norm_weight.shape[1])
         return torch.empty(shape, dtype=kv.dtype, device=kv.device)
     return torch.empty(0)

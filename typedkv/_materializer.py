@@ -217,7 +217,8 @@ class KVMaterializer(nn.Module):
         """
         if torch.compiler.is_compiling():
             # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
-            return F.linear(hidden, self.kv_weight, self.kv_bias).view(hidden.shape[0], self.num_layers, -1)
+            kv = F.linear(hidden, self.kv_weight, self.kv_bias)
+            return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
         _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
         num_tokens = hidden.shape[0]
         out = self._workspace_rows(num_tokens)
@@ -225,7 +226,7 @@ class KVMaterializer(nn.Module):
             torch.mm(hidden, self.kv_weight.t(), out=out)
         else:
             torch.addmm(self.kv_bias, hidden, self.kv_weight.t(), out=out)
-        return out.view(num_tokens, self.num_layers, -1)
+        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     def _workspace_rows(self, num_tokens: int) -> Tensor:
         """The first ``num_tokens`` rows of the workspace, grown first if it is too small."""
