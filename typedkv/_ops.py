@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -192,8 +193,9 @@ def materialize_kv_into_pool(
         As in :func:`materialize_kv`.
     k_scale, v_scale : float, or Tensor of shape ``[L]``, optional
         FP8 pools only: the stored value is ``x / scale`` (computed as
-        ``x * (1 / scale)`` in float32) saturated to the format's finite range. A missing scale means 1.0 (values are still saturated).
-        A tensor scale is read in the kernel: no host sync.
+        ``x * (1 / scale)`` in float32) saturated to the format's finite range.
+        A missing scale means 1.0 (values are still saturated). A tensor scale
+        is read in the kernel: no host sync.
 
     Raises
     ------
@@ -210,8 +212,7 @@ def materialize_kv_into_pool(
         num_kv_heads, rope_style, k_scale, v_scale,
     )  # fmt: skip
     plan: _Plan = _POOL.plan(args, _planner(lambda: _pool_layout(kv, k_pool, v_pool, k_scale, v_scale)))
-    k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-    _check_apart(k_pool, v_pool, k_layers, v_layers)
+    _check_apart(k_pool, v_pool)
     if debug_enabled():
         _debug(_POOL, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
@@ -221,23 +222,22 @@ def materialize_kv_into_pool(
     neox = rope_style == "neox"
     if not plan.kernel:
         k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+        k_layers, v_layers = _layers(k_pool), _layers(v_pool)
         _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers)
         _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers)
         return
     k_dst: Tensor
     v_dst: Tensor
-    stacked = isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor)
     if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
         k_dst, v_dst, table = k_pool, v_pool, None
     else:
-        k_dst, v_dst, table = k_layers[0], v_layers[0], _layer_table(k_layers, v_layers)
+        # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
+        # layer 0's address plus an offset table for the others.
+        k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
+        k_dst, v_dst, table = k_list[0], v_list[0], _layer_table(k_list, v_list)
     if plan.launch is None:
-        k_strides = (
-            (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if stacked else (0, k_dst.stride(0), k_dst.stride(1))
-        )
-        v_strides = (
-            (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2)) if stacked else (0, v_dst.stride(0), v_dst.stride(1))
-        )
+        k_strides = (k_dst.stride(0), k_dst.stride(1), k_dst.stride(2)) if table is None else (0, *k_dst.stride()[:2])
+        v_strides = (v_dst.stride(0), v_dst.stride(1), v_dst.stride(2)) if table is None else (0, *v_dst.stride()[:2])
         plan.launch = _launch.Launch(
             kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, k_strides, v_dst, v_strides, table,
             num_kv_heads=num_kv_heads, num_rows=plan.bound.dims["S"], neox=neox, k_scale=k_scale, v_scale=v_scale,
@@ -319,25 +319,22 @@ def _describe(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def _check_apart(
-    k_pool: Tensor | Sequence[Tensor],
-    v_pool: Tensor | Sequence[Tensor],
-    k_layers: Sequence[Tensor],
-    v_layers: Sequence[Tensor],
-) -> None:
+def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor]) -> None:
     """Every layer's K and V pool its own memory: no tensor passed twice (addresses change per call)."""
-    if isinstance(k_pool, Tensor):
-        if _same_memory(k_pool, v_pool):  # type: ignore[arg-type]
+    if isinstance(k_pool, Tensor) or isinstance(v_pool, Tensor):
+        if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor) and _same_memory(k_pool, v_pool):
             raise InputError("v_pool: expected memory apart from k_pool, got the same tensor")
         return
-    starts = [t.data_ptr() for t in (*k_layers, *v_layers) if t.numel()]
-    if len(set(starts)) < len(starts):
-        names = [f"k_pool[{i}]" for i in range(len(k_layers))] + [f"v_pool[{i}]" for i in range(len(v_layers))]
-        seen: dict[int, str] = {}
-        for name, t in zip(names, (*k_layers, *v_layers), strict=True):
-            if t.numel() and t.data_ptr() in seen:
-                raise InputError(f"{name}: expected memory of its own, got the same memory as {seen[t.data_ptr()]}")
-            seen[t.data_ptr()] = name
+    seen: dict[int, str] = {}
+    for name, layers in (("k_pool", k_pool), ("v_pool", v_pool)):
+        for i, t in enumerate(layers):
+            if not t.numel():
+                continue
+            if t.data_ptr() in seen:
+                raise InputError(
+                    f"{name}[{i}]: expected memory of its own, got the same memory as {seen[t.data_ptr()]}"
+                )
+            seen[t.data_ptr()] = f"{name}[{i}]"
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
