@@ -10,6 +10,10 @@ reads those annotations when the module is imported and turns them into a plan:
 - **debug** (`Signature.debug_check`): the same annotations checked by beartype,
   with jaxtyping's shape memo shared across the arguments.
 
+Both verdicts depend only on each argument's type and, for a tensor, its dtype,
+shape, strides and device: `Signature.plan` caches what a layout needs, so a
+decode loop pays a dictionary lookup per call, not the check.
+
 Relations that jaxtyping cannot spell (a dim that comes from an ``int`` argument,
 "same dtype as kv", "same device as kv", a rule between dims) are declared next to
 the function, as arguments of `Signature`, not as if-chains in its body.
