@@ -545,8 +545,8 @@ POOL = [
     ),
     _case(
         lambda: {"k_pool": _pool(torch.uint8), "v_pool": _pool(torch.uint8)},
-        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: allocate"
-        " it with one of these dtypes",
+        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: an FP8 "
+        "cache kept as bytes can be passed as k_pool.view(torch.float8_e4m3fn)",
         "pool-uint8",
     ),
     _case(

@@ -354,7 +354,7 @@ class Signature:
         elif value.dtype not in spec.dtypes:
             raise InputError(
                 f"{label}: expected dtype {_or_list(spec.dtype_names)}, got {_fmt_dtype(value.dtype)}"
-                + self._dtype_fix(name, label, spec)
+                + self._dtype_fix(name, label, spec, value.dtype)
             )
         shape = value.shape
         dims = bound.dims
@@ -416,9 +416,12 @@ class Signature:
                 "(an expanded view): writes to it would collide"
             )
 
-    def _dtype_fix(self, name: str, label: str, spec: _ArraySpec) -> str:
+    def _dtype_fix(self, name: str, label: str, spec: _ArraySpec, got: torch.dtype) -> str:
         if spec.dtype_names[0].startswith("int"):
             return f": pass {label}.long()"
+        if got == torch.uint8 and torch.float8_e4m3fn in spec.dtypes:
+            # Engines often keep an FP8 cache as raw bytes.
+            return f": an FP8 cache kept as bytes can be passed as {label}.view(torch.float8_e4m3fn)"
         if name in self._outputs:
             # Converting an output would write into a copy.
             return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
