@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from test_numerics import STORAGE, STYLES, Case, _dims_and_rotary, assert_matches_reference, make_case
+from test_pool import _special_values
 from torch import Tensor
 
 import typedkv
@@ -150,6 +151,37 @@ def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str) -> None:
     assert bool((k_got[:, untouched].float() == 3.0).all()) and bool((v_got[:, untouched].float() == 3.0).all())
     if layout == "padded-list":
         assert bool((wide_k[:, :, 2:].float() == 3.0).all()) and bool((wide_v[:, :, 2:].float() == 3.0).all())
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_fp8_special_values_cuda(fmt: torch.dtype) -> None:
+    """The hardware FP8 conversion saturates (inf and overflow to +-max) and rounds to nearest even."""
+    values = torch.tensor(_special_values(fmt))
+    T, L, H, D = 4, 2, 2, 64
+    case = make_case(T, L, H, D, D, torch.float32, num_positions=64)
+    kv = case.kv.clone()
+    block = kv[:, :, H * D :].clone()  # V of every layer, [T, L, H*D]: the specials first
+    block.view(-1)[: len(values)] = values * 4.0  # divided by v_scale = 4: exactly the special value
+    kv[:, :, H * D :] = block
+    slots = torch.tensor([3, 0, 6, 1], device="cuda")
+    k_pool = torch.zeros(L, 8, H, D, device="cuda").to(fmt)
+    v_pool = torch.zeros_like(k_pool)
+    gpu = cuda(replace(case, kv=kv))
+    # Small enough that most normed K values pass the format's range.
+    k_scale = 2.0**-12 if fmt == torch.float8_e4m3fn else 2.0**-17
+    typedkv.materialize_kv_into_pool(
+        gpu.kv, gpu.k_norm_weight, gpu.eps, gpu.cos_sin_cache, gpu.positions, slots, k_pool, v_pool,
+        num_kv_heads=H, k_scale=k_scale, v_scale=4.0,
+    )  # fmt: skip
+    want_v = _reference.quantize(kv[:, :, H * D :].reshape(T, L, H, D).transpose(0, 1), 4.0, fmt)
+    got_v = v_pool[:, slots].cpu()
+    assert torch.equal(got_v.view(torch.uint8), want_v.contiguous().view(torch.uint8))
+    fmax = torch.finfo(fmt).max
+    got = dict(zip(_special_values(fmt), got_v.transpose(0, 1).reshape(-1)[: len(values)].tolist(), strict=True))
+    assert got[float("inf")] == fmax and got[float("-inf")] == -fmax and got[fmax * 1.5] == fmax
+    assert got[1e30] == fmax and got[1.9375] == 2.0 and got[-1.9375] == -2.0
+    assert bool((k_pool[:, slots].float().abs() == fmax).any())
+    assert not bool(k_pool[:, slots].float().isnan().any())
 
 
 def test_pool_memory_stable_cuda() -> None:

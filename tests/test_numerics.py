@@ -288,26 +288,44 @@ def test_num_tokens(
     check(make_case(num_tokens, num_layers, num_kv_heads, head_dim, rotary_dim, dtype, rope_style))
 
 
-# (BLOCK_T, SPLIT_KV, LAYER_FAST): the launcher's default first, then the other
-# configurations the kernel supports (benchmarks/tune.py switches between them).
-_KERNEL_CONFIGS = [(1, True, True), (1, False, False), (4, True, False), (8, False, True), (16, True, True)]
+# (BLOCK_T, SPLIT_KV, LAYER_FAST, FULL_ROW): configurations the kernel supports
+# (the launcher picks among them by size and shape; benchmarks/explore.py
+# sweeps them). FULL_ROW only applies to NeoX with R < D, as here.
+_KERNEL_CONFIGS = [
+    (1, True, True, True),
+    (1, False, False, False),
+    (4, True, False, True),
+    (8, False, True, False),
+    (16, True, True, True),
+    (2, False, True, True),
+]
 
 
 @pytest.mark.parametrize("rope_style", STYLES)
 @pytest.mark.parametrize(
-    ("block_t", "split_kv", "layer_fast"),
+    ("block_t", "split_kv", "layer_fast", "full_row"),
     _KERNEL_CONFIGS,
-    ids=[f"BT{b}-{'split' if s else 'fused'}-{'layerfast' if f else 'tokenfast'}" for b, s, f in _KERNEL_CONFIGS],
+    ids=[
+        f"BT{b}-{'split' if s else 'fused'}-{'layerfast' if f else 'tokenfast'}-{'row' if r else 'pieces'}"
+        for b, s, f, r in _KERNEL_CONFIGS
+    ],
 )
 def test_kernel_configs(
-    monkeypatch: pytest.MonkeyPatch, block_t: int, split_kv: bool, layer_fast: bool, rope_style: RopeStyle
+    monkeypatch: pytest.MonkeyPatch,
+    block_t: int,
+    split_kv: bool,
+    layer_fast: bool,
+    full_row: bool,
+    rope_style: RopeStyle,
 ) -> None:
     """Every launch configuration computes the same thing, partial token blocks included.
 
     Each configuration gets its own cache length P, so its own layout: the op
     caches the launch configuration per layout (shapes, strides, dtypes).
     """
-    index = _KERNEL_CONFIGS.index((block_t, split_kv, layer_fast)) + STYLES.index(rope_style) * len(_KERNEL_CONFIGS)
+    index = _KERNEL_CONFIGS.index((block_t, split_kv, layer_fast, full_row)) + STYLES.index(rope_style) * len(
+        _KERNEL_CONFIGS
+    )
     default = _launch.block_config
 
     def config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -316,6 +334,7 @@ def test_kernel_configs(
     monkeypatch.setattr(_launch, "block_config", config)
     monkeypatch.setattr(_launch, "SPLIT_KV", split_kv)
     monkeypatch.setattr(_launch, "LAYER_FAST", layer_fast)
+    monkeypatch.setattr(_launch, "FULL_ROW", full_row)
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
     check(make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, num_positions=1000 + index))
 

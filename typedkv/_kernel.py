@@ -6,7 +6,11 @@ RMSNorm (float32, rounded to the storage dtype as the unfused path does) and
 RoPE, and writes K and V. The destination row of a token is the token itself
 (dense ``[L, T, H, D]`` outputs) or its pool slot (``INDEXED``); the layer base is
 ``layer * stride`` (one stacked tensor) or an element offset read from a table
-(``LAYER_TABLE``: an engine's list of per-layer pool tensors).
+(``LAYER_TABLE``: an engine's list of per-layer pool tensors). K and V of a
+token block are handled by one program, or by two (``SPLIT``, grid axis 2) when
+there are few programs. K is either split into the rotary pairs and the
+pass-through dims (`_k_part`) or, for NeoX RoPE over part of the head, kept as
+one tile (`_k_row`, ``FULL_ROW``).
 
 Every load and store is masked, so the kernel never touches memory outside its
 tensors whatever the values of ``positions`` or the slots are: a token whose
@@ -90,8 +94,11 @@ def _store_scaled(
                 nan_bits = (((x.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
                 q = tl.where(x != x, nan_bits, q.to(tl.uint8, bitcast=True)).to(dst.dtype.element_ty, bitcast=True)
         else:
-            # Hardware conversion rounds to nearest even; saturate first (NaN stays NaN).
-            q = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x)).to(dst.dtype.element_ty)
+            # On GPUs the conversion is one `cvt.rn.satfinite` per pair: round to
+            # nearest even, saturate to the finite range, NaN stays NaN. An explicit
+            # clamp here cost 4 instructions per element (tests/test_gpu.py pins
+            # the saturation on CUDA).
+            q = x.to(dst.dtype.element_ty)
         tl.store(dst, q, mask=mask)
 
 
@@ -141,6 +148,18 @@ def _k_part(
     w_row = weight_ptr + layer * weight_stride_l
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
+    # The RoPE row first: the position and then its cos/sin row are two dependent
+    # loads, issued before K's so that their latency overlaps K's instead of
+    # following the norm. A position outside [0, P) is never read: its token's
+    # K becomes NaN.
+    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
+    cs_mask = (tok_ok & pos_ok)[:, None] & pair_ok[None, :]
+    cos = tl.load(cs_row[:, None] + pair[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row[:, None] + (pair + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
+    sin = sin.to(tl.float32)[:, None, :]
+    cos = cos[:, None, :]
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
         x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
@@ -148,15 +167,14 @@ def _k_part(
         w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
         w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
     else:
-        two = tl.arange(0, 2)
-        dims = 2 * pair[:, None] + two[None, :]  # [HALF, 2]
-        m2 = m1[:, :, :, None] & (two < 2)[None, None, None, :]
-        x = tl.load(k_head[:, :, None, None] + dims[None, None, :, :], mask=m2, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(x)
-        w = tl.load(w_row + dims * weight_stride_d, mask=pair_ok[:, None] & (two < 2)[None, :], other=0.0).to(
-            tl.float32
-        )
-        w1, w2 = tl.split(w)
+        # The rotary dims in one contiguous (vectorised) load, then viewed as
+        # [.., R/2, 2] pairs (dims 2j and 2j + 1 are pair j).
+        rot = tl.arange(0, 2 * BLOCK_HALF)
+        m2 = head_ok[:, :, None] & (rot < R)[None, None, :]
+        x = tl.load(k_head[:, :, None] + rot[None, None, :], mask=m2, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], BLOCK_HALF, 2)))
+        w = tl.load(w_row + rot * weight_stride_d, mask=rot < R, other=0.0).to(tl.float32)
+        w1, w2 = tl.split(tl.reshape(w, (BLOCK_HALF, 2)))
     sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
     if PASS > 0:
         rest = tl.arange(0, BLOCK_PASS)
@@ -171,15 +189,6 @@ def _k_part(
     y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
     y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
 
-    # RoPE. A position outside [0, P) is never read: its token's K becomes NaN.
-    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < num_positions)
-    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
-    cs_mask = (tok_ok & pos_ok)[:, None] & pair_ok[None, :]
-    cos = tl.load(cs_row[:, None] + pair[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row[:, None] + (pair + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
-    sin = sin.to(tl.float32)[:, None, :]
-    cos = cos[:, None, :]
     # Added to every K dim: NaN for a bad token, -0.0 (which changes no bits, -0.0 included) otherwise.
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o1 = y1 * cos - y2 * sin + bad
@@ -211,11 +220,12 @@ def _k_part(
             SOFT_ROUND,
         )
     else:
-        s2 = s1[:, :, :, None] & (two < 2)[None, None, None, :]
+        # Pairs interleaved back into one contiguous row of R dims.
+        o = tl.reshape(tl.join(o1, o2), (o1.shape[0], o1.shape[1], 2 * BLOCK_HALF))
         _store_scaled(
-            k_dst[:, :, None, None] + dims[None, None, :, :],
-            tl.join(o1, o2),
-            s2,
+            k_dst[:, :, None] + rot[None, None, :],
+            o,
+            out_ok[:, :, None] & (rot < R)[None, None, :],
             K_SCALE,
             k_scale,
             FP8_MAX,
@@ -237,6 +247,94 @@ def _k_part(
             FP8_MIN_EXP,
             SOFT_ROUND,
         )
+
+
+@triton.jit
+def _k_row(
+    k_head,
+    head_ok,
+    tok,
+    tok_ok,
+    layer,
+    row_ok,
+    k_dst,
+    weight_ptr,
+    weight_stride_l,
+    weight_stride_d,
+    eps,
+    cos_sin_ptr,
+    cos_sin_stride_p,
+    cos_sin_stride_r,
+    positions_ptr,
+    positions_stride,
+    num_positions,
+    k_scale,
+    store_ty: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    K_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
+):
+    """K with NeoX RoPE over part of the head (R < D): every dim in one tile.
+
+    `_k_part`'s pieces (two rotary halves, then the pass-through dims padded to a
+    power of two) each get their own register layout when R is small beside D,
+    and the norm then moves values between layouts. Here the row is one
+    ``[T, H, D]`` tile; each rotary dim's partner (``d +- R/2``) comes from a
+    second load of the same row (an L1 hit), so the rotation needs no shuffle:
+    ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])`` with ``j = d mod R/2``.
+    """
+    HALF: tl.constexpr = R // 2
+    dim = tl.arange(0, BLOCK_D)
+    rotary = dim < R
+    first = dim < HALF
+    partner = tl.where(first, dim + HALF, dim - HALF)
+    freq = tl.where(first, dim, dim - HALF)
+    # The RoPE row first (two dependent loads), as in `_k_part`.
+    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
+    cs_mask = (tok_ok & pos_ok)[:, None] & rotary[None, :]
+    cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
+    sin = tl.where(first[None, :], -sin.to(tl.float32), sin.to(tl.float32))[:, None, :]
+    cos = cos[:, None, :]
+
+    in_row = dim < D
+    x = tl.load(k_head[:, :, None] + dim[None, None, :], mask=head_ok[:, :, None] & in_row[None, None, :], other=0.0)
+    x = x.to(tl.float32)
+    xp = tl.load(
+        k_head[:, :, None] + partner[None, None, :], mask=head_ok[:, :, None] & rotary[None, None, :], other=0.0
+    )
+    xp = xp.to(tl.float32)
+    w_row = weight_ptr + layer * weight_stride_l
+    w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
+    wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
+
+    # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]
+    y = _cast(x * rstd * w, store_ty, SOFT_ROUND).to(tl.float32)
+    yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
+    # NaN for a bad token, -0.0 (changes no bits) otherwise; pass-through dims are y itself.
+    bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
+    o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
+    out_ok = row_ok[:, None] & head_ok
+    _store_scaled(
+        k_dst[:, :, None] + dim[None, None, :],
+        o,
+        out_ok[:, :, None] & in_row[None, None, :],
+        K_SCALE,
+        k_scale,
+        FP8_MAX,
+        FP8_MANT,
+        FP8_MIN_EXP,
+        SOFT_ROUND,
+    )
 
 
 @triton.jit
@@ -344,6 +442,7 @@ def materialize_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
     LAYER_FAST: tl.constexpr,
+    FULL_ROW: tl.constexpr,
 ):
     # One program per (token block, layer) on a 1-D grid; LAYER_FAST puts a
     # token's layers on neighbouring programs, so kv is read front to back.
@@ -387,12 +486,20 @@ def materialize_kv_kernel(
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
     if not SPLIT or part == 0:
-        _k_part(
-            k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
-            eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-            num_positions, k_scale, store_ty, H, D, R, NEOX, K_SCALE,
-            FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
-        )  # fmt: skip
+        if FULL_ROW:
+            _k_row(
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
+                eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
+                num_positions, k_scale, store_ty, D, R, K_SCALE,
+                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
+            )  # fmt: skip
+        else:
+            _k_part(
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
+                eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
+                num_positions, k_scale, store_ty, H, D, R, NEOX, K_SCALE,
+                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
+            )  # fmt: skip
     if not SPLIT or part == 1:
         _v_part(
             k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, v_scale,

@@ -27,12 +27,17 @@ from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Measured on the H200 (benchmarks/NOTES.md): one token per program, K and
-# V in separate programs (grid axis 2), a token's layers on neighbouring
-# programs. Every (BLOCK_T, warps, split, order) tried came within 3% of the best
-# for every benchmarked shape; this one's worst case was closest to the best.
-SPLIT_KV = True
+# Measured on the H200 (benchmarks/NOTES.md, launch-configuration sweep of
+# 2026-11-29 evening): about 1024 K elements per program; 4 warps for a token's
+# K of >= 1024 elements, 1 warp for several tokens of a narrow K; K and V in
+# one program, except for small batches, where separate K and V programs (grid
+# axis 2) give the SMs twice as many programs; a token's layers on neighbouring
+# programs, so kv is read front to back. SPLIT_KV and FULL_ROW are None (chosen
+# by size and shape) or forced, for tests and sweeps.
+SPLIT_KV: bool | None = None
+FULL_ROW: bool | None = None
 LAYER_FAST = True
+_SPLIT_BELOW_PROGRAMS = 4096
 _FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
@@ -41,10 +46,26 @@ def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: 
     """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch (cached: it runs on every new layout)."""
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    return 1, block_h, block_d, 4 if block_h * block_d <= 1024 else 8
+    tile = block_h * block_d
+    if tile >= 1024:
+        return 1, block_h, block_d, 4
+    return min(4, 1024 // tile), block_h, block_d, 1
 
 
-@functools.lru_cache(maxsize=64)
+def split_kv(num_tokens: int, num_layers: int, block_t: int) -> bool:
+    """Whether K and V go to separate programs: only when there are few programs."""
+    if SPLIT_KV is not None:
+        return SPLIT_KV
+    return triton.cdiv(num_tokens, block_t) * num_layers < _SPLIT_BELOW_PROGRAMS
+
+
+def full_row(head_dim: int, rotary_dim: int, neox: bool) -> bool:
+    """Whether K is handled as one tile (`_k_row`): NeoX RoPE over part of the head."""
+    if FULL_ROW is not None:
+        return FULL_ROW and neox
+    return neox and rotary_dim < head_dim
+
+
 def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     """Block sizes of the rotary half and of the pass-through dims."""
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
@@ -86,6 +107,12 @@ def launch_params(
     head_dim = k_norm_weight.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
+    split = split_kv(num_tokens, num_layers, block_t)
+    row = full_row(head_dim, rotary_dim, neox)
+    if row and not split:
+        # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
+        # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
+        num_warps = min(8, max(1, block_h * block_d // 2048))
     _, _, eps_t, eps_f, *_, k_t, k_f, v_t, v_f = varying(
         kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_scale, v_scale
     )
@@ -110,9 +137,10 @@ def launch_params(
         num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim), SPLIT_KV, INTERPRETED, num_layers, LAYER_FAST,
+        *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, LAYER_FAST,
+        row,
     )  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if SPLIT_KV else 1), params, num_warps
+    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
 
 
 _NAMES = tuple(inspect.signature(materialize_kv_kernel.fn).parameters)
