@@ -188,8 +188,13 @@ def _discard(_: object) -> None:
     return None
 
 
-def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25) -> float:
-    """Median device time of one call, from CUDA-graph replays over rotating inputs."""
+def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25, min_calls: int = 20) -> float:
+    """Median device time of one call, from CUDA-graph replays over rotating inputs.
+
+    One replay holds at least ``min_calls`` calls: a graph of one large call
+    would add the replay's own start-up (a few microseconds) to every call.
+    """
+    sequence = list(calls) * max(1, math.ceil(min_calls / len(calls)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -200,7 +205,7 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25) -> float
     # Repeat the rotation so one replay lasts long enough to time well.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for fn in calls:
+        for fn in sequence:
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -211,7 +216,7 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25) -> float
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+        times.append(start.elapsed_time(end) * 1e3 / len(sequence))
     return statistics.median(times)
 
 
