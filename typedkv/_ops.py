@@ -371,7 +371,10 @@ def _check_positions(positions: Tensor, num_positions: int) -> None:
     """Debug mode: every position in [0, P). One device sync."""
     if positions.numel() == 0:
         return
-    lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+    # Both extremes land in one buffer: one reduction, one copy to the host.
+    extremes = torch.empty(2, dtype=positions.dtype, device=positions.device)
+    torch.aminmax(positions, out=(extremes[0], extremes[1]))
+    lo, hi = extremes.tolist()
     if lo < 0 or hi >= num_positions:
         t = int(((positions < 0) | (positions >= num_positions)).nonzero()[0, 0])
         got = int(positions[t])
