@@ -1,13 +1,13 @@
-"""Developer script for the H200: check the kernel on CUDA, sweep launch configurations, break down host time.
+"""Developer script for the H200: check the kernel on CUDA and break down host time.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/tune.py OUT_DIR``.
-Results feed ``typedkv/_launch.py``'s ``block_config`` and ``benchmarks/NOTES.md``.
+Launch configurations are swept by ``benchmarks/explore.py``. Results feed
+``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -65,81 +65,6 @@ def correctness() -> list[str]:
     return out
 
 
-def sweep(roof: float, results: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
-    """Launch configurations for the main shape and the other targets, device time via graphs."""
-    real = _launch.block_config
-    cases = (
-        [(_bench.MAIN, t) for t in (16384, 2048, 256)]
-        + [(c, 16384) for c in _bench.GPU_CASES[1:6]]
-        + [
-            (_bench.GPU_CASES[6], 16384),
-            (_bench.GPU_CASES[7], 16384),
-        ]
-    )
-    for case, T in cases:
-        nbytes = _bench.bytes_moved(case, T)
-        sets = max(1, min(64, math.ceil((256 << 20) / nbytes)))
-        inputs = [_bench.make_inputs(case, T, torch.device("cuda")) for _ in range(sets)]
-        main = case is _bench.MAIN
-        configs = [
-            (bt, w, sp, ev)
-            for bt in ((1, 2, 4) if main else (1, 2))
-            for w in ((2, 4, 8) if main else (4, 8))
-            for sp in (False, True)
-            for ev in (False, True)
-        ]
-        for block_t, warps, split, layer_fast in configs:
-            bh = triton_pow2(case.num_kv_heads)
-            bd = triton_pow2(case.head_dim)
-            _launch.block_config = lambda *a, bt=block_t, w=warps, bh=bh, bd=bd: (bt, bh, bd, w)
-            _launch.SPLIT_KV, _launch.LAYER_FAST = split, layer_fast
-            cfg = {
-                "case": case.name,
-                "T": T,
-                "block_t": block_t,
-                "warps": warps,
-                "split": split,
-                "layer_fast": layer_fast,
-            }
-            try:
-                us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
-            except Exception as err:
-                results.append({**cfg, "error": str(err)[:300]})
-                continue
-            finally:
-                _launch.block_config = real
-                _launch.SPLIT_KV, _launch.LAYER_FAST = True, True
-            results.append({**cfg, "us": round(us, 2), "pct": round(100 * nbytes / us / 1e3 / roof, 1)})
-        _launch.block_config = real
-        us = _bench.gpu_time_us([_bench.typedkv_call(case, x) for x in inputs], replays=15)
-        results.append(
-            {
-                "case": case.name,
-                "T": T,
-                "block_t": "default",
-                "us": round(us, 2),
-                "pct": round(100 * nbytes / us / 1e3 / roof, 1),
-            }
-        )
-        out.write_text(json.dumps(results, indent=1))
-        print(
-            case.name,
-            T,
-            "best:",
-            max(
-                (r for r in results if r.get("T") == T and r["case"] == case.name and "pct" in r),
-                key=lambda r: r["pct"],
-            ),
-            flush=True,
-        )
-        del inputs
-    return results
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def host_breakdown() -> dict[str, float]:
     """Where host time goes at T = 16: plan lookup, per-call values, the launch, full calls."""
     x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
@@ -192,8 +117,6 @@ def main() -> None:
     roof = _bench.copy_roofline_gbps(torch.device("cuda"))
     report["copy_GBps"] = roof
     print("copy", roof, flush=True)
-    (out_dir / "tune.json").write_text(json.dumps(report, indent=1))
-    sweep(roof, [], out_dir / "sweep.json")
     (out_dir / "tune.json").write_text(json.dumps(report, indent=1))
 
 
