@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,26 +80,6 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def one_rotation_us(calls: Sequence[Callable[[], None]], replays: int = 15) -> float:
-    """The first bench method: a graph of one rotation of input sets (one call at large T)."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return float(statistics.median(times))
-
-
 def check_same(case: _bench.Case, x: _bench.Inputs, variant: Callable[[], None]) -> str:
     """The variant against the product op (poisoned outputs, fresh random inputs)."""
     dst = (x.k_pool, x.v_pool) if case.pool else (x.k_out, x.v_out)
@@ -141,7 +120,7 @@ def measure(case: _bench.Case, T: int, roof: float) -> dict[str, Any]:
 
     product = [_bench.typedkv_call(case, x) for x in inputs]
     record("op/graph", _bench.gpu_time_us(product, replays=15))
-    record("op/one_rotation", one_rotation_us(product))
+    record("op/one_rotation", _bench.gpu_time_us(product, replays=15, min_calls=1))
     record("op/do_bench", float(triton.testing.do_bench(product[0], warmup=25, rep=200, return_mode="median")) * 1e3)
     if not case.pool:
         L, HD = case.num_layers, case.num_kv_heads * case.head_dim

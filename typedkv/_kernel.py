@@ -103,6 +103,35 @@ def _store_scaled(
 
 
 @triton.jit
+def _rope_row(
+    positions_ptr,
+    positions_stride,
+    num_positions,
+    tok,
+    tok_ok,
+    cos_sin_ptr,
+    cos_sin_stride_p,
+    cos_sin_stride_r,
+    freq,
+    freq_ok,
+    HALF: tl.constexpr,
+):
+    """``(pos_ok, cos, sin)`` of each token at frequencies ``freq`` (float32, ``[T, F]``).
+
+    Issued before K's loads: the position and then its cos/sin row are two
+    dependent loads, whose latency then overlaps K's instead of following the
+    norm. A position outside ``[0, P)`` is never read (``pos_ok`` is False).
+    """
+    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
+    cs_mask = (tok_ok & pos_ok)[:, None] & freq_ok[None, :]
+    cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0)
+    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
+    return pos_ok, cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
 def _k_part(
     k_head,
     head_ok,
@@ -148,18 +177,13 @@ def _k_part(
     w_row = weight_ptr + layer * weight_stride_l
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
-    # The RoPE row first: the position and then its cos/sin row are two dependent
-    # loads, issued before K's so that their latency overlaps K's instead of
-    # following the norm. A position outside [0, P) is never read: its token's
-    # K becomes NaN.
-    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < num_positions)
-    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
-    cs_mask = (tok_ok & pos_ok)[:, None] & pair_ok[None, :]
-    cos = tl.load(cs_row[:, None] + pair[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row[:, None] + (pair + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
-    sin = sin.to(tl.float32)[:, None, :]
+    # The RoPE row first; a token whose position is outside [0, P) gets NaN in K.
+    pos_ok, cos, sin = _rope_row(
+        positions_ptr, positions_stride, num_positions, tok, tok_ok,
+        cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, pair, pair_ok, HALF,
+    )  # fmt: skip
     cos = cos[:, None, :]
+    sin = sin[:, None, :]
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
         x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
@@ -295,14 +319,12 @@ def _k_row(
     first = dim < HALF
     partner = tl.where(first, dim + HALF, dim - HALF)
     freq = tl.where(first, dim, dim - HALF)
-    # The RoPE row first (two dependent loads), as in `_k_part`.
-    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < num_positions)
-    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
-    cs_mask = (tok_ok & pos_ok)[:, None] & rotary[None, :]
-    cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
-    sin = tl.where(first[None, :], -sin.to(tl.float32), sin.to(tl.float32))[:, None, :]
+    # The RoPE row first, as in `_k_part`; the first half's sin enters negated.
+    pos_ok, cos, sin = _rope_row(
+        positions_ptr, positions_stride, num_positions, tok, tok_ok,
+        cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, freq, rotary, HALF,
+    )  # fmt: skip
+    sin = tl.where(first[None, :], -sin, sin)[:, None, :]
     cos = cos[:, None, :]
 
     in_row = dim < D
