@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,16 @@ def test_production_makes_no_sync() -> None:
             num_kv_heads=2,
         )  # fmt: skip
 
-    calls()  # first call per layout builds its plan (and the list pools' layer table)
+    assert_no_sync(calls)
+
+
+def assert_no_sync(calls: Callable[[], None]) -> None:
+    """``calls`` runs three times under ``set_sync_debug_mode("error")`` (a sync raises).
+
+    One call first, outside the check: the first call per layout builds its plan
+    (and a list pool's layer table, a KVMaterializer's workspace).
+    """
+    calls()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_gpu import assert_no_sync
 from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
@@ -251,12 +252,4 @@ def test_materializer_makes_no_sync() -> None:
         m.into_pool(hidden, positions, slots, k_pool, v_pool, k_scale=scale, v_scale=0.5)
         m.into_pool(hidden, positions, slots, pools[:L], pools[L:])
 
-    calls()  # the first call per layout builds its plan and the workspace
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            calls()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    assert_no_sync(calls)
