@@ -66,6 +66,7 @@ def full_row(head_dim: int, rotary_dim: int, neox: bool) -> bool:
     return neox and rotary_dim < head_dim
 
 
+@functools.lru_cache(maxsize=64)
 def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     """Block sizes of the rotary half and of the pass-through dims."""
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
