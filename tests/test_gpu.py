@@ -94,8 +94,8 @@ def test_out_of_range_positions_cuda() -> None:
 # ------------------------------------------------------------------------ pools
 
 
-def _pool_inputs(num_tokens: int, num_slots: int, fmt: torch.dtype) -> tuple[Case, Tensor]:
-    case = cuda(make_case(num_tokens, 3, 2, 128, 128, torch.bfloat16, num_positions=4096))
+def _pool_inputs(num_tokens: int, num_slots: int, fmt: torch.dtype, rotary_dim: int = 128) -> tuple[Case, Tensor]:
+    case = cuda(make_case(num_tokens, 3, 2, 128, rotary_dim, torch.bfloat16, num_positions=4096))
     slots = torch.randperm(num_slots, device="cuda")[:num_tokens]
     slots[::7] = -1  # padding tokens
     return case, slots
@@ -104,11 +104,13 @@ def _pool_inputs(num_tokens: int, num_slots: int, fmt: torch.dtype) -> tuple[Cas
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("layout", ["stacked", "list", "padded-list"])
 @pytest.mark.parametrize("scale_kind", ["none", "float", "tensor"])
-def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str) -> None:
+@pytest.mark.parametrize("rotary_dim", [128, 64], ids=["R128", "R64"])  # R < D: the one-tile K
+def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str, rotary_dim: int) -> None:
     if fmt == torch.bfloat16 and scale_kind != "none":
         pytest.skip("scales are for FP8 pools")
-    num_tokens, num_slots, L = 300, 1000, 3
-    case, slots = _pool_inputs(num_tokens, num_slots, fmt)
+    # 300 tokens of 3 layers launch K and V as separate programs; 1500 as one.
+    num_tokens, num_slots, L = (300, 1000, 3) if rotary_dim == 128 else (1500, 4000, 3)
+    case, slots = _pool_inputs(num_tokens, num_slots, fmt, rotary_dim)
     scale: float | Tensor | None = {
         "none": None,
         "float": 0.25,

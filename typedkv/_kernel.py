@@ -300,7 +300,6 @@ def _k_row(
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
 ):
@@ -513,7 +512,7 @@ def materialize_kv_kernel(
                 k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
                 eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
                 num_positions, k_scale, store_ty, D, R, K_SCALE,
-                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
+                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_D, SOFT_ROUND,
             )  # fmt: skip
         else:
             _k_part(
