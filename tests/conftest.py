@@ -20,6 +20,20 @@ def _debug_mode(request: pytest.FixtureRequest) -> Iterator[None]:
     typedkv.set_debug(False)
 
 
+@pytest.fixture
+def fresh_compile() -> Iterator[None]:
+    """torch.compile from scratch (tests/test_compile.py, tests/test_gpu_integration.py).
+
+    Inductor's on-disk caches key compiled code without the inputs' aliasing: code
+    compiled for pools that share an allocation (test_shared_allocation_warns)
+    would be reused for pools that don't.
+    """
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "production: run the test with debug checking off")
 

@@ -11,7 +11,7 @@ kernel under its interpreter, so shapes are tiny.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +23,9 @@ from torch._inductor.utils import run_and_get_code
 import typedkv
 from typedkv import _library
 
-# Noise from torch itself: inductor's imports, and the note that caches are off (see _fresh_compile).
+# Noise from torch itself: inductor's imports, and the note that caches are off (see conftest's fresh_compile).
 pytestmark = [
+    pytest.mark.usefixtures("fresh_compile"),
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
     pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled"),
 ]
@@ -35,17 +36,6 @@ TYPEDKV_OPS = {
     torch.ops.typedkv.materialize_kv_into_pool_stacked.default,
     torch.ops.typedkv.materialize_kv_into_pool_list.default,
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compile() -> Iterator[None]:
-    # Each test compiles from scratch. Inductor's on-disk caches key compiled code
-    # without the inputs' aliasing: code compiled for pools that share an
-    # allocation (test_shared_allocation_warns) would be reused for pools that don't.
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ conftest) where no CUDA device is present.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,21 +27,11 @@ DTYPE = torch.bfloat16
 
 
 pytestmark = [
+    pytest.mark.usefixtures("fresh_compile"),
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
     pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compile() -> Iterator[None]:
-    # Compiled from scratch: inductor's on-disk caches key compiled code without
-    # the inputs' aliasing (code for pools sharing an allocation would be reused
-    # for pools that don't: see tests/test_compile.py).
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 def _generator(seed: int) -> torch.Generator:
