@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
 
 import nox
 
@@ -15,13 +17,32 @@ nox.options.default_venv_backend = "none"
 nox.options.sessions = ["tests", "typecheck", "lint"]
 
 PY = sys.executable
+ROOT = Path(__file__).parent
+PYREFLY_STUBS = ROOT / ".pyrefly" / "site"
+
+
+def _pyrefly_stubs(session: nox.Session) -> None:
+    """pyrefly-torch-stubs into .pyrefly/site, once (pyproject.toml says why not into the environment).
+
+    Needs the package index the first time only; later runs find them there.
+    """
+    # The pin is [tool.typedkv]'s (read as text: tomllib is Python 3.11+, typedkv supports 3.10).
+    found = re.search(r'^pyrefly-torch-stubs = "(.+==(.+))"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert found, "pyproject.toml: [tool.typedkv] pyrefly-torch-stubs is missing"
+    pin, version = found.groups()
+    if (PYREFLY_STUBS / f"pyrefly_torch_stubs-{version}.dist-info").is_dir():
+        return
+    session.run(
+        PY, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(PYREFLY_STUBS), pin
+    )  # fmt: skip
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """CPU suite twice: the PyTorch reference path, then the Triton kernel under its interpreter."""
+    _pyrefly_stubs(session)
     session.run(PY, "-m", "pytest", "-m", "not gpu", *session.posargs)
-    # The mypy cases in tests/typecheck do not touch the kernel: run once.
+    # The static cases in tests/typecheck do not touch the kernel: run once.
     session.run(
         PY, "-m", "pytest", "-m", "not gpu", "--ignore=tests/typecheck", *session.posargs,
         env={"TRITON_INTERPRET": "1"},
@@ -37,7 +58,9 @@ def gpu(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package and the tests, stubs/ checked against the installed
-    Triton, and the misuse cases of tests/typecheck (mypy must reject them)."""
+    Triton, pyrefly's shape checker over the shape-correct corpus and the example, and
+    the static cases of tests/typecheck (the misuse mypy and pyrefly must flag)."""
+    _pyrefly_stubs(session)
     session.run(PY, "-m", "mypy")
     session.run(
         PY, "-m", "mypy.stubtest", "triton",
@@ -46,6 +69,7 @@ def typecheck(session: nox.Session) -> None:
         # The stubs declare only what typedkv uses; the rest of Triton is left out.
         "--ignore-missing-stub",
     )  # fmt: skip
+    session.run(str(Path(PY).parent / "pyrefly"), "check", "--python-interpreter-path", PY)
     session.run(PY, "-m", "pytest", "tests/typecheck", "-q")
 
 

@@ -270,9 +270,9 @@ def test_changing_sizes_compile_dynamic() -> None:
     def fn(kv: Tensor, num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor]:
         return typedkv.materialize_kv(kv, x.k_norm_weight, eps, x.cos_sin_cache, x.positions, num_kv_heads=num_kv_heads)
 
-    got = torch.compile(fn, fullgraph=True, dynamic=True)(x.kv, H, 1e-5)
-    want = fn(x.kv, H, 1e-5)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    compiled_kv = torch.compile(fn, fullgraph=True, dynamic=True)(x.kv, H, 1e-5)
+    eager_kv = fn(x.kv, H, 1e-5)
+    assert torch.equal(compiled_kv[0], eager_kv[0]) and torch.equal(compiled_kv[1], eager_kv[1])
 
 
 # ------------------------------------------------------------------ checks

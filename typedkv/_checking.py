@@ -22,7 +22,9 @@ the function, as arguments of `Signature`, not as if-chains in its body.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import inspect
+import operator
 import re
 import types
 import typing
@@ -37,6 +39,7 @@ from beartype.roar import BeartypeDoorHintViolation
 from jaxtyping import Shaped, jaxtyped
 
 from ._errors import InputError
+from ._types import Derived
 
 # How a dim is spoken of in a fix ("allocate layers first").
 _DIM_WORDS = {"L": "layers", "T": "tokens", "H": "heads", "D": "head dims", "S": "slots"}
@@ -122,6 +125,32 @@ def _is_array_hint(hint: Any) -> bool:
     return hasattr(hint, "dim_str") and hasattr(hint, "dtypes")
 
 
+def runtime_hint(hint: Any, derived: Sequence[Derived] = ()) -> Any:
+    """``hint`` as the run-time checks read it: every `Derived` dim replaced by its expression.
+
+    ``Annotated[StorageFloat[Tensor, "T L KV"], Derived("KV = 2*H*D")]`` becomes
+    ``StorageFloat[Tensor, "T L 2*H*D"]``, which jaxtyping evaluates itself. The
+    replacement reaches into unions and sequences below the ``Annotated``.
+    """
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        inner, *metadata = typing.get_args(hint)
+        mine = tuple(m for m in metadata if isinstance(m, Derived))
+        others = tuple(m for m in metadata if not isinstance(m, Derived))
+        inner = runtime_hint(inner, (*derived, *mine))
+        return typing.Annotated[(inner, *others)] if others else inner
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, (runtime_hint(m, derived) for m in typing.get_args(hint)))
+    if origin is collections.abc.Sequence:
+        (item,) = typing.get_args(hint)
+        return collections.abc.Sequence[runtime_hint(item, derived)]  # type: ignore[misc]
+    if derived and _is_array_hint(hint):
+        names = {d.name: d.expression for d in derived}
+        dim_str = " ".join(names.get(token, token) for token in hint.dim_str.split())
+        return hint.dtype[hint.array_type, dim_str]
+    return hint
+
+
 def _parse_param(name: str, index: int, hint: Any) -> _Param:
     param = _Param(name, index, hint)
     members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
@@ -194,7 +223,9 @@ class Signature:
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
     ) -> None:
-        hints = typing.get_type_hints(fn)
+        # Derived dims ("KV = 2*H*D") are read in place of their names, so both
+        # modes check the expression itself and messages quote it.
+        hints = {n: runtime_hint(h) for n, h in typing.get_type_hints(fn, include_extras=True).items()}
         parameters = list(inspect.signature(fn).parameters)
         self.name = fn.__name__
         self.parameters = parameters

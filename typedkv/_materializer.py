@@ -10,7 +10,7 @@ the call can be captured in a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +19,23 @@ from torch import Tensor, nn
 from ._checking import Bound, Signature
 from ._errors import InputError
 from ._ops import _ROTARY_RULE, materialize_kv, materialize_kv_into_pool
-from ._types import Index, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+from ._types import KV_WIDTH, RopeStyle, static_jaxtyping
+
+if TYPE_CHECKING:
+    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    from jaxtyping import Float as ParamFloat
+    from jaxtyping import Float as PoolFloat
+    from jaxtyping import Float as StorageFloat
+    from jaxtyping import Int as Index
+else:
+    from ._types import Index, ParamFloat, PoolFloat, StorageFloat
 
 
 def _weights(
     k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
-    kv_weight: StorageFloat[Tensor, "L 2*H*D hidden"] | Sequence[StorageFloat[Tensor, "2*H*D hidden"]],
-    kv_bias: StorageFloat[Tensor, "L 2*H*D"] | Sequence[StorageFloat[Tensor, " 2*H*D"]] | None,
+    kv_weight: Annotated[StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH],
+    kv_bias: Annotated[StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH],
     eps: float | ParamFloat[Tensor, " L"],
     num_kv_heads: int,
     rope_style: RopeStyle,
@@ -58,6 +67,7 @@ _PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_weight", same
 _STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
 
 
+@static_jaxtyping("L KV H D hidden")
 class KVMaterializer(nn.Module):
     """The K/V path of a draft model's layers: one GEMM for all layers, then one fused launch.
 
@@ -109,16 +119,21 @@ class KVMaterializer(nn.Module):
     cos_sin_cache: Tensor
     eps: float | Tensor
 
+    @static_jaxtyping("P R")
     def __init__(
         self,
-        kv_weight: StorageFloat[Tensor, "L 2*H*D hidden"] | Sequence[StorageFloat[Tensor, "2*H*D hidden"]],
+        kv_weight: Annotated[
+            StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH
+        ],
         k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
         eps: float | ParamFloat[Tensor, " L"] | Sequence[float],
         cos_sin_cache: ParamFloat[Tensor, "P R"],
         *,
         num_kv_heads: int,
         rope_style: RopeStyle = "neox",
-        kv_bias: StorageFloat[Tensor, "L 2*H*D"] | Sequence[StorageFloat[Tensor, " 2*H*D"]] | None = None,
+        kv_bias: Annotated[
+            StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH
+        ] = None,
     ) -> None:
         super().__init__()
         _check_layer_counts(kv_weight, k_norm_weight, kv_bias, eps)
@@ -143,6 +158,7 @@ class KVMaterializer(nn.Module):
             self.eps = cast(float, layer_eps)
         self._workspace: Tensor | None = None
 
+    @static_jaxtyping("T")
     def forward(
         self,
         hidden: StorageFloat[Tensor, "T hidden"],
@@ -172,6 +188,7 @@ class KVMaterializer(nn.Module):
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
         )  # fmt: skip
 
+    @static_jaxtyping("T S")
     def into_pool(
         self,
         hidden: StorageFloat[Tensor, "T hidden"],
@@ -203,6 +220,11 @@ class KVMaterializer(nn.Module):
             k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+
+    if TYPE_CHECKING:
+        # nn.Module.__call__ is untyped (it runs hooks, then forward): to a type
+        # checker a call is forward itself, arguments and result checked.
+        __call__ = forward
 
     def extra_repr(self) -> str:
         return (

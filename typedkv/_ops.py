@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import torch
 from torch import Tensor
@@ -18,7 +18,17 @@ from . import _launch, _library, _reference
 from ._checking import Bound, Signature
 from ._config import debug_enabled
 from ._errors import InputError
-from ._types import Index, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+from ._types import KV_WIDTH, RopeStyle, static_jaxtyping
+
+if TYPE_CHECKING:
+    # pyrefly reads jaxtyping's names only where they are imported (not through a
+    # re-export): the families are those names to every static checker.
+    from jaxtyping import Float as ParamFloat
+    from jaxtyping import Float as PoolFloat
+    from jaxtyping import Float as StorageFloat
+    from jaxtyping import Int as Index
+else:
+    from ._types import Index, ParamFloat, PoolFloat, StorageFloat
 
 _ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
 
@@ -52,8 +62,9 @@ def _debug(signature: Signature, plan: _Plan, args: tuple[object, ...]) -> None:
         plan.typechecked = True
 
 
+@static_jaxtyping("T L KV H D P R")
 def materialize_kv(
-    kv: StorageFloat[Tensor, "T L 2*H*D"],
+    kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"],
     eps: float | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
@@ -152,8 +163,9 @@ _DENSE = Signature(
 )
 
 
+@static_jaxtyping("T L KV H D P R S")
 def materialize_kv_into_pool(
-    kv: StorageFloat[Tensor, "T L 2*H*D"],
+    kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"],
     eps: float | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],

@@ -1,28 +1,41 @@
-"""Dtype families and public type aliases used in the annotations.
+"""Dtype families, derived dims and the static shape declaration used in the annotations.
 
 jaxtyping's ``Float`` admits every floating dtype; the op accepts narrower sets
 (the kernel stores only 16/32-bit floats or FP8), so each family is spelled out.
+
+Three readers see the same annotations (docs/static-checking.md):
+
+- at run time, `typedkv._checking` reads the families below and the shape strings;
+- mypy sees ``Annotated[Tensor, ...]`` -- the tensor type, shapes left to others;
+- pyrefly's tensor-shape checker reads the shape strings of definitions decorated
+  with `static_jaxtyping`, but only under jaxtyping's own names (``Float``,
+  ``Int``) imported in the module that uses them: each public module imports the
+  families as those names when type checking (see `typedkv._ops`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 from jaxtyping import AbstractDtype
 
-__all__ = ["Index", "ParamFloat", "PoolFloat", "RopeStyle", "StorageFloat"]
+__all__ = ["KV_WIDTH", "Derived", "Index", "ParamFloat", "PoolFloat", "RopeStyle", "StorageFloat", "static_jaxtyping"]
 
 RopeStyle = Literal["neox", "gptj"]
 """``"neox"`` rotates the two halves of the rotary dims; ``"gptj"`` rotates interleaved pairs."""
 
+_F = TypeVar("_F")
+
 if TYPE_CHECKING:
-    # To a static type checker ``StorageFloat[Tensor, "L T H D"]`` is
-    # ``Annotated[Tensor, "L T H D"]``: the tensor type, shapes left to run time.
-    # jaxtyping declares its own ``Float``, ``Int`` ... the same way.
-    from typing import Annotated as Index
-    from typing import Annotated as ParamFloat
-    from typing import Annotated as PoolFloat
-    from typing import Annotated as StorageFloat
+    # jaxtyping declares its own ``Float``, ``Int`` ... as ``Annotated`` for type
+    # checkers; the families are the same to them.
+    from jaxtyping import Float as ParamFloat
+    from jaxtyping import Float as PoolFloat
+    from jaxtyping import Float as StorageFloat
+    from jaxtyping import Int as Index
+    from shape_extensions import static_jaxtyping
 else:
 
     class StorageFloat(AbstractDtype):
@@ -44,3 +57,41 @@ else:
         """Integer dtypes for ``positions`` and ``cache_loc``."""
 
         dtypes: ClassVar[list[str]] = ["int32", "int64"]
+
+    def static_jaxtyping(declaration: str) -> Callable[[_F], _F]:
+        """The dims a definition's shape strings use, for pyrefly; nothing at run time.
+
+        pyrefly-shape-extensions' decorator of the same name does the same at run
+        time, but importing it patches torch's classes: typedkv does not.
+        """
+        return _unchanged
+
+
+def _unchanged(value: _F) -> _F:
+    return value
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A dim that is an expression over other dims, as ``Annotated`` metadata.
+
+    pyrefly's jaxtyping reader takes a dim name, ``name+1`` or ``name-1``, so a
+    width such as ``2*H*D`` is written as a name in the shape string and defined
+    here: ``Annotated[StorageFloat[Tensor, "T L KV"], Derived("KV = 2*H*D")]``.
+    The static checker binds ``KV`` like any dim; the run-time checks read the
+    expression in its place (messages say ``2*H*D=2048``).
+    """
+
+    definition: str
+
+    @property
+    def name(self) -> str:
+        return self.definition.split("=")[0].strip()
+
+    @property
+    def expression(self) -> str:
+        return self.definition.split("=", 1)[1].strip()
+
+
+KV_WIDTH = Derived("KV = 2*H*D")
+"""kv's last dim: per layer, ``H`` heads of ``D`` for K, then the same for V."""

@@ -5,7 +5,10 @@ from typing import Final, assert_type
 
 import torch
 from _inputs import (
+    D,
     H,
+    L,
+    T,
     cache_loc,
     cos_sin_cache,
     eps_per_layer,
@@ -75,6 +78,18 @@ layers: Sequence[Tensor] = tuple(k_pool_layers)
 typedkv.materialize_kv_into_pool(
     kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, layers, layers, num_kv_heads=H, k_scale=None
 )
+
+# KVMaterializer: construction from stacked or per-layer weights; a call is typed as forward.
+materializer = typedkv.KVMaterializer(
+    torch.empty(L, 2 * H * D, 16), k_norm_weight, eps_per_layer, cos_sin_cache, num_kv_heads=H, rope_style="gptj"
+)
+per_layer = typedkv.KVMaterializer(
+    [torch.empty(2 * H * D, 16) for _ in range(L)], [torch.ones(D) for _ in range(L)], [1e-6] * L, cos_sin_cache,
+    num_kv_heads=H, kv_bias=torch.zeros(L, 2 * H * D),
+)  # fmt: skip
+assert_type(materializer(torch.empty(T, 16), positions), tuple[Tensor, Tensor])
+assert_type(materializer.forward(torch.empty(T, 16), positions), tuple[Tensor, Tensor])
+assert_type(materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool, v_pool, k_scale=None), None)
 
 # The rest of the surface.
 typedkv.set_debug(True)

@@ -3,7 +3,8 @@
 # One statement per line, so that each error lands on its marked line.
 # fmt: off
 
-from _inputs import H, cache_loc, cos_sin_cache, k_norm_weight, k_out, k_pool, kv, positions, v_pool
+import torch
+from _inputs import D, H, L, T, cache_loc, cos_sin_cache, k_norm_weight, k_out, k_pool, kv, positions, v_pool
 from torch import Tensor
 
 import typedkv
@@ -32,10 +33,19 @@ k, v, extra = typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, pos
 # k_out / v_out are keyword-only (mypy binds the extra positional to num_kv_heads).
 typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, k_out, num_kv_heads=H)  # E: misc arg-type
 
-# materialize_kv_into_pool writes in place and returns None.
-written = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: func-returns-value
-pooled: Tensor = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: func-returns-value assignment
-shape = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H).shape  # E: func-returns-value attr-defined
+# materialize_kv_into_pool writes in place and returns None. (mypy's func-returns-value
+# lint is not emitted for decorated functions, and the public ops carry the
+# static_jaxtyping declaration: a bare `written = ...` assignment passes.)
+pooled: Tensor = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: assignment
+shape = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H).shape  # E: attr-defined
+
+# A KVMaterializer call is forward's signature: hidden and positions, nothing more, two tensors back.
+materializer = typedkv.KVMaterializer(torch.empty(L, 2 * H * D, 16), k_norm_weight, 1e-6, cos_sin_cache, num_kv_heads=H)
+materializer(torch.empty(T, 16))  # E: call-arg
+materializer(torch.empty(T, 16), positions, cache_loc)  # E: call-arg
+materializer(hidden=torch.empty(T, 16), position=positions)  # E: call-arg
+k3, v3, extra3 = materializer(torch.empty(T, 16), positions)  # E: misc
+materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool)  # E: call-arg
 
 # Pool options are keyword-only; scales are floats or tensors.
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, H)  # E: call-arg
