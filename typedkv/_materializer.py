@@ -4,7 +4,8 @@ A call is one GEMM for all layers (``hidden @ W_all.T``, written into a
 workspace the object keeps) and one fused launch. The workspace grows to the
 next power of two of ``T`` and is reused after that: a decode loop at a fixed
 ``T`` allocates nothing for it, and nothing in a call waits for the device, so
-the call can be captured in a CUDA graph.
+the call can be captured in a CUDA graph -- where it writes into rows of the
+graph's own, never into the eager workspace (see `KVMaterializer._workspace_rows`).
 """
 
 from __future__ import annotations
@@ -104,13 +105,13 @@ class KVMaterializer(nn.Module):
     Notes
     -----
     The GEMM writes into a workspace that grows to the next power of two of
-    ``T`` and is then reused, so a call at a fixed ``T`` allocates nothing but
-    its outputs (none for :meth:`into_pool`) and never waits for the device.
-    For CUDA graphs: call once at the captured ``T`` before capturing, and
-    capture the largest ``T`` first -- a graph keeps using the workspace it was
-    captured with, which a later call at a larger ``T`` replaces. Under
-    ``torch.compile`` the GEMM is an ordinary op of the graph and the workspace
-    is not used.
+    ``T`` and is then reused, so an eager call at a fixed ``T`` allocates
+    nothing but its outputs (none for :meth:`into_pool`) and never waits for
+    the device. A call captured in a CUDA graph writes into rows of its own,
+    allocated from the graph's memory pool (``T * L * 2*H*D`` elements, reusable
+    by the graph's later ops): eager calls at any ``T`` before or after the
+    capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
+    an ordinary op of the graph and the workspace is not used.
     """
 
     kv_weight: Tensor
@@ -251,8 +252,18 @@ class KVMaterializer(nn.Module):
         return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     def _workspace_rows(self, num_tokens: int) -> Tensor:
-        """The first ``num_tokens`` rows of the workspace, grown first if it is too small."""
-        workspace, weight = self._workspace, self.kv_weight
+        """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
+
+        A CUDA graph writes on every replay to the buffer it was captured with,
+        so a capture never uses the eager workspace, which a later eager call
+        may replace and free: it allocates its own rows, which come from the
+        graph's private memory pool and stay the graph's for as long as it can
+        replay (the caching allocator hands a graph's blocks to nothing else).
+        """
+        weight = self.kv_weight
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        workspace = self._workspace
         if (
             workspace is None
             or workspace.shape[0] < num_tokens

@@ -6,6 +6,7 @@ under ``TRITON_INTERPRET=1``) and `_reference` (CPU).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -356,27 +357,41 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
 
 
 # Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device.
-# Built once per set of pool addresses (a pinned host copy, no sync) and reused.
+# Built once per set of pool addresses (a pinned host copy, no sync) and reused;
+# the last _TABLES_MAX sets are kept. A table a CUDA graph was captured with is
+# read on every replay, so it moves to _PINNED and is never freed: otherwise its
+# memory could go to another tensor (or another table) and the graph would write
+# through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
+# pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
 _TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]] = OrderedDict()
 _TABLES_MAX = 16
+_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+_LOCK = threading.Lock()
 
 
 def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tensor:
     # Offsets are in elements: the same addresses in another dtype need another table.
-    key = (k_layers[0].element_size(), k_layers[0].device, *(t.data_ptr() for t in (*k_layers, *v_layers)))
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit[0]
-    size = k_layers[0].element_size()
-    rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
     device = k_layers[0].device
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-    table = host.to(device, non_blocking=True)
-    _TABLES[key] = (table, host)  # the pinned source lives as long as the table
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return table
+    key = (k_layers[0].element_size(), device, *(t.data_ptr() for t in (*k_layers, *v_layers)))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    with _LOCK:
+        entry = _PINNED.get(key) or _TABLES.get(key)
+        if entry is None:
+            size = k_layers[0].element_size()
+            rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
+            host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+            # The pinned source lives as long as the table: a copy made during
+            # capture is a graph node that reads it again on every replay.
+            entry = (host.to(device, non_blocking=True), host)
+        if capturing:
+            _TABLES.pop(key, None)
+            _PINNED[key] = entry
+        elif key not in _PINNED:
+            _TABLES[key] = entry
+            _TABLES.move_to_end(key)
+            if len(_TABLES) > _TABLES_MAX:
+                _TABLES.popitem(last=False)
+        return entry[0]
 
 
 def _check_positions(positions: Tensor, num_positions: int) -> None:

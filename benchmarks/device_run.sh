@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call (benchmarks/NOTES.md): install carried wheels, then run the
+# steps named in $STEPS, each logged under $OUT. Steps:
+#   graphs_before  tests/test_gpu_graphs.py against .old/base/typedkv (the code before the fix)
+#   graphs         tests/test_gpu_graphs.py on this checkout
+#   gpu            the whole GPU suite on this checkout
+#   host           benchmarks/host_time.py, .old/base and this checkout alternated, 6 rounds
+#   fuzz           the GPU fuzz suite; memcheck: a fuzz sample under compute-sanitizer
+#   bench          typedkv bench (full)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+ROOT=$(pwd)
+for step in $STEPS; do
+    echo "=== $step"
+    case $step in
+        graphs)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -40 | tee "$OUT/graphs.txt" ;;
+        graphs_before)
+            (cd .old/base && python3 -m pytest -c "$ROOT/pyproject.toml" --rootdir "$ROOT" -m gpu -q -p no:cacheprovider \
+                "$ROOT/tests/test_gpu_graphs.py" 2>&1 | tail -40) | tee "$OUT/graphs_before.txt" ;;
+        gpu)
+            python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
+        host)
+            for round in 1 2 3 4 5 6; do
+                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_time.py
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_time.py
+            done 2>&1 | grep typedkv | tee "$OUT/host.txt" ;;
+        fuzz)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fuzz.py tests/test_threads.py 2>&1 | tail -30 | tee "$OUT/fuzz.txt" ;;
+        memcheck)
+            compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/fuzz_sample.py --device cuda --examples 30 \
+                2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
+        bench)
+            python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
+    esac
+done
