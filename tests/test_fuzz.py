@@ -95,9 +95,10 @@ INPUTS = ("k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_
 MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
 
 # Examples per test (and per mode); see the module docstring for the budget.
-# TYPEDKV_FUZZ_EXAMPLES=N runs N instead (a longer hunt than CI's, same tests).
-CPU_EXAMPLES = int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES", 25 if _launch.INTERPRETED else 60))
-GPU_EXAMPLES = 200
+# TYPEDKV_FUZZ_EXAMPLES=N runs N instead, on the CPU and the GPU (a longer or a shorter hunt).
+_EXAMPLES = os.environ.get("TYPEDKV_FUZZ_EXAMPLES")
+CPU_EXAMPLES = int(_EXAMPLES or (25 if _launch.INTERPRETED else 60))
+GPU_EXAMPLES = int(_EXAMPLES or 200)
 CPU_TOKENS = 7  # T <= 7 leaves partial token blocks for BLOCK_T in {2, 4}
 GPU_TOKENS = 40
 
