@@ -7,12 +7,13 @@ The ops keep process-wide state between calls: the checked plan of each layout
 device table of layer offsets per set of pool addresses (``typedkv._ops._TABLES``: 16
 entries, least recently used evicted). An engine may call from several threads (a
 scheduler and a draft model, one thread per device). Here `THREADS` threads, released
-together by a `threading.Barrier`, each play a script of `CALLS` calls in layouts of
-their own (``T``, ``L``, ``H``, ``D``, ``R``, dtypes, stacked and per-layer pools, FP8
-pools, ``k_out`` slabs). Per-layer pools are either kept for the thread's whole script
-(an engine's pool: table hits, new slots each call) or fresh at every call (new
-addresses: table misses that evict other threads' entries), so the table churns while
-other threads read it. ``sys.setswitchinterval`` is lowered so that threads interleave
+together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
+fresh values in a layout drawn from a shared palette (``T``, ``L``, ``H``, ``D``, ``R``,
+dtypes, stacked and per-layer pools, FP8 pools, ``k_out`` slabs): threads build plans
+for new layouts while others use the same plans. Per-layer pools are either kept for
+the thread's whole script (an engine's pool: table hits, new slots each call) or fresh
+at every call (new addresses: table misses that evict other threads' entries), so the
+table churns while other threads read it. ``sys.setswitchinterval`` is lowered so that threads interleave
 inside calls.
 
 Every call's outputs, and every byte of the buffers around its outputs and pools
@@ -21,7 +22,12 @@ it is played alone: the ops are deterministic. Numerics against the float64 orac
 `tests/test_fuzz.py`'s business.
 
 Runs on the PyTorch reference path, under ``TRITON_INTERPRET=1`` (fewer, smaller calls:
-the interpreter takes ~50 ms per launch here) and on CUDA (``gpu`` marker).
+the interpreter takes ~50 ms per launch here; launches take turns, see
+`_OneLaunchAtATime`) and on CUDA (``gpu`` marker; a palette of 12 layouts, so that
+Triton compiles a few kernels, not one per call).
+
+`test_layer_table_entry_evicted_between_lookup_and_reuse` forces one interleaving of
+two threads in the layer-table cache that the free-running test can only hit by chance.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -44,7 +50,11 @@ import typedkv
 from typedkv import _launch, _ops
 
 THREADS, CALLS = (6, 10) if _launch.INTERPRETED else (8, 20)
-GPU_THREADS, GPU_CALLS = 8, 50
+# Distinct layouts the threads draw from. On CUDA each one is compiled once (the
+# single-threaded run warms Triton's cache): a few, so that the threads hammer the
+# same plans and compiled launches.
+LAYOUTS = 24 if _launch.INTERPRETED else 64
+GPU_THREADS, GPU_CALLS, GPU_LAYOUTS = 8, 50, 12
 
 
 @dataclass(frozen=True)
@@ -55,21 +65,15 @@ class Step:
     keep_pools: bool  # into the pools of this spec's previous call, at other slots
 
 
-def script(thread: int, calls: int, *, small: bool) -> list[Step]:
-    """The calls of one thread: its own mix of layouts, every third one a kept pool."""
-    rng = random.Random(f"{thread}")
-    steps: list[Step] = []
-    kept: list[Spec] = []
-    for _ in range(calls):
-        if kept and rng.random() < 0.3:
-            steps.append(Step(rng.choice(kept), keep_pools=True))
-            continue
+def layouts(count: int, *, small: bool) -> list[Spec]:
+    """``count`` valid call layouts: sizes, dtypes, pool kinds (each call draws its values)."""
+    rng = random.Random("layouts")
+    specs: list[Spec] = []
+    for _ in range(count):
         num_tokens = rng.randint(1, 3 if small else 7)
         head_dim = rng.choice((16, 32) if small else HEAD_DIMS)
-        pool = rng.random() < 0.7
         kv_dtype = rng.choice(STORAGE)
         pool_dtype = rng.choice((kv_dtype, *FP8))
-        layout = rng.choice([name for name in POOL_LAYOUTS if name.startswith("list")] + ["stacked", "stacked_mixed"])
         spec = Spec(
             num_tokens=num_tokens,
             num_layers=rng.randint(1, 2 if small else 4),
@@ -85,12 +89,12 @@ def script(thread: int, calls: int, *, small: bool) -> list[Step]:
             rope_style=rng.choice(("neox", "gptj")),
             kv_layout=rng.choice(KV_LAYOUTS),
             position_faults=(None,) * num_tokens,
-            seed=rng.getrandbits(32),
+            seed=0,
             mutation=None,
-            pool=pool,
+            pool=rng.random() < 0.7,
             k_out=rng.choice(OUT_KINDS),
             v_out=rng.choice(OUT_KINDS),
-            pool_layout=layout,
+            pool_layout=rng.choice([name for name in POOL_LAYOUTS if name.startswith("list")] + ["stacked"]),
             num_slots=num_tokens + rng.randint(0, 6),
             pool_dtype=pool_dtype,
             k_scale=rng.choice((None, 0.5, torch.float32)) if pool_dtype in FP8 else None,
@@ -98,7 +102,26 @@ def script(thread: int, calls: int, *, small: bool) -> list[Step]:
             loc_dtype=rng.choice((torch.int32, torch.int64)),
             slot_kinds=tuple(rng.choice(("slot", "slot", "skip")) for _ in range(num_tokens)),
         )
-        if pool and layout.startswith("list"):
+        specs.append(spec)
+    return specs
+
+
+def _per_layer(spec: Spec) -> bool:
+    return spec.pool and spec.pool_layout.startswith("list")
+
+
+def script(thread: int, calls: int, palette: Sequence[Spec]) -> list[Step]:
+    """The calls of one thread: layouts drawn from ``palette``, fresh values each call,
+    and every third call or so into per-layer pools the thread used before."""
+    rng = random.Random(f"thread {thread}")
+    steps: list[Step] = []
+    kept: list[Spec] = []
+    for _ in range(calls):
+        if kept and rng.random() < 0.3:
+            steps.append(Step(rng.choice(kept), keep_pools=True))
+            continue
+        spec = replace(rng.choice(palette), seed=rng.getrandbits(32))
+        if _per_layer(spec):
             kept.append(spec)
         steps.append(Step(spec, keep_pools=False))
     return steps
@@ -191,13 +214,10 @@ def _interpreted_launches_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(_launch, "materialize_kv_kernel", _OneLaunchAtATime(_launch.materialize_kv_kernel))
 
 
-def _check_threads(device: torch.device, threads: int, calls: int) -> None:
-    scripts = [script(i, calls, small=_launch.INTERPRETED) for i in range(threads)]
-    fresh = sum(
-        step.spec.pool and step.spec.pool_layout.startswith("list") and not step.keep_pools
-        for steps in scripts
-        for step in steps
-    )
+def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: int) -> None:
+    palette = layouts(num_layouts, small=_launch.INTERPRETED)
+    scripts = [script(i, calls, palette) for i in range(threads)]
+    fresh = sum(_per_layer(step.spec) and not step.keep_pools for steps in scripts for step in steps)
     assert fresh > _ops._TABLES_MAX, "the scripts must overflow the layer-table cache"
     alone = [play(steps, device) for steps in scripts]
     _assert_same(play_together(scripts, device), alone)
@@ -206,14 +226,14 @@ def _check_threads(device: torch.device, threads: int, calls: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_threads(mode: str) -> None:
     assert typedkv.debug_enabled() == (mode == "debug")
-    _check_threads(torch.device("cpu"), THREADS, CALLS)
+    _check_threads(torch.device("cpu"), THREADS, CALLS, LAYOUTS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_threads_cuda(mode: str) -> None:
     assert typedkv.debug_enabled() == (mode == "debug")
-    _check_threads(torch.device("cuda"), GPU_THREADS, GPU_CALLS)
+    _check_threads(torch.device("cuda"), GPU_THREADS, GPU_CALLS, GPU_LAYOUTS)
 
 
 # --------------------------------------------------------------------------- the layer-table cache
