@@ -51,9 +51,16 @@ Running
 On CPU the file runs twice in CI: the PyTorch reference path (60 examples per test)
 and the Triton kernel under ``TRITON_INTERPRET=1`` (25 per test: the interpreter takes
 0.05-0.6 s per launch at these sizes). Examples are derandomized: every run checks the
-same calls, and a failure prints the drawn `Spec`. The ``gpu`` tests run the same
-bodies on CUDA, 200 examples each, ``T`` up to 40; ``tests/fuzz_sample.py`` runs a few
-of them as a script, under ``compute-sanitizer``.
+same calls, and a failure prints the drawn `Spec`. ``TYPEDKV_FUZZ_EXAMPLES=N`` runs N
+per test instead (a deeper hunt). The ``gpu`` tests run the same bodies on CUDA, 200
+examples each, ``T`` up to 40 (most examples are a new Triton specialisation: the
+first run compiles); ``tests/fuzz_sample.py`` runs a few of them as a script, under
+``compute-sanitizer``.
+
+Hypothesis draws only some misuses in the mixed examples; `test_every_misuse` runs each
+one on three drawn calls. The ``test_harness_*`` tests break an op on purpose (a byte
+past ``k_out``, a wrong K, one V bit, a write before a rejection, ...) and check that
+`check` fails: the property can fail.
 """
 
 from __future__ import annotations
