@@ -1,0 +1,283 @@
+"""Calls from several threads at once: each gives its single-threaded result and none raises.
+
+What is covered
+---------------
+The ops keep process-wide state between calls: the checked plan of each layout
+(``Signature.plan``), the launch built for each plan, and, for per-layer pools, a
+device table of layer offsets per set of pool addresses (``typedkv._ops._TABLES``: 16
+entries, least recently used evicted). An engine may call from several threads (a
+scheduler and a draft model, one thread per device). Here `THREADS` threads, released
+together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
+fresh values in a layout drawn from a shared palette (``T``, ``L``, ``H``, ``D``, ``R``,
+dtypes, stacked and per-layer pools, FP8 pools, ``k_out`` slabs): threads build plans
+for new layouts while others use the same plans. Per-layer pools are either kept for
+the thread's whole script (an engine's pool: table hits, new slots each call) or fresh
+at every call (new addresses: table misses that evict other threads' entries), so the
+table churns while other threads read it. ``sys.setswitchinterval`` is lowered so that threads interleave
+inside calls.
+
+Every call's outputs, and every byte of the buffers around its outputs and pools
+(`tests/test_fuzz.py`'s guarded arenas), must equal what the same script gives when
+it is played alone: the ops are deterministic. Numerics against the float64 oracle are
+`tests/test_fuzz.py`'s business.
+
+Runs on the PyTorch reference path, under ``TRITON_INTERPRET=1`` (fewer, smaller calls:
+the interpreter takes ~50 ms per launch here; launches take turns, see
+`_OneLaunchAtATime`) and on CUDA (``gpu`` marker; a palette of 12 layouts, so that
+Triton compiles a few kernels, not one per call).
+
+`test_layer_table_entry_evicted_between_lookup_and_reuse` forces one interleaving of
+two threads in the layer-table cache that the free-running test can only hit by chance.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+from test_fuzz import HEAD_DIMS, KV_LAYOUTS, MODES, OUT_KINDS, PARAM_FLOATS, POOL_LAYOUTS, STORAGE, Call, Spec, build
+from test_pool import FP8
+from torch import Tensor
+
+import typedkv
+from typedkv import _launch, _ops
+
+THREADS, CALLS = (6, 10) if _launch.INTERPRETED else (8, 20)
+# Distinct layouts the threads draw from. On CUDA each one is compiled once (the
+# single-threaded run warms Triton's cache): a few, so that the threads hammer the
+# same plans and compiled launches.
+LAYOUTS = 24 if _launch.INTERPRETED else 64
+GPU_THREADS, GPU_CALLS, GPU_LAYOUTS = 8, 50, 12
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of a script: a valid `Spec` (values from its seed), and whether it reuses the pools."""
+
+    spec: Spec
+    keep_pools: bool  # into the pools of this spec's previous call, at other slots
+
+
+def layouts(count: int, *, small: bool) -> list[Spec]:
+    """``count`` valid call layouts: sizes, dtypes, pool kinds (each call draws its values)."""
+    rng = random.Random("layouts")
+    specs: list[Spec] = []
+    for _ in range(count):
+        num_tokens = rng.randint(1, 3 if small else 7)
+        head_dim = rng.choice((16, 32) if small else HEAD_DIMS)
+        kv_dtype = rng.choice(STORAGE)
+        pool_dtype = rng.choice((kv_dtype, *FP8))
+        spec = Spec(
+            num_tokens=num_tokens,
+            num_layers=rng.randint(1, 2 if small else 4),
+            num_kv_heads=rng.randint(1, 2 if small else 4),
+            head_dim=head_dim,
+            rotary_dim=2 * rng.randint(1, head_dim // 2),
+            num_positions=rng.randint(1, 64),
+            kv_dtype=kv_dtype,
+            weight_dtype=rng.choice(PARAM_FLOATS),
+            cache_dtype=rng.choice(PARAM_FLOATS),
+            positions_dtype=rng.choice((torch.int32, torch.int64)),
+            eps=rng.choice((1e-6, 0.25, torch.float32, torch.bfloat16)),
+            rope_style=rng.choice(("neox", "gptj")),
+            kv_layout=rng.choice(KV_LAYOUTS),
+            position_faults=(None,) * num_tokens,
+            seed=0,
+            mutation=None,
+            pool=rng.random() < 0.7,
+            k_out=rng.choice(OUT_KINDS),
+            v_out=rng.choice(OUT_KINDS),
+            pool_layout=rng.choice([name for name in POOL_LAYOUTS if name.startswith("list")] + ["stacked"]),
+            num_slots=num_tokens + rng.randint(0, 6),
+            pool_dtype=pool_dtype,
+            k_scale=rng.choice((None, 0.5, torch.float32)) if pool_dtype in FP8 else None,
+            v_scale=rng.choice((None, 2.0, torch.float64)) if pool_dtype in FP8 else None,
+            loc_dtype=rng.choice((torch.int32, torch.int64)),
+            slot_kinds=tuple(rng.choice(("slot", "slot", "skip")) for _ in range(num_tokens)),
+        )
+        specs.append(spec)
+    return specs
+
+
+def _per_layer(spec: Spec) -> bool:
+    return spec.pool and spec.pool_layout.startswith("list")
+
+
+def script(thread: int, calls: int, palette: Sequence[Spec]) -> list[Step]:
+    """The calls of one thread: layouts drawn from ``palette``, fresh values each call,
+    and every third call or so into per-layer pools the thread used before."""
+    rng = random.Random(f"thread {thread}")
+    steps: list[Step] = []
+    kept: list[Spec] = []
+    for _ in range(calls):
+        if kept and rng.random() < 0.3:
+            steps.append(Step(rng.choice(kept), keep_pools=True))
+            continue
+        spec = replace(rng.choice(palette), seed=rng.getrandbits(32))
+        if _per_layer(spec):
+            kept.append(spec)
+        steps.append(Step(spec, keep_pools=False))
+    return steps
+
+
+def play(steps: Sequence[Step], device: torch.device) -> list[list[Tensor]]:
+    """Run a script; per call, copies of its outputs and of every buffer around its outputs and pools."""
+    calls: dict[Spec, Call] = {}
+    results: list[list[Tensor]] = []
+    for step in steps:
+        call = calls.get(step.spec) if step.keep_pools else None
+        if call is None:
+            call = build(step.spec, device)
+            calls[step.spec] = call
+        else:
+            call.args["cache_loc"] = call.args["cache_loc"].roll(1)  # other rows of the same pools
+        out = call.run()
+        results.append([t.clone() for t in out or ()] + call.arena.snapshot())
+    return results
+
+
+def play_together(scripts: Sequence[Sequence[Step]], device: torch.device) -> list[list[list[Tensor]]]:
+    """Play each script in a thread of its own, all released at once; re-raise the first error."""
+    barrier = threading.Barrier(len(scripts))
+    results: list[list[list[Tensor]]] = [[] for _ in scripts]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = play(scripts[i], device)
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"typedkv-{i}") for i in range(len(scripts))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads every 10 us instead of 5 ms
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _assert_same(got: list[list[list[Tensor]]], want: list[list[list[Tensor]]]) -> None:
+    for thread, (got_calls, want_calls) in enumerate(zip(got, want, strict=True)):
+        assert len(got_calls) == len(want_calls), f"thread {thread} made {len(got_calls)} calls"
+        for call, (got_tensors, want_tensors) in enumerate(zip(got_calls, want_calls, strict=True)):
+            for i, (a, b) in enumerate(zip(got_tensors, want_tensors, strict=True)):
+                same = a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+                assert same, f"thread {thread}, call {call}: tensor {i} differs from the single-threaded run"
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class _OneLaunchAtATime:
+    """The kernel, launched under a lock.
+
+    Triton's interpreter keeps the grid position of the launch it runs in global
+    state: two launches interpreted at once clash (``InterpreterError: x >=
+    grid_dim[0]``). Under ``TRITON_INTERPRET=1`` the launches take turns;
+    everything typedkv does around them still runs concurrently.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.lock = threading.Lock()
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                return launch(*args, **kwargs)
+
+        return locked
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_launches_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _launch.INTERPRETED:
+        monkeypatch.setattr(_launch, "materialize_kv_kernel", _OneLaunchAtATime(_launch.materialize_kv_kernel))
+
+
+def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: int) -> None:
+    palette = layouts(num_layouts, small=_launch.INTERPRETED)
+    scripts = [script(i, calls, palette) for i in range(threads)]
+    fresh = sum(_per_layer(step.spec) and not step.keep_pools for steps in scripts for step in steps)
+    assert fresh > _ops._TABLES_MAX, "the scripts must overflow the layer-table cache"
+    alone = [play(steps, device) for steps in scripts]
+    _assert_same(play_together(scripts, device), alone)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_threads(mode: str) -> None:
+    assert typedkv.debug_enabled() == (mode == "debug")
+    _check_threads(torch.device("cpu"), THREADS, CALLS, LAYOUTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_cuda(mode: str) -> None:
+    assert typedkv.debug_enabled() == (mode == "debug")
+    _check_threads(torch.device("cuda"), GPU_THREADS, GPU_CALLS, GPU_LAYOUTS)
+
+
+# --------------------------------------------------------------------------- the layer-table cache
+
+
+def _per_layer_pools(num_layers: int = 2) -> tuple[list[Tensor], list[Tensor]]:
+    base = torch.empty(2, num_layers, 4, 1, 16, dtype=torch.bfloat16)
+    return list(base[0]), list(base[1])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KeyError,
+    reason="typedkv._ops._layer_table: another thread can evict the entry between _TABLES.get and move_to_end",
+)
+def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table hit stays usable when another thread evicts its entry right after the lookup.
+
+    Python may switch threads after any call returns: here, right after
+    ``_TABLES.get(key)`` has found the entry and before ``_TABLES.move_to_end(key)``.
+    If the other thread then passes more than 16 new sets of per-layer pools (on
+    CUDA ~30 us each: 0.5 ms, well inside one 5 ms switch interval), the entry is
+    evicted and ``move_to_end`` raises ``KeyError`` out of
+    ``materialize_kv_into_pool``. The switch is forced here: the other thread runs,
+    really in another thread, exactly at that point.
+    """
+    k_layers, v_layers = _per_layer_pools()
+    _ops._layer_table(k_layers, v_layers)
+    others = [_per_layer_pools() for _ in range(_ops._TABLES_MAX + 1)]  # alive: distinct addresses
+    caller = threading.current_thread()
+
+    def other_thread() -> None:
+        for k_other, v_other in others:
+            _ops._layer_table(k_other, v_other)
+
+    class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]]):
+        def get(self, key: tuple[object, ...], default: Any = None) -> Any:
+            hit = super().get(key, default)
+            if threading.current_thread() is caller:
+                thread = threading.Thread(target=other_thread)
+                thread.start()
+                thread.join(timeout=2)  # a lock in _layer_table would hold it back: then go on
+            return hit
+
+    monkeypatch.setattr(_ops, "_TABLES", SwitchAfterLookup(_ops._TABLES))
+    table = _ops._layer_table(k_layers, v_layers)
+    assert table.tolist() == [[0, 64], [0, 64]]
