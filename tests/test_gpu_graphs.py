@@ -97,7 +97,16 @@ def test_graph_survives_eager_growth(pool: bool) -> None:
         torch.testing.assert_close(v, want_v)
 
 
-def _layer_pools() -> tuple[list[Tensor], list[Tensor]]:
+def _layer_pools(reversed_layers: bool = False) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer K and V pools; ``reversed_layers``: views of one buffer, layer l below layer 0.
+
+    Pools allocated one by one sit at the same offsets from their layer 0 in every
+    set, so another set's offset table would still write the right rows; the
+    reversed layout's offsets are negative, unlike any other set's.
+    """
+    if reversed_layers:
+        base = torch.zeros(2, L, S, H, D, dtype=DTYPE, device="cuda")
+        return list(base[0].unbind(0))[::-1], list(base[1].unbind(0))[::-1]
     return (
         [torch.zeros(S, H, D, dtype=DTYPE, device="cuda") for _ in range(L)],
         [torch.zeros(S, H, D, dtype=DTYPE, device="cuda") for _ in range(L)],
@@ -111,7 +120,7 @@ def test_graph_survives_other_pool_sets(op: str) -> None:
     m = make_materializer()
     hidden, positions, slots = make_call(SMALL, 2)
     weight = m.k_norm_weight
-    k_layers, v_layers = _layer_pools()
+    k_layers, v_layers = _layer_pools(reversed_layers=True)
     kv = torch.randn(SMALL, L, 2 * H * D, device="cuda").to(DTYPE)
 
     def call(kv_in: Tensor, hidden_in: Tensor, pos: Tensor, loc: Tensor, k_pool: Any, v_pool: Any) -> None:
@@ -124,11 +133,11 @@ def test_graph_survives_other_pool_sets(op: str) -> None:
 
     step: Callable[[], None] = lambda: call(kv, hidden, positions, slots, k_layers, v_layers)  # noqa: E731
     graph, _ = _capture(step)
-    for seed in range(40):
-        other_k, other_v = _layer_pools()
+    others = [_layer_pools() for _ in range(40)]  # all alive: 40 distinct sets of addresses
+    for seed, (other_k, other_v) in enumerate(others):
         other_hidden, other_positions, other_slots = make_call(SMALL, 100 + seed)
         call(kv, other_hidden, other_positions, other_slots, other_k, other_v)
-        del other_k, other_v
+    del others
     torch.cuda.synchronize()
     # A [2, L] int64 offset table's size; zeros, so that a replay reading them as
     # offsets writes inside layer 0's pool (a wrong row) rather than anywhere.
@@ -145,7 +154,7 @@ def test_graph_survives_other_pool_sets(op: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _untouched(filled) == 0, "graph replay wrote into tensors allocated after the capture"
-        want_k, want_v = _layer_pools()
+        want_k, want_v = _layer_pools(reversed_layers=True)
         call(new_kv, new_hidden, new_positions, new_slots, want_k, want_v)
         for got, want in zip((*k_layers, *v_layers), (*want_k, *want_v), strict=True):
             assert torch.equal(got, want), "graph replay wrote other pool rows than an eager call"

@@ -225,7 +225,8 @@ def _list_views(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, P
 
 def _list_reversed(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
     # Layer l lives below layer 0 in memory: negative offsets in the layer table.
-    return list(bases[0][0].flip(0).unbind(0)), tuple(bases[0][1].flip(0).unbind(0))
+    # (Views of the base, reversed as a list: .flip would copy, and the op would write the copy.)
+    return list(bases[0][0].unbind(0))[::-1], tuple(bases[0][1].unbind(0))[::-1]
 
 
 def _list_separate(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:

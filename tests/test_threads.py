@@ -22,8 +22,8 @@ it is played alone: the ops are deterministic. Numerics against the float64 orac
 `tests/test_fuzz.py`'s business.
 
 Runs on the PyTorch reference path, under ``TRITON_INTERPRET=1`` (fewer, smaller calls:
-the interpreter takes ~50 ms per launch here; launches take turns, see
-`_OneLaunchAtATime`) and on CUDA (``gpu`` marker; a palette of 12 layouts, so that
+the interpreter takes ~50 ms per launch here; typedkv makes interpreted launches
+take turns) and on CUDA (``gpu`` marker; a palette of 12 layouts, so that
 Triton compiles a few kernels, not one per call).
 
 `test_layer_table_entry_evicted_between_lookup_and_reuse` forces one interleaving of
@@ -36,7 +36,7 @@ import random
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -185,35 +185,6 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-class _OneLaunchAtATime:
-    """The kernel, launched under a lock.
-
-    Triton's interpreter keeps the grid position of the launch it runs in global
-    state: two launches interpreted at once clash (``InterpreterError: x >=
-    grid_dim[0]``). Under ``TRITON_INTERPRET=1`` the launches take turns;
-    everything typedkv does around them still runs concurrently.
-    """
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
-        self.lock = threading.Lock()
-
-    def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        launch = self.kernel[grid]
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with self.lock:
-                return launch(*args, **kwargs)
-
-        return locked
-
-
-@pytest.fixture(autouse=True)
-def _interpreted_launches_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
-    if _launch.INTERPRETED:
-        monkeypatch.setattr(_launch, "materialize_kv_kernel", _OneLaunchAtATime(_launch.materialize_kv_kernel))
-
-
 def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: int) -> None:
     palette = layouts(num_layouts, small=_launch.INTERPRETED)
     scripts = [script(i, calls, palette) for i in range(threads)]
@@ -244,11 +215,6 @@ def _per_layer_pools(num_layers: int = 2) -> tuple[list[Tensor], list[Tensor]]:
     return list(base[0]), list(base[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="typedkv._ops._layer_table: another thread can evict the entry between _TABLES.get and move_to_end",
-)
 def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     """A table hit stays usable when another thread evicts its entry right after the lookup.
 
@@ -256,9 +222,9 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
     ``_TABLES.get(key)`` has found the entry and before ``_TABLES.move_to_end(key)``.
     If the other thread then passes more than 16 new sets of per-layer pools (on
     CUDA ~30 us each: 0.5 ms, well inside one 5 ms switch interval), the entry is
-    evicted and ``move_to_end`` raises ``KeyError`` out of
-    ``materialize_kv_into_pool``. The switch is forced here: the other thread runs,
-    really in another thread, exactly at that point.
+    evicted and ``move_to_end`` raised ``KeyError`` out of
+    ``materialize_kv_into_pool`` (before the cache got its lock). The switch is
+    forced here: the other thread runs, really in another thread, exactly at that point.
     """
     k_layers, v_layers = _per_layer_pools()
     _ops._layer_table(k_layers, v_layers)

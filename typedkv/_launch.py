@@ -17,6 +17,7 @@ import functools
 import inspect
 import math
 import os
+import threading
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's interpreter keeps the grid position of the launch it runs in global
+# state: two launches interpreted at once, from two threads, clash. They take turns.
+_INTERPRETER_LOCK = threading.Lock()
 
 # Measured on the H200 (benchmarks/NOTES.md, launch-configuration sweep of
 # 2026-11-29 evening): about 1024 K elements per program; 4 warps for a token's
@@ -225,7 +229,11 @@ class Launch:
             params[i] = value
         kernel: Any = materialize_kv_kernel
         if not self.direct:
-            kernel[self.grid](*params, num_warps=self.num_warps)
+            if INTERPRETED:
+                with _INTERPRETER_LOCK:
+                    kernel[self.grid](*params, num_warps=self.num_warps)
+            else:
+                kernel[self.grid](*params, num_warps=self.num_warps)
             return
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):
