@@ -27,7 +27,8 @@ for step in $STEPS; do
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_time.py
             done 2>&1 | grep typedkv | tee "$OUT/host.txt" ;;
         fuzz)
-            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fuzz.py tests/test_threads.py 2>&1 | tail -30 | tee "$OUT/fuzz.txt" ;;
+            timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_fuzz.py tests/test_threads.py 2>&1 \
+                | tail -30 | tee "$OUT/fuzz.txt" ;;
         memcheck)
             compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/fuzz_sample.py --device cuda --examples 30 \
                 2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
