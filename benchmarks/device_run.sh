@@ -30,8 +30,12 @@ for step in $STEPS; do
             timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_fuzz.py tests/test_threads.py 2>&1 \
                 | tail -30 | tee "$OUT/fuzz.txt" ;;
         memcheck)
-            compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/fuzz_sample.py --device cuda --examples 30 \
+            PYTHONPATH="$ROOT:/tmp/site" compute-sanitizer --tool memcheck --error-exitcode 1 \
+                python3 tests/fuzz_sample.py --device cuda --examples 30 \
                 2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
+        fuzz_first)
+            python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_fuzz.py -k "test_materialize_kv_cuda" \
+                > "$OUT/fuzz_first.txt" 2>&1; grep -E "^E  " "$OUT/fuzz_first.txt" | head -60 ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
     esac
