@@ -676,6 +676,9 @@ def check(spec: Spec, device: torch.device, *, misuse_only: bool = False) -> Non
     ``misuse_only``: reject the example (for Hypothesis) when its misuse does not
     apply to the drawn call.
     """
+    if device.type == "cuda" and device.index is None:
+        # What tensors report (cuda:0), so that expected devices compare equal.
+        device = torch.device("cuda", torch.cuda.current_device())
     call = build(spec, device)
     blame = MUTATIONS[spec.mutation](call) if spec.mutation is not None else None
     if misuse_only:
