@@ -82,7 +82,8 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from reference64 import materialize_kv64
 from test_numerics import ELEMENT_ULPS, assert_bitwise_equal, assert_k_close, bits, pair_length
-from test_pool import FP8, LAYOUTS, Layout, Pool, to_fp8
+from test_pool import FP8, to_fp8
+from test_pool import LAYOUTS as POOL_LAYOUTS
 from torch import Tensor
 
 import typedkv
@@ -119,13 +120,6 @@ FUZZ = settings(
 GPU_FUZZ = settings(FUZZ, max_examples=GPU_EXAMPLES)
 
 
-def _list_reversed(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
-    # Layer l at layer L-1-l's place: offsets from layer 0 are negative. (test_pool's
-    # version flips, and torch.flip copies: its pools are not views of its bases.)
-    return list(bases[0][0].unbind(0))[::-1], tuple(bases[0][1].unbind(0))[::-1]
-
-
-POOL_LAYOUTS: dict[str, Layout] = {**LAYOUTS, "list_reversed": replace(LAYOUTS["list_reversed"], view=_list_reversed)}
 ONE_IN_THREE = st.sampled_from((False, True, False))
 Blame = tuple[str, ...]
 ScaleSpec = float | torch.dtype | None  # a float, an [L] tensor of that dtype, or none
