@@ -42,8 +42,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_fuzz import HEAD_DIMS, KV_LAYOUTS, MODES, OUT_KINDS, PARAM_FLOATS, POOL_LAYOUTS, STORAGE, Call, Spec, build
+from test_fuzz import HEAD_DIMS, KV_LAYOUTS, MODES, OUT_KINDS, PARAM_FLOATS, STORAGE, Call, Spec, build
 from test_pool import FP8
+from test_pool import LAYOUTS as POOL_LAYOUTS
 from torch import Tensor
 
 import typedkv
