@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One device call (benchmarks/NOTES.md): install carried wheels, then run the
+# One device call (benchmarks/NOTES.md): carry .whl (beartype) and, for the *_before/host steps,
+# .old/base (git archive of the commit to compare with); install the wheels, then run the
 # steps named in $STEPS, each logged under $OUT. Steps:
 #   graphs_before  tests/test_gpu_graphs.py against .old/base/typedkv (the code before the fix)
 #   graphs         tests/test_gpu_graphs.py on this checkout
 #   gpu            the whole GPU suite on this checkout
 #   host           benchmarks/host_time.py, .old/base and this checkout alternated, 6 rounds
-#   fuzz           the GPU fuzz suite; memcheck: a fuzz sample under compute-sanitizer
+#   fuzz           the GPU fuzz and thread suites (8 workers, at most 300 s)
+#   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -33,9 +35,6 @@ for step in $STEPS; do
             PYTHONPATH="$ROOT:/tmp/site" compute-sanitizer --tool memcheck --error-exitcode 1 \
                 python3 tests/fuzz_sample.py --device cuda --examples 30 \
                 2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
-        fuzz_first)
-            python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_fuzz.py -k "test_materialize_kv_cuda" \
-                > "$OUT/fuzz_first.txt" 2>&1; grep -E "^E  " "$OUT/fuzz_first.txt" | head -60 ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
     esac
