@@ -56,6 +56,12 @@ def gpu(session: nox.Session) -> None:
 
 
 @nox.session
+def tp(session: nox.Session) -> None:
+    """The two-GPU tensor-parallel test; needs two CUDA devices."""
+    session.run(PY, "-m", "pytest", "-m", "gpu", "tests/test_tp.py", *session.posargs)
+
+
+@nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package and the tests, stubs/ checked against the installed
     Triton, pyrefly's shape checker over the shape-correct corpus and the example, and

@@ -67,7 +67,8 @@ def launch_args(
             kd, vd, slots, scale = x.k_out, x.v_out, None, None
         grid, params, _ = _launch.launch_params(
             x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, kd, _strides(kd), vd, _strides(vd), None,
-            num_kv_heads=case.num_kv_heads, num_rows=kd.shape[1], neox=case.rope_style == "neox", k_scale=scale,
+            num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=1, num_rows=kd.shape[1],
+            neox=case.rope_style == "neox", k_scale=scale,
             v_scale=scale,
         )  # fmt: skip
     finally:
@@ -76,8 +77,8 @@ def launch_args(
     return grid, params, warps
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return t.stride(0), t.stride(1), 0, t.stride(2)
 
 
 def check_same(case: _bench.Case, x: _bench.Inputs, variant: Callable[[], None]) -> str:

@@ -20,9 +20,9 @@ def main() -> None:
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    from typedkv import _ops
+    from typedkv import _impl
 
-    for plan in list(_ops._DENSE._plans.values()) + list(_ops._POOL._plans.values()):
+    for plan in [p for name in (_impl.DENSE, _impl.POOL) for p in _impl.signature(name)._plans.values()]:
         compiled = plan.launch.compiled if plan.launch is not None else None
         if compiled is not None:
             md = compiled.metadata

@@ -69,7 +69,7 @@ def host_breakdown() -> dict[str, float]:
     """Where host time goes at T = 16: plan lookup, per-call values, the launch, full calls."""
     x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
     args = (x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
-    sig = typedkv._ops._DENSE
+    sig = typedkv._impl.signature(typedkv._impl.DENSE)
 
     def timed(fn: Any, n: int = 5000) -> float:
         for _ in range(100):
@@ -95,7 +95,7 @@ def host_breakdown() -> dict[str, float]:
         ),
         "launch_call_us": timed(lambda: plan.launch(values)),
         "direct_compiled": float(plan.launch.compiled is not None),
-        "positions_check_us": timed(lambda: typedkv._ops._check_positions(x.positions, 131072), n=1000),
+        "positions_check_us": timed(lambda: typedkv._impl._check_positions(x.positions, 131072), n=1000),
     }
     bound = sig.check(args)
     out["debug_typecheck_us"] = timed(lambda: sig.debug_check(args, bound), n=300)

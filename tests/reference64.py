@@ -4,7 +4,8 @@ It deliberately shares no code with ``typedkv._reference``: a mistake copied int
 both would pass every comparison. The math follows the contract's "unfused model
 path" literally:
 
-1. K RMSNorm in float64: ``x / sqrt(mean(x**2) + eps[l]) * k_norm_weight[l]``;
+1. K RMSNorm in float64: ``x / sqrt(mean(x**2) + eps[l]) * k_norm_weight[l]``
+   (skipped for a RoPE-only draft, ``k_norm_weight=None``);
 2. the normed K rounded to the storage dtype (what an unfused model stores between
    the norm and RoPE);
 3. RoPE in float64 on the first ``R`` dims, with ``cos``/``sin`` read from row
@@ -53,7 +54,7 @@ def rotation_pairs(rotary_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
 
 def materialize_kv64(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps: float | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
@@ -68,7 +69,8 @@ def materialize_kv64(
     ----------
     kv : Tensor ``[T, L, 2*H*D]``
         Per layer the K block (head-major) then the V block, in the storage dtype.
-    k_norm_weight : Tensor ``[L, D]``
+    k_norm_weight : Tensor ``[L, D]``, or None
+        None: no norm, K is RoPE(k); ``D`` is then kv's width / ``2*H``.
     eps : float or Tensor ``[L]``
     cos_sin_cache : Tensor ``[P, R]``
         Columns ``[0, R/2)`` cos, ``[R/2, R)`` sin.
@@ -91,7 +93,7 @@ def materialize_kv64(
         The V block, a copy of kv's bits.
     """
     num_tokens, num_layers, width = kv.shape
-    head_dim = k_norm_weight.shape[1]
+    head_dim = width // (2 * num_kv_heads) if k_norm_weight is None else k_norm_weight.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     num_positions = cos_sin_cache.shape[0]
     heads = num_kv_heads * head_dim
@@ -103,17 +105,20 @@ def materialize_kv64(
     x = blocks[0].to(torch.float64)
     v = blocks[1].clone()
 
-    # 1. RMSNorm, per layer eps and weight.
-    if isinstance(eps, Tensor):
-        eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1, 1)
+    # 1. RMSNorm, per layer eps and weight; a RoPE-only draft takes kv's values as they are.
+    if k_norm_weight is None:
+        y = x
     else:
-        eps64 = torch.full((num_layers, 1, 1, 1), float(eps), dtype=torch.float64, device=kv.device)
-    mean_square = (x * x).sum(dim=-1, keepdim=True) / head_dim
-    weight = k_norm_weight.to(torch.float64).reshape(num_layers, 1, 1, head_dim)
-    y = x / torch.sqrt(mean_square + eps64) * weight
+        if isinstance(eps, Tensor):
+            eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1, 1)
+        else:
+            eps64 = torch.full((num_layers, 1, 1, 1), float(eps), dtype=torch.float64, device=kv.device)
+        mean_square = (x * x).sum(dim=-1, keepdim=True) / head_dim
+        weight = k_norm_weight.to(torch.float64).reshape(num_layers, 1, 1, head_dim)
+        y = x / torch.sqrt(mean_square + eps64) * weight
 
     # 2. The unfused model stores the normed K in kv's dtype.
-    if round_after_norm:
+    if round_after_norm and k_norm_weight is not None:
         y = y.to(kv.dtype).to(torch.float64)
 
     # 3. RoPE, pair by pair. Out-of-range positions read row 0 and are then

@@ -353,11 +353,11 @@ def test_opcheck() -> None:
     torch.library.opcheck(
         _library.materialize_kv_into_pool_stacked,
         (*common, None, x.eps, *rest, x.cache_loc, torch.zeros(L, S, H, D), torch.zeros(L, S, H, D), H, "gptj",
-         None, None, None, None),
+         None, None, None, None, "NHD"),
     )  # fmt: skip
     # FP8 pools stay out: opcheck compares results with allclose, which CPU lacks for FP8.
     pools = [torch.zeros(S, H, D) for _ in range(2 * L)]
     torch.library.opcheck(
         _library.materialize_kv_into_pool_list,
-        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None),
+        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, "NHD"),
     )

@@ -233,16 +233,16 @@ def _names_input_error(func: ast.expr) -> bool:
 def _internal_debug_annotation() -> tuple[str, tuple[str, int] | None]:
     """The debug pass's own beartype error. Production mode rejects every misuse it
     would catch first, so no public call reaches it; call the check directly."""
-    from typedkv import _ops
+    from typedkv import _impl
 
     namespace: dict[str, Any] = {}
     exec(compile(SETUP, f"{CATALOGUE}:Setup", "exec"), namespace)
     ns = namespace
     good = (ns["kv"], ns["k_norm_weight"], ns["eps"], ns["cos_sin_cache"], ns["positions"], ns["H"], "neox", None, None)
-    bound = _ops._DENSE.check(good)
+    bound = _impl.check_dense(good)
     bad = (*good[:4], ns["positions"].float(), *good[5:])  # float positions
     try:
-        _ops._DENSE.debug_check(bad, bound)
+        _impl.signature(_impl.DENSE).debug_check(bad, bound)
     except typedkv.InputError as err:
         return str(err), _raise_site(err.__traceback__)
     raise AssertionError("the debug pass accepted float positions")

@@ -129,6 +129,41 @@ def test_into_pool_stacked_and_per_layer() -> None:
     assert torch.equal(torch.stack(k_layers), want_k) and torch.equal(torch.stack(v_layers), want_v)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+def test_rope_only(stacked: bool) -> None:
+    """k_norm_weight=None: D from kv_weight's rows; forward and into_pool (paged, both layouts) agree with the op."""
+    layers = make_layers()
+    kv_weight: Tensor | list[Tensor] = torch.stack(layers.kv_weight) if stacked else layers.kv_weight
+    m = typedkv.KVMaterializer(kv_weight, None, float("nan"), layers.cos_sin_cache, num_kv_heads=H, rope_style="gptj")
+    assert m.head_dim == D and m.k_norm_weight is None
+    hidden, positions = make_call(5)
+    kv = F.linear(hidden, torch.cat(layers.kv_weight)).view(5, L, ROWS)
+    want = typedkv.materialize_kv(kv, None, 0.0, layers.cos_sin_cache, positions, num_kv_heads=H, rope_style="gptj")
+    assert_equal(m(hidden, positions), want)
+    cache_loc = torch.tensor([9, -1, 0, 5, 2])
+    for kv_layout, shape in (("NHD", (L, 3, 4, H, D)), ("HND", (L, 3, H, 4, D))):
+        cache = torch.zeros(2, *shape)
+        m.into_pool(hidden, positions, cache_loc, cache[0], cache[1], kv_layout=kv_layout)
+        flat = cache.transpose(3, 4) if kv_layout == "HND" else cache
+        flat = flat.reshape(2, L, 12, H, D)
+        kept = cache_loc >= 0
+        assert torch.equal(flat[0][:, cache_loc[kept]], want[0][:, kept])
+        assert torch.equal(flat[1][:, cache_loc[kept]], want[1][:, kept])
+        untouched = torch.ones(12, dtype=torch.bool)
+        untouched[cache_loc[kept]] = False
+        assert not flat[:, :, untouched].any()
+
+
+def test_rope_only_width_not_a_multiple() -> None:
+    """Without a norm weight D is solved from kv_weight's rows: rows that are no 2*H*D are named."""
+    with pytest.raises(typedkv.InputError) as info:
+        typedkv.KVMaterializer(torch.zeros(L, 62, HIDDEN), None, 1e-6, torch.zeros(P, 8), num_kv_heads=H)
+    assert str(info.value) == (
+        "kv_weight: expected shape (L=3, 2*H*D, hidden=24), got (3, 62, 24): the size must be 2*H*D = 4*D; "
+        "62 is not a multiple of 4"
+    )
+
+
 def test_no_tokens() -> None:
     layers = make_layers()
     m = typedkv.KVMaterializer(layers.kv_weight, layers.k_norm_weight, 1e-6, layers.cos_sin_cache, num_kv_heads=H)

@@ -82,7 +82,7 @@ class Case:
     """One set of ``materialize_kv`` inputs, and how to run the op and the reference on them."""
 
     kv: Tensor
-    k_norm_weight: Tensor
+    k_norm_weight: Tensor | None  # None: a RoPE-only draft
     eps: float | Tensor
     cos_sin_cache: Tensor
     positions: Tensor
@@ -91,8 +91,8 @@ class Case:
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
-        num_tokens, num_layers, _ = self.kv.shape
-        return (num_layers, num_tokens, self.num_kv_heads, self.k_norm_weight.shape[1])
+        num_tokens, num_layers, width = self.kv.shape
+        return (num_layers, num_tokens, self.num_kv_heads, width // (2 * self.num_kv_heads))
 
     def run(self, k_out: Tensor | None = None, v_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return typedkv.materialize_kv(
@@ -141,6 +141,7 @@ def make_case(
     cache_dtype: torch.dtype = torch.float32,
     eps: float | Tensor = 1e-6,
     seed: int | None = None,
+    norm: bool = True,
 ) -> Case:
     """Random inputs (never zeros) for one shape.
 
@@ -161,7 +162,7 @@ def make_case(
     angles = torch.rand(num_positions, rotary_dim // 2, generator=gen, dtype=torch.float64) * (2 * math.pi)
     cache = torch.cat((angles.cos(), angles.sin()), dim=1).to(cache_dtype)
     positions = torch.randint(0, num_positions, (num_tokens,), generator=gen).to(positions_dtype)
-    return Case(kv, weight, eps, cache, positions, num_kv_heads, rope_style)
+    return Case(kv, weight if norm else None, eps, cache, positions, num_kv_heads, rope_style)
 
 
 # --------------------------------------------------------------------------- checks
@@ -288,6 +289,20 @@ def test_num_tokens(
     check(make_case(num_tokens, num_layers, num_kv_heads, head_dim, rotary_dim, dtype, rope_style))
 
 
+@pytest.mark.parametrize("rope_style", STYLES)
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), _dims_and_rotary((64, 80, 128)))
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_rope_only(num_tokens: int, head_dim: int, rotary_dim: int, dtype: torch.dtype, rope_style: RopeStyle) -> None:
+    """k_norm_weight=None: K is RoPE(k), D read from kv's width (eps unused), V as always."""
+    case = make_case(num_tokens, 3, 2, head_dim, rotary_dim, dtype, rope_style, eps=float("nan"), norm=False)
+    k, _ = check(case)
+    # Past R, K is kv's K block itself, bit for bit: nothing scaled it.
+    heads = 2 * head_dim
+    k_in = case.kv[..., :heads].unflatten(-1, (2, head_dim)).transpose(0, 1)
+    assert_bitwise_equal(k[..., rotary_dim:], k_in[..., rotary_dim:], "k past R")
+
+
 # (BLOCK_T, SPLIT_KV, LAYER_FAST, FULL_ROW): configurations the kernel supports
 # (the launcher picks among them by size and shape; benchmarks/explore.py
 # sweeps them). FULL_ROW only applies to NeoX with R < D, as here.
@@ -310,6 +325,7 @@ _KERNEL_CONFIGS = [
         for b, s, f, r in _KERNEL_CONFIGS
     ],
 )
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
 def test_kernel_configs(
     monkeypatch: pytest.MonkeyPatch,
     block_t: int,
@@ -317,6 +333,7 @@ def test_kernel_configs(
     layer_fast: bool,
     full_row: bool,
     rope_style: RopeStyle,
+    norm: bool,
 ) -> None:
     """Every launch configuration computes the same thing, partial token blocks included.
 
@@ -336,7 +353,8 @@ def test_kernel_configs(
     monkeypatch.setattr(_launch, "LAYER_FAST", layer_fast)
     monkeypatch.setattr(_launch, "FULL_ROW", full_row)
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
-    check(make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, num_positions=1000 + index))
+    index += 0 if norm else 2 * len(_KERNEL_CONFIGS)
+    check(make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, num_positions=1000 + index, norm=norm))
 
 
 # --------------------------------------------------------------------------- argument kinds

@@ -58,7 +58,7 @@ class Inputs:
     """One set of ``materialize_kv`` inputs (random, never zeros)."""
 
     kv: Tensor
-    k_norm_weight: Tensor
+    k_norm_weight: Tensor | None  # None: a RoPE-only draft
     eps: float | Tensor
     cos_sin_cache: Tensor
     positions: Tensor
@@ -75,7 +75,7 @@ class Inputs:
 
     @property
     def head_dim(self) -> int:
-        return int(self.k_norm_weight.shape[1])
+        return int(self.kv.shape[2]) // (2 * self.num_kv_heads)
 
     def dense(self) -> tuple[Tensor, Tensor]:
         return typedkv.materialize_kv(
@@ -89,7 +89,14 @@ class Inputs:
         )
 
     def into_pool(
-        self, cache_loc: Tensor, k_pool: Any, v_pool: Any, *, k_scale: Any = None, v_scale: Any = None
+        self,
+        cache_loc: Tensor,
+        k_pool: Any,
+        v_pool: Any,
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
+        kv_layout: Any = "NHD",
     ) -> None:
         typedkv.materialize_kv_into_pool(
             self.kv,
@@ -104,6 +111,7 @@ class Inputs:
             rope_style=self.rope_style,  # type: ignore[arg-type]
             k_scale=k_scale,
             v_scale=v_scale,
+            kv_layout=kv_layout,
         )
 
     def k_float32(self) -> Tensor:
@@ -140,6 +148,7 @@ def make_inputs(
     num_positions: int = 40,
     eps_per_layer: bool = False,
     seed: int = 0,
+    norm: bool = True,
 ) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(num_tokens, num_layers, 2 * num_kv_heads * head_dim, generator=gen).to(dtype)
@@ -148,7 +157,7 @@ def make_inputs(
     angles = torch.rand(num_positions, rotary_dim // 2, generator=gen) * 6.2
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     positions = torch.randint(0, num_positions, (num_tokens,), generator=gen)
-    return Inputs(kv, weight, eps, cos_sin, positions, num_kv_heads, rope_style)
+    return Inputs(kv, weight if norm else None, eps, cos_sin, positions, num_kv_heads, rope_style)
 
 
 def slots_for(num_tokens: int, num_slots: int, *, seed: int, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -189,6 +198,39 @@ class Layout:
     name: str
     alloc: Callable[[int, int, int, int, torch.dtype], list[Tensor]]
     view: Callable[[list[Tensor], int, int], tuple[Pool, Pool]]
+    kv_layout: str = "NHD"
+    page_size: int = 1  # B of a paged layout (1: no page dims); alloc makes ceil(S / B) pages
+
+
+PAGE = 4  # slots per page in the paged layouts below: S = 11 leaves the last page part-used
+
+
+def _pages(num_slots: int) -> int:
+    return -(-num_slots // PAGE)
+
+
+def _paged(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    return bases[0][0], bases[0][1]
+
+
+def _paged_combined(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    # One [L, N, 2, ...] cache: K and V pages interleaved, the two halves as views.
+    return bases[0][:, :, 0], bases[0][:, :, 1]
+
+
+def _paged_flashinfer(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    # FlashInfer: a [N, 2, B, H, D] (or [N, 2, H, B, D]) cache per layer.
+    return [cache[:, 0] for cache in bases], [cache[:, 1] for cache in bases]
+
+
+def _paged_vllm(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    # vLLM's flash-attention backend: a [2, N, B, H, D] cache per layer.
+    return [cache[0] for cache in bases], [cache[1] for cache in bases]
+
+
+def _paged_padded_heads(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    # HND pages with one spare head: K the first H heads, V the last H.
+    return bases[0][0][:, :, :heads], bases[0][1][:, :, 1:]
 
 
 def _stacked(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
@@ -288,6 +330,82 @@ LAYOUTS = {
 }
 
 
+PAGED_LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout(
+            "paged_nhd",
+            lambda L, S, H, D, dt: [torch.empty(2, L, _pages(S), PAGE, H, D, dtype=dt)],
+            _paged,
+            page_size=PAGE,
+        ),
+        Layout(
+            "paged_hnd",
+            lambda L, S, H, D, dt: [torch.empty(2, L, _pages(S), H, PAGE, D, dtype=dt)],
+            _paged,
+            "HND",
+            PAGE,
+        ),
+        Layout(
+            "paged_nhd_combined",
+            lambda L, S, H, D, dt: [torch.empty(L, _pages(S), 2, PAGE, H, D, dtype=dt)],
+            _paged_combined,
+            page_size=PAGE,
+        ),
+        Layout(
+            "paged_hnd_combined",
+            lambda L, S, H, D, dt: [torch.empty(L, _pages(S), 2, H, PAGE, D, dtype=dt)],
+            _paged_combined,
+            "HND",
+            PAGE,
+        ),
+        Layout(
+            "flashinfer_nhd",
+            lambda L, S, H, D, dt: [torch.empty(_pages(S), 2, PAGE, H, D, dtype=dt) for _ in range(L)],
+            _paged_flashinfer,
+            page_size=PAGE,
+        ),
+        Layout(
+            "flashinfer_hnd",
+            lambda L, S, H, D, dt: [torch.empty(_pages(S), 2, H, PAGE, D, dtype=dt) for _ in range(L)],
+            _paged_flashinfer,
+            "HND",
+            PAGE,
+        ),
+        Layout(
+            "vllm_flash_attn",
+            lambda L, S, H, D, dt: [torch.empty(2, _pages(S), PAGE, H, D, dtype=dt) for _ in range(L)],
+            _paged_vllm,
+            page_size=PAGE,
+        ),
+        Layout(
+            "paged_hnd_padded_heads",
+            lambda L, S, H, D, dt: [torch.empty(2, L, _pages(S), H + 1, PAGE, D, dtype=dt)],
+            _paged_padded_heads,
+            "HND",
+            PAGE,
+        ),
+    )
+}
+LAYOUTS.update(PAGED_LAYOUTS)
+
+
+def write_slots(pool: Pool, rows: Tensor, tokens: Tensor, slots: Tensor, layout: Layout) -> None:
+    """The oracle's write, token by token: ``rows[l, t]`` to slot ``s`` of layer ``l``.
+
+    Slot ``s`` is row ``s`` of a pool without pages, else offset ``s % B`` of page ``s // B``.
+    """
+    page = layout.page_size
+    for layer, dst in enumerate(_layers(pool)):
+        for token, slot in zip(tokens.tolist(), slots.tolist(), strict=True):
+            if page == 1:
+                dst[slot] = rows[layer][token]
+            elif layout.kv_layout == "HND":
+                dst[slot // page, :, slot % page] = rows[layer][token]
+            else:
+                dst[slot // page, slot % page] = rows[layer][token]
+
+
 def _bits(t: Tensor) -> Tensor:
     return t.view(_BITS[t.element_size()])
 
@@ -370,14 +488,13 @@ def run_pool(
             )
         else:
             expected_rows = inp.dense()
-    inp.into_pool(cache_loc, k_pool, v_pool, k_scale=k_scale, v_scale=v_scale)
+    inp.into_pool(cache_loc, k_pool, v_pool, k_scale=k_scale, v_scale=v_scale, kv_layout=layout.kv_layout)
 
     expected_k, expected_v = layout.view(expected_bases, heads, head_dim)
     kept = ((cache_loc >= 0) & (cache_loc < num_slots)).nonzero().flatten()
     slots = cache_loc[kept].long()
     for pool, rows in zip((expected_k, expected_v), expected_rows, strict=True):
-        for layer, dst in enumerate(_layers(pool)):
-            dst[slots] = rows[layer][kept]
+        write_slots(pool, rows, kept, slots, layout)
     return PoolRun(bases, expected_bases, k_pool, v_pool, expected_k, expected_v, kept, slots)
 
 
@@ -390,6 +507,37 @@ def test_layouts_match_dense(layout: str) -> None:
     inp = make_inputs(6, 3, 2, 16, 16, torch.bfloat16, seed=_seed(layout))
     cache_loc = slots_for(6, 11, seed=_seed(layout, "slots"))
     run_pool(inp, cache_loc, LAYOUTS[layout], torch.bfloat16, 11).check()
+
+
+@pytest.mark.parametrize("layout", ["stacked", "list_views", *PAGED_LAYOUTS])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+def test_rope_only_drafts(layout: str, rope_style: str) -> None:
+    """k_norm_weight=None into every kind of pool: the dense op's RoPE-only rows, eps unused."""
+    inp = make_inputs(7, 2, 2, 32, 16, torch.float16, rope_style, seed=_seed("rope-only", layout, rope_style), norm=False)
+    inp = Inputs(inp.kv, None, float("nan"), inp.cos_sin_cache, inp.positions, inp.num_kv_heads, inp.rope_style)
+    cache_loc = slots_for(7, 12, seed=_seed("rope-only", layout))
+    run = run_pool(inp, cache_loc, LAYOUTS[layout], torch.float16, 12)
+    run.check()
+    assert not inp.dense()[0].isnan().any(), "eps must not be read without a norm weight"
+
+
+@pytest.mark.parametrize("layout", list(PAGED_LAYOUTS))
+@pytest.mark.parametrize("pool_dtype", FP8, ids=_name)
+def test_paged_fp8(layout: str, pool_dtype: torch.dtype) -> None:
+    """FP8 with per-layer scales in every paged layout."""
+    inp = make_inputs(6, 3, 2, 16, 16, torch.bfloat16, seed=_seed("paged-fp8", layout, pool_dtype))
+    cache_loc = slots_for(6, 11, seed=_seed("paged-fp8", layout))
+    k_scale, v_scale = torch.tensor([0.02, 0.7, 3.0]), torch.tensor([1.5, 0.25, 0.1])
+    run_pool(inp, cache_loc, LAYOUTS[layout], pool_dtype, 11, k_scale=k_scale, v_scale=v_scale).check()
+
+
+@pytest.mark.parametrize("layout", ["paged_nhd", "flashinfer_hnd"])
+def test_paged_slot_addressing(layout: str) -> None:
+    """Every slot of a paged pool, in a shuffled order: slot s is page s // B, offset s % B."""
+    num_slots = 3 * PAGE
+    inp = make_inputs(num_slots, 2, 2, 16, 8, torch.bfloat16, seed=_seed("every-slot", layout))
+    cache_loc = torch.randperm(num_slots, generator=torch.Generator().manual_seed(5))
+    run_pool(inp, cache_loc, LAYOUTS[layout], torch.bfloat16, num_slots).check()
 
 
 @pytest.mark.parametrize("rope_style", ["neox", "gptj"])
@@ -859,3 +1007,80 @@ def test_repeated_layout_uses_each_calls_values() -> None:
         cache_loc = torch.tensor(loc)
         run_pool(inp, cache_loc, LAYOUTS["stacked"], torch.float8_e5m2, 8, k_scale=k_scale, v_scale=v_scale).check()
         run_pool(inp, cache_loc, LAYOUTS["list_views"], torch.float16, 8).check()
+
+
+# --------------------------------------------------------------------------- paged misuse
+
+
+def _paged_pair(layers: int = 2, pages: int = 3, heads: int = 2, head_dim: int = 16) -> tuple[Tensor, Tensor]:
+    pools = torch.empty(2, layers, pages, PAGE, heads, head_dim, dtype=torch.bfloat16)
+    pools.view(torch.uint8).fill_(SENTINEL)
+    return pools[0], pools[1]
+
+
+def _misuse_cases() -> dict[str, tuple[Callable[[], tuple[Any, Any, dict[str, Any]]], str]]:
+    k, v = _paged_pair()
+    return {
+        "v-other-N": (
+            lambda: (k, _paged_pair(pages=4)[1], {}),
+            "v_pool: expected shape (L=2, N=3, B=4, H=2, D=16), got (2, 4, 4, 2, 16): N=3 comes from k_pool",
+        ),
+        "v-other-B": (
+            lambda: (k, v.flatten(1, 2).unflatten(1, (6, 2)), {}),
+            "v_pool: expected shape (L=2, N=3, B=4, H=2, D=16), got (2, 6, 2, 2, 16): N=3 comes from k_pool; "
+            "B=4 comes from k_pool",
+        ),
+        "hnd-without-pages": (
+            lambda: (k.flatten(1, 2), v.flatten(1, 2), {"kv_layout": "HND"}),
+            "k_pool: expected shape (L=2, N, H=2, B, D=16) for kv_layout='HND', got (2, 12, 2, 16): "
+            "kv_layout='NHD' takes a tensor of 4 dims",
+        ),
+        "unknown-layout": (lambda: (k, v, {"kv_layout": "NDH"}), "kv_layout: expected 'NHD' or 'HND', got 'NDH'"),
+        "paged-and-flat": (
+            lambda: (k, v.flatten(1, 2), {}),
+            "v_pool: expected k_pool's layout [L, N, B, H, D], got [L, S, H, D]: K and V pools are paged alike",
+        ),
+        "paged-and-list": (
+            lambda: (k, list(v), {}),
+            "v_pool: expected the same layout as k_pool (a stacked tensor), got list",
+        ),
+        "list-hnd-of-nhd-rank": (
+            lambda: (list(k.flatten(1, 2)), list(v.flatten(1, 2)), {"kv_layout": "HND"}),
+            "k_pool[0]: expected shape (N, H=2, B, D=16) for kv_layout='HND', got (12, 2, 16): "
+            "kv_layout='NHD' takes a tensor of 3 dims",
+        ),
+    }
+
+
+@pytest.mark.parametrize("mode", ["production", "debug"])
+@pytest.mark.parametrize("case", list(_misuse_cases()))
+def test_paged_misuse_rejected_before_writing(case: str, mode: str) -> None:
+    """Pools that disagree on N or B, layouts without pages, unknown or mixed layouts: InputError, nothing written."""
+    typedkv.set_debug(mode == "debug")
+    make, message = _misuse_cases()[case]
+    k_pool, v_pool, extra = make()
+    inp = make_inputs(5, 2, seed=_seed("paged-misuse", case))
+    before = _snapshot([k_pool, v_pool])
+    with pytest.raises(typedkv.InputError) as info:
+        inp.into_pool(torch.tensor([0, 5, -1, 11, 3]), k_pool, v_pool, **extra)
+    assert str(info.value) == message
+    _assert_unchanged([k_pool, v_pool], before)
+
+
+@pytest.mark.parametrize("layout", ["paged_hnd", "flashinfer_nhd"])
+def test_debug_rejects_slot_past_the_pages(layout: str) -> None:
+    """N*B slots: slot N*B is past the end (debug raises; production skips it, as for S)."""
+    inp = make_inputs(3, 2, seed=9)
+    bases = LAYOUTS[layout].alloc(2, 3 * PAGE, 2, 16, torch.bfloat16)
+    k_pool, v_pool = LAYOUTS[layout].view(bases, 2, 16)
+    with pytest.raises(typedkv.InputError, match=r"^cache_loc: expected slots below S=12 \(or negative to skip\), got 12"):
+        inp.into_pool(torch.tensor([0, 12, 3]), k_pool, v_pool, kv_layout=LAYOUTS[layout].kv_layout)
+
+
+@pytest.mark.production
+@pytest.mark.parametrize("layout", ["paged_hnd_combined", "vllm_flash_attn"])
+def test_production_skips_slots_past_the_pages(layout: str) -> None:
+    inp = make_inputs(5, 2, seed=_seed("past-pages", layout))
+    run = run_pool(inp, torch.tensor([11, 12, 0, 2**40, 7]), LAYOUTS[layout], torch.bfloat16, 12)
+    assert run.kept.tolist() == [0, 2, 4]
+    run.check()

@@ -289,9 +289,10 @@ def seed_style_wrapper(
             raise ValueError(f"Invalid {name} device/dtype")
     grid, params, num_warps = _launch.launch_params(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None,
-        k_out, (k_out.stride(0), k_out.stride(1), k_out.stride(2)),
-        v_out, (v_out.stride(0), v_out.stride(1), v_out.stride(2)),
-        None, num_kv_heads=num_kv_heads, num_rows=total_ctx, neox=True, k_scale=None, v_scale=None,
+        k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
+        v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
+        None, num_kv_heads=num_kv_heads, head_dim=k_norm_weight.shape[1], page_size=1, num_rows=total_ctx, neox=True,
+        k_scale=None, v_scale=None,
     )  # fmt: skip
     kernel: Any = _launch.materialize_kv_kernel
     kernel[grid](*params, num_warps=num_warps)
@@ -349,9 +350,10 @@ def host_overhead(device: torch.device) -> dict[str, float]:
 
     grid, params, num_warps = _launch.launch_params(
         x.kv, x.weight, x.eps, x.cos_sin, x.positions, None,
-        x.k_out, (x.k_out.stride(0), x.k_out.stride(1), x.k_out.stride(2)),
-        x.v_out, (x.v_out.stride(0), x.v_out.stride(1), x.v_out.stride(2)),
-        None, num_kv_heads=H, num_rows=16, neox=True, k_scale=None, v_scale=None,
+        x.k_out, (x.k_out.stride(0), x.k_out.stride(1), 0, x.k_out.stride(2)),
+        x.v_out, (x.v_out.stride(0), x.v_out.stride(1), 0, x.v_out.stride(2)),
+        None, num_kv_heads=H, head_dim=x.weight.shape[1], page_size=1, num_rows=16, neox=True,
+        k_scale=None, v_scale=None,
     )  # fmt: skip
     kernel: Any = _launch.materialize_kv_kernel
 

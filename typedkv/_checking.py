@@ -39,7 +39,7 @@ from beartype.roar import BeartypeDoorHintViolation
 from jaxtyping import Shaped, jaxtyped
 
 from ._errors import InputError
-from ._types import Derived
+from ._types import Derived, PageLayout
 
 # How a dim is spoken of in a fix ("allocate layers first").
 _DIM_WORDS = {"L": "layers", "T": "tokens", "H": "heads", "D": "head dims", "S": "slots"}
@@ -61,6 +61,7 @@ class _ArraySpec:
     dtypes: frozenset[torch.dtype]
     dtype_names: tuple[str, ...]
     symbolic: bool
+    layout: str | None = None  # the `PageLayout` tag of this shape, if any
 
 
 @dataclass
@@ -69,8 +70,8 @@ class _Param:
     index: int
     hint: Any
     optional: bool = False
-    array: _ArraySpec | None = None
-    sequence: _ArraySpec | None = None  # a sequence of tensors, one per `sequence_len`
+    arrays: tuple[_ArraySpec, ...] = ()  # the shapes a tensor may have (a union: one per rank and layout)
+    sequences: tuple[_ArraySpec, ...] = ()  # likewise for a sequence of tensors, one per `sequence_len`
     scalars: tuple[type, ...] = ()
     literals: tuple[Any, ...] = ()
     sequence_len: str | None = None
@@ -83,6 +84,22 @@ class Bound:
     dims: dict[str, int]
     device: torch.device
     bound_by: dict[str, str] = field(default_factory=dict)
+    # The shape each tensor argument matched (of a union), by argument name.
+    specs: dict[str, _ArraySpec] = field(default_factory=dict)
+    # Dims solved from a symbolic dim (D from kv's 2*H*D when nothing else names D).
+    solved: set[str] = field(default_factory=set)
+
+    def layout(self, name: str) -> str | None:
+        """The `PageLayout` tag of the shape ``name`` matched (``None``: untagged)."""
+        return self.specs[name].layout
+
+    def shape_of(self, name: str) -> str:
+        """The shape ``name`` matched, as written in its annotation (``"L N B H D"``)."""
+        return " ".join(d.text for d in self.specs[name].dims)
+
+    def strides(self, name: str, tensor: torch.Tensor) -> dict[str, int]:
+        """``tensor``'s stride of each named dim of the shape ``name`` matched."""
+        return {d.name: st for d, st in zip(self.specs[name].dims, tensor.stride(), strict=True) if d.name}
 
 
 def _meta(x: Any) -> Any:
@@ -103,7 +120,7 @@ _PLANS_MAX = 4096
 _BEARTYPE = BeartypeConf(is_pep484_tower=True)
 
 
-def _parse_array(hint: Any) -> _ArraySpec:
+def _parse_array(hint: Any, layout: str | None = None) -> _ArraySpec:
     dims = []
     for token in hint.dim_str.split():
         if token.isdigit():
@@ -118,7 +135,16 @@ def _parse_array(hint: Any) -> _ArraySpec:
         frozenset(getattr(torch, n) for n in dtypes),
         dtypes,
         any(d.code is not None for d in dims),
+        layout,
     )
+
+
+def _unwrap(hint: Any) -> tuple[Any, str | None]:
+    """``Annotated[hint, PageLayout(...)]`` as ``(hint, layout)``; other hints as ``(hint, None)``."""
+    if typing.get_origin(hint) is typing.Annotated:
+        inner, *metadata = typing.get_args(hint)
+        return inner, next((m.layout for m in metadata if isinstance(m, PageLayout)), None)
+    return hint, None
 
 
 def _is_array_hint(hint: Any) -> bool:
@@ -154,14 +180,16 @@ def runtime_hint(hint: Any, derived: Sequence[Derived] = ()) -> Any:
 def _parse_param(name: str, index: int, hint: Any) -> _Param:
     param = _Param(name, index, hint)
     members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    for member in members:
+    for tagged in members:
+        member, layout = _unwrap(tagged)
         origin = typing.get_origin(member)
+        item, item_layout = _unwrap(typing.get_args(member)[0]) if origin is collections.abc.Sequence else (None, None)
         if member is type(None):
             param.optional = True
         elif _is_array_hint(member):
-            param.array = _parse_array(member)
-        elif origin is collections.abc.Sequence and _is_array_hint(typing.get_args(member)[0]):
-            param.sequence = _parse_array(typing.get_args(member)[0])
+            param.arrays += (_parse_array(member, layout),)
+        elif _is_array_hint(item):
+            param.sequences += (_parse_array(item, item_layout),)
         elif origin is typing.Literal:
             param.literals = typing.get_args(member)
         elif member in (int, float, bool, str):
@@ -209,6 +237,13 @@ class Signature:
         ``{param: dim}``: a sequence argument holds that many tensors.
     inner_contiguous
         Arguments whose last dim must have stride 1 (read or written as vectors).
+    layout_of
+        The ``Literal`` argument that picks, among an argument's shapes of one
+        rank, the one tagged with its value (`PageLayout`).
+
+    Inputs bind the dims first, then the outputs are checked against them: a
+    symbolic dim with one unknown (``2*H*D`` with no ``D`` given) is solved
+    between the two, so an output never decides a size.
     """
 
     def __init__(
@@ -222,6 +257,7 @@ class Signature:
         rules: Sequence[tuple[str, str, str]] = (),
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
+        layout_of: str | None = None,
     ) -> None:
         # Derived dims ("KV = 2*H*D") are read in place of their names, so both
         # modes check the expression itself and messages quote it.
@@ -236,13 +272,13 @@ class Signature:
             p.sequence_len = sequence_len.get(p.name)
         by_name = {p.name: p for p in params}
         self._by_name = by_name
-        self._scalars = [p for p in params if p.array is None and p.sequence is None]
-        self._tensors = [p for p in params if p.array is not None or p.sequence is not None]
+        self._scalars = [p for p in params if not p.arrays and not p.sequences]
+        tensors = [p for p in params if p.arrays or p.sequences]
+        self._inputs = [p for p in tensors if p.name not in outputs]
+        self._written = [p for p in tensors if p.name in outputs]
         # jaxtyping evaluates a symbolic dim ("2*H*D" on kv) when it meets it, so
         # the debug check visits those arguments after the ones binding the names.
-        self._debug_order = [p for p in self._tensors if not _spec_of(p).symbolic] + [
-            p for p in self._tensors if _spec_of(p).symbolic
-        ]
+        self._debug_order = [p for p in tensors if not _symbolic(p)] + [p for p in tensors if _symbolic(p)]
         self._scalar_dims = [(dim, by_name[arg].index, arg) for dim, arg in scalar_dims.items()]
         self._device_index = by_name[device_of].index
         self._device_of = device_of
@@ -250,6 +286,8 @@ class Signature:
         self._outputs = frozenset(outputs)
         self._rules = [(compile(expr, expr, "eval"), expr, blame, what) for expr, blame, what in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
+        self._layout_of = layout_of
+        self._layout_index = None if layout_of is None else by_name[layout_of].index
         self._plans: dict[tuple[Any, ...], Any] = {}
 
     # ----------------------------------------------------------------- plan cache
@@ -298,36 +336,96 @@ class Signature:
         device = anchor.device
         bound = Bound(dims, device, bound_by)
         deferred: list[tuple[str, str, _ArraySpec, torch.Size]] = []
-        for p in self._tensors:
-            value = args[p.index]
-            if value is None and p.optional:
-                continue
-            if isinstance(value, torch.Tensor) and p.array is not None:
-                self._check_tensor(p.name, p.name, p.array, value, bound, args, deferred)
-            elif p.sequence is not None and isinstance(value, (list, tuple)) and not (isinstance(value, torch.Tensor)):
-                self._check_sequence(p, value, bound, args, deferred)
-            elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
-                continue
-            else:
-                raise InputError(
-                    f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}"
-                )
-        # Symbolic dims whose names were bound by a later argument.
-        for name, label, spec, shape in deferred:
-            for d, size in zip(spec.dims, shape, strict=False):
-                if d.code is not None and eval(d.code, {}, dims) != size:
-                    raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
+        for group in (self._inputs, self._written):
+            for p in group:
+                value = args[p.index]
+                if value is None and p.optional:
+                    continue
+                if isinstance(value, torch.Tensor) and p.arrays:
+                    spec = self._choose(p, p.name, p.arrays, value, bound, args)
+                    bound.specs[p.name] = spec
+                    self._check_tensor(p.name, p.name, spec, value, bound, args, deferred)
+                elif p.sequences and isinstance(value, (list, tuple)):
+                    self._check_sequence(p, value, bound, args, deferred)
+                elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
+                    continue
+                else:
+                    raise InputError(
+                        f"{p.name}: expected {self._describe(p)}, got {_type_name(value)}{_scalar_fix(p, value)}"
+                    )
+            # Symbolic dims whose names were bound by a later argument, or are
+            # solved from them here: the inputs' dims are all known before an
+            # output is checked against them.
+            deferred = self._resolve(deferred, bound)
         for code, expr, blame, what in self._rules:
             if not eval(code, {}, dims):
                 shown = ", ".join(f"{n}={dims[n]}" for n in sorted(set(_NAME.findall(expr))) if n in dims)
                 raise InputError(f"{blame}: {what}, got {shown}")
         return bound
 
+    def _resolve(
+        self, deferred: list[tuple[str, str, _ArraySpec, torch.Size]], bound: Bound
+    ) -> list[tuple[str, str, _ArraySpec, torch.Size]]:
+        """Check the deferred symbolic dims whose names are bound; solve those with one unknown.
+
+        Returns what is still open (more than one unknown).
+        """
+        dims = bound.dims
+        still: list[tuple[str, str, _ArraySpec, torch.Size]] = []
+        for name, label, spec, shape in deferred:
+            for d, size in zip(spec.dims, shape, strict=True):
+                if d.code is None:
+                    continue
+                missing = [n for n in d.needs if n not in dims]
+                if len(missing) > 1:
+                    still.append((name, label, spec, shape))
+                    break
+                if missing:
+                    self._solve(d, missing[0], size, name, label, spec, shape, bound)
+                elif eval(d.code, {}, dims) != size:
+                    raise InputError(self._shape_message(name, label, spec, tuple(shape), bound))
+        return still
+
+    def _solve(
+        self, d: _Dim, unknown: str, size: int, name: str, label: str, spec: _ArraySpec, shape: torch.Size, bound: Bound
+    ) -> None:
+        """Bind ``unknown`` so that the symbolic dim ``d`` (a product such as ``2*H*D``) equals ``size``."""
+        per = eval(d.code, {}, {**bound.dims, unknown: 1})
+        if eval(d.code, {}, {**bound.dims, unknown: 2}) != 2 * per or per <= 0:
+            raise TypeError(f"typedkv: cannot solve {d.text} for {unknown} in the annotation of {name}")
+        if size % per:
+            msg = self._shape_message(name, label, spec, tuple(shape), bound)
+            raise InputError(f"{msg}: the size must be {d.text} = {per}*{unknown}; {size} is not a multiple of {per}")
+        bound.dims[unknown] = size // per
+        bound.bound_by[unknown] = label
+        bound.solved.add(unknown)
+
+    def _choose(
+        self, p: _Param, label: str, specs: tuple[_ArraySpec, ...], value: torch.Tensor, bound: Bound, args: Sequence[Any]
+    ) -> _ArraySpec:
+        """The shape of ``specs`` that ``value`` is checked against: by rank, then by the layout argument."""
+        if len(specs) == 1:
+            return specs[0]
+        layout = None if self._layout_index is None else args[self._layout_index]
+        allowed = [s for s in specs if s.layout in (None, layout)]
+        fitting = [s for s in allowed if len(s.dims) == value.dim()]
+        if len(fitting) == 1:
+            return fitting[0]
+        shapes = " or ".join(self._expected(s, bound.dims) for s in allowed)
+        msg = f"{label}: expected shape {shapes}"
+        if self._layout_of is not None:
+            msg += f" for {self._layout_of}={layout!r}"
+        msg += f", got {tuple(value.shape)}"
+        others = sorted({s.layout for s in specs if len(s.dims) == value.dim() and s.layout not in (None, layout)})
+        if others:
+            msg += f": {self._layout_of}={others[0]!r} takes a tensor of {value.dim()} dims"
+        raise InputError(msg)
+
     def _describe(self, p: _Param) -> str:
         kinds = []
-        if p.array is not None:
+        if p.arrays:
             kinds.append("a torch.Tensor")
-        if p.sequence is not None:
+        if p.sequences:
             kinds.append(f"a sequence of {p.sequence_len} torch.Tensors")
         words = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
         kinds += [words[s] for s in p.scalars if not (s is int and float in p.scalars)]
@@ -357,15 +455,20 @@ class Signature:
         args: Sequence[Any],
         deferred: list[tuple[str, str, _ArraySpec, torch.Size]],
     ) -> None:
-        assert p.sequence is not None and p.sequence_len is not None
+        assert p.sequences and p.sequence_len is not None
         want = bound.dims.get(p.sequence_len)
         if want is not None and len(value) != want:
             raise InputError(f"{p.name}: expected {p.sequence_len}={want} per-layer tensors, got {len(value)}")
+        spec: _ArraySpec | None = None
         for i, item in enumerate(value):
             label = f"{p.name}[{i}]"
             if not isinstance(item, torch.Tensor):
                 raise InputError(f"{label}: expected a torch.Tensor, got {_type_name(item)}")
-            self._check_tensor(p.name, label, p.sequence, item, bound, args, deferred)
+            # The first item picks the shape; every other item must have it too.
+            if spec is None:
+                spec = self._choose(p, label, p.sequences, item, bound, args)
+                bound.specs[p.name] = spec
+            self._check_tensor(p.name, label, spec, item, bound, args, deferred)
 
     def _check_tensor(
         self,
@@ -564,10 +667,12 @@ class Signature:
         the dims bound by ``int`` arguments are bound first.
         """
         with jaxtyped("context"):
-            for dim, index, _ in self._scalar_dims:
+            given = [(dim, args[index]) for dim, index, _ in self._scalar_dims]
+            # A dim the production check solved (D from kv's width) has no argument of its own to bind it.
+            for dim, size in (*given, *((d, bound.dims[d]) for d in sorted(bound.solved))):
                 # A zero-byte meta tensor binds the dim in jaxtyping's memo.
                 # To mypy a jaxtyping type is Annotated[...], not a class: it cannot see that isinstance takes it.
-                isinstance(torch.empty((args[index],), device="meta"), Shaped[torch.Tensor, f" {dim}"])  # type: ignore[arg-type]
+                isinstance(torch.empty((size,), device="meta"), Shaped[torch.Tensor, f" {dim}"])  # type: ignore[arg-type]
             for p in self._scalars + self._debug_order:
                 try:
                     die_if_unbearable(args[p.index], self.hints[p.name], conf=_BEARTYPE)
@@ -600,7 +705,5 @@ def _swapped(want: Sequence[int | None], got: Sequence[int]) -> tuple[int, int] 
     return None
 
 
-def _spec_of(p: _Param) -> _ArraySpec:
-    spec = p.array if p.array is not None else p.sequence
-    assert spec is not None
-    return spec
+def _symbolic(p: _Param) -> bool:
+    return any(spec.symbolic for spec in (*p.arrays, *p.sequences))

@@ -2,9 +2,11 @@
 
 One program handles ``BLOCK_T`` tokens of one layer, all ``H`` heads at once:
 it reads each token's K and V blocks from ``kv`` once, applies the layer's K
-RMSNorm (float32, rounded to the storage dtype as the unfused path does) and
-RoPE, and writes K and V. The destination row of a token is the token itself
-(dense ``[L, T, H, D]`` outputs) or its pool slot (``INDEXED``); the layer base is
+RMSNorm (``NORM``; float32, rounded to the storage dtype as the unfused path
+does) and RoPE, and writes K and V. The destination row of a token is the token
+itself (dense ``[L, T, H, D]`` outputs) or its pool slot (``INDEXED``); a paged
+pool's row ``r`` is slot ``r % PAGE`` of page ``r // PAGE``, each with its own
+stride (NHD and HND pages differ only in strides); the layer base is
 ``layer * stride`` (one stacked tensor) or an element offset read from a table
 (``LAYER_TABLE``: an engine's list of per-layer pool tensors). K and V of a
 token block are handled by one program, or by two (``SPLIT``, grid axis 2) when
@@ -15,7 +17,7 @@ one tile (`_k_row`, ``FULL_ROW``).
 Every load and store is masked, so the kernel never touches memory outside its
 tensors whatever the values of ``positions`` or the slots are: a token whose
 position is outside ``[0, P)`` gets NaN in K (V is still copied), and a token
-whose slot is negative or ``>= S`` is skipped.
+whose slot is negative or ``>= S`` (``N*B``) is skipped.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def _k_part(
     D: tl.constexpr,
     R: tl.constexpr,
     NEOX: tl.constexpr,
+    NORM: tl.constexpr,
     K_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -165,16 +168,18 @@ def _k_part(
     BLOCK_PASS: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
 ):
-    """K of BLOCK_T tokens, all heads, one layer: RMSNorm, RoPE, store.
+    """K of BLOCK_T tokens, all heads, one layer: RMSNorm (if NORM), RoPE, store.
 
     K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
     pass-through dims [R, D); each piece is loaded once, contiguously, so no
     element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1.
+    Without a norm K's values enter RoPE as they are (already in the storage dtype).
     """
     HALF: tl.constexpr = R // 2
     PASS: tl.constexpr = D - R
     head = tl.arange(0, BLOCK_H)
-    w_row = weight_ptr + layer * weight_stride_l
+    if NORM:
+        w_row = weight_ptr + layer * weight_stride_l
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
     # The RoPE row first; a token whose position is outside [0, P) gets NaN in K.
@@ -188,8 +193,9 @@ def _k_part(
     if NEOX:
         x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
         x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0).to(tl.float32)
-        w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
+        if NORM:
+            w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
+            w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
     else:
         # The rotary dims in one contiguous (vectorised) load, then viewed as
         # [.., R/2, 2] pairs (dims 2j and 2j + 1 are pair j).
@@ -197,21 +203,27 @@ def _k_part(
         m2 = head_ok[:, :, None] & (rot < R)[None, None, :]
         x = tl.load(k_head[:, :, None] + rot[None, None, :], mask=m2, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], BLOCK_HALF, 2)))
-        w = tl.load(w_row + rot * weight_stride_d, mask=rot < R, other=0.0).to(tl.float32)
-        w1, w2 = tl.split(tl.reshape(w, (BLOCK_HALF, 2)))
-    sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
+        if NORM:
+            w = tl.load(w_row + rot * weight_stride_d, mask=rot < R, other=0.0).to(tl.float32)
+            w1, w2 = tl.split(tl.reshape(w, (BLOCK_HALF, 2)))
     if PASS > 0:
         rest = tl.arange(0, BLOCK_PASS)
         rest_ok = rest < PASS
         m3 = head_ok[:, :, None] & rest_ok[None, None, :]
         x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0).to(tl.float32)
-        w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
-        sum_sq += tl.sum(x3 * x3, axis=2)
 
-    # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
-    rstd = tl.rsqrt(sum_sq / D + eps)[:, :, None]
-    y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
-    y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+    if NORM:
+        # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
+        sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
+        if PASS > 0:
+            w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(x3 * x3, axis=2)
+        rstd = tl.rsqrt(sum_sq / D + eps)[:, :, None]
+        y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+        y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+    else:
+        y1 = x1
+        y2 = x2
 
     # Added to every K dim: NaN for a bad token, -0.0 (which changes no bits, -0.0 included) otherwise.
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
@@ -258,7 +270,10 @@ def _k_part(
             SOFT_ROUND,
         )
     if PASS > 0:
-        y3 = _cast(x3 * rstd * w3[None, None, :], store_ty, SOFT_ROUND).to(tl.float32) + bad
+        if NORM:
+            y3 = _cast(x3 * rstd * w3[None, None, :], store_ty, SOFT_ROUND).to(tl.float32) + bad
+        else:
+            y3 = x3 + bad
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
         _store_scaled(
             k_dst[:, :, None] + (R + rest)[None, None, :],
@@ -296,6 +311,7 @@ def _k_row(
     store_ty: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
+    NORM: tl.constexpr,
     K_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -333,14 +349,17 @@ def _k_row(
         k_head[:, :, None] + partner[None, None, :], mask=head_ok[:, :, None] & rotary[None, None, :], other=0.0
     )
     xp = xp.to(tl.float32)
-    w_row = weight_ptr + layer * weight_stride_l
-    w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
-    wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
-
-    # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
-    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]
-    y = _cast(x * rstd * w, store_ty, SOFT_ROUND).to(tl.float32)
-    yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
+    if NORM:
+        w_row = weight_ptr + layer * weight_stride_l
+        w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
+        wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
+        # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
+        rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]
+        y = _cast(x * rstd * w, store_ty, SOFT_ROUND).to(tl.float32)
+        yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
+    else:
+        y = x
+        yp = xp
     # NaN for a bad token, -0.0 (changes no bits) otherwise; pass-through dims are y itself.
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
@@ -363,10 +382,7 @@ def _v_part(
     k_head,
     head_ok,
     row_ok,
-    v_base,
-    row,
-    v_stride_row,
-    v_stride_h,
+    v_dst,
     v_scale,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -384,7 +400,7 @@ def _v_part(
     dim = tl.arange(0, BLOCK_D)
     vm = head_ok[:, :, None] & (dim < D)[None, None, :]
     v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
-    v_dst = v_base + row[:, None, None] * v_stride_row + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
+    v_dst = v_dst[:, :, None] + dim[None, None, :]
     v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
     if V_SCALE == 0:
         tl.store(v_dst, v, mask=v_ok)
@@ -425,11 +441,13 @@ def materialize_kv_kernel(
     slots_stride,
     k_ptr,
     k_stride_l,
-    k_stride_row,
+    k_stride_page,
+    k_stride_slot,
     k_stride_h,
     v_ptr,
     v_stride_l,
-    v_stride_row,
+    v_stride_page,
+    v_stride_slot,
     v_stride_h,
     layer_offsets_ptr,
     k_scale_ptr,
@@ -445,8 +463,10 @@ def materialize_kv_kernel(
     D: tl.constexpr,
     R: tl.constexpr,
     NEOX: tl.constexpr,
+    NORM: tl.constexpr,  # a K RMSNorm (else K is RoPE(k) only)
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
+    PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,
     K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer * k_scale_stride]
     V_SCALE: tl.constexpr,
@@ -495,7 +515,17 @@ def materialize_kv_kernel(
     else:
         k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
         v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
-    k_dst = k_base + row[:, None] * k_stride_row + (head * k_stride_h)[None, :]  # [T, H]
+    if PAGE == 1:
+        k_row = row * k_stride_page
+        v_row = row * v_stride_page
+    else:
+        # A constant divisor: a multiply and shift, not a division.
+        page = row // PAGE
+        slot = row % PAGE
+        k_row = page * k_stride_page + slot * k_stride_slot
+        v_row = page * v_stride_page + slot * v_stride_slot
+    k_dst = k_base + k_row[:, None] + (head * k_stride_h)[None, :]  # [T, H]
+    v_dst = v_base + v_row[:, None] + (head * v_stride_h)[None, :]
     store_ty = kv_ptr.dtype.element_ty
     # Per-layer scalars read once here, honouring the tensors' strides.
     if EPS_PER_LAYER:
@@ -511,18 +541,18 @@ def materialize_kv_kernel(
             _k_row(
                 k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
                 eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-                num_positions, k_scale, store_ty, D, R, K_SCALE,
+                num_positions, k_scale, store_ty, D, R, NORM, K_SCALE,
                 FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_D, SOFT_ROUND,
             )  # fmt: skip
         else:
             _k_part(
                 k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
                 eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-                num_positions, k_scale, store_ty, H, D, R, NEOX, K_SCALE,
+                num_positions, k_scale, store_ty, H, D, R, NEOX, NORM, K_SCALE,
                 FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
             )  # fmt: skip
     if not SPLIT or part == 1:
         _v_part(
-            k_head, head_ok, row_ok, v_base, row, v_stride_row, v_stride_h, v_scale,
+            k_head, head_ok, row_ok, v_dst, v_scale,
             H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
         )  # fmt: skip

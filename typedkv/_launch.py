@@ -83,18 +83,20 @@ def use_kernel(device: torch.device) -> bool:
 
 def launch_params(
     kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
     eps: float | torch.Tensor,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor | None,
     k_dst: torch.Tensor,
-    k_strides: tuple[int, int, int],
+    k_strides: tuple[int, int, int, int],
     v_dst: torch.Tensor,
-    v_strides: tuple[int, int, int],
+    v_strides: tuple[int, int, int, int],
     layer_offsets: torch.Tensor | None,
     *,
     num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
     num_rows: int,
     neox: bool,
     k_scale: float | torch.Tensor | None,
@@ -102,14 +104,16 @@ def launch_params(
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
-    ``k_strides``/``v_strides`` are ``(layer, row, head)`` element strides of the
-    destinations (the last dim is contiguous). ``slots`` maps tokens to rows
-    (``None``: row = token). ``layer_offsets`` is a ``[2, L]`` int64 table of
-    element offsets from ``k_dst``/``v_dst`` to each layer's tensor (``None``:
-    layer ``l`` starts at ``l * stride``).
+    ``k_strides``/``v_strides`` are ``(layer, page, slot in page, head)`` element
+    strides of the destinations (the last dim is contiguous); row ``r`` is page
+    ``r // page_size``, slot ``r % page_size`` (``page_size`` 1: one row per
+    page). ``slots`` maps tokens to rows (``None``: row = token); rows outside
+    ``[0, num_rows)`` are skipped. ``layer_offsets`` is a ``[2, L]`` int64 table
+    of element offsets from ``k_dst``/``v_dst`` to each layer's tensor
+    (``None``: layer ``l`` starts at ``l * stride``). ``k_norm_weight`` None:
+    no K norm.
     """
     num_tokens, num_layers, _ = kv.shape
-    head_dim = k_norm_weight.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
     split = split_kv(num_tokens, num_layers, block_t)
@@ -122,24 +126,25 @@ def launch_params(
         kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_scale, v_scale
     )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
-    k_stride_l, k_stride_row, k_stride_h = k_strides
-    v_stride_l, v_stride_row, v_stride_h = v_strides
+    k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
+    v_stride_l, v_stride_page, v_stride_slot, v_stride_h = v_strides
+    norm = k_norm_weight is not None
     layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
     params = (
         kv, kv.stride(0), kv.stride(1),
-        k_norm_weight, k_norm_weight.stride(0), k_norm_weight.stride(1),
+        k_norm_weight, *(k_norm_weight.stride() if k_norm_weight is not None else (0, 0)),
         eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions, positions.stride(0),
         slots, slots.stride(0) if slots is not None else 0,
-        k_dst, k_stride_l // layer_vec, k_stride_row, k_stride_h,
-        v_dst, v_stride_l // layer_vec, v_stride_row, v_stride_h,
+        k_dst, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
+        v_dst, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
         layer_offsets,
         k_t, k_t.stride(0) if k_t is not None else 0, k_f,
         v_t, v_t.stride(0) if v_t is not None else 0, v_f,
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
-        num_kv_heads, head_dim, rotary_dim, neox, eps_t is not None, slots is not None,
+        num_kv_heads, head_dim, rotary_dim, neox, norm, eps_t is not None, slots is not None, page_size,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, LAYER_FAST,
@@ -159,7 +164,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def varying(
     kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
     eps: float | torch.Tensor,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,

@@ -9,8 +9,8 @@ signatures), so the graph holds one opaque op per call and never a graph break:
 - the **fake** implementation runs the production checks on the fake tensors,
   so misuse is rejected at trace time with the eager message (debug mode's
   beartype and value checks run in eager calls only);
-- the **real** implementation, on CPU and CUDA alike, is the eager public
-  function, called when the compiled graph runs;
+- the **real** implementation, on CPU and CUDA alike, is the eager checked
+  implementation (`_impl`), called when the compiled graph runs;
 - every op returns nothing and declares exactly what it writes (``k_out`` and
   ``v_out``, or the two pools) in ``mutates_args``, so functionalization and
   CUDA-graph replay see every write and reorder or alias none of them.
@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 from torch import Tensor
 
-from . import _ops
+from . import _impl
 from ._types import RopeStyle
 
 # Before this version inductor's copy of a shared allocation can be wrong, not just slow.
@@ -102,7 +101,7 @@ def _eps(value: float | None, tensor: Tensor | None) -> float | Tensor:
 @torch.library.custom_op("typedkv::materialize_kv_out", mutates_args=("k_out", "v_out"))
 def materialize_kv_out(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -113,16 +112,15 @@ def materialize_kv_out(
     v_out: Tensor,
 ) -> None:
     """`typedkv.materialize_kv` into ``k_out`` and ``v_out``."""
-    _ops.materialize_kv(
-        kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions,
-        num_kv_heads=num_kv_heads, rope_style=cast(RopeStyle, rope_style), k_out=k_out, v_out=v_out,
-    )  # fmt: skip
+    _impl.materialize_kv(
+        kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out
+    )
 
 
 @materialize_kv_out.register_fake
 def _materialize_kv_out_fake(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -134,7 +132,7 @@ def _materialize_kv_out_fake(
 ) -> None:
     eps = _join(_static(eps_value), eps_tensor)
     heads = _static(num_kv_heads)
-    _ops._DENSE.check((kv, k_norm_weight, eps, cos_sin_cache, positions, heads, rope_style, k_out, v_out))
+    _impl.check_dense((kv, k_norm_weight, eps, cos_sin_cache, positions, heads, rope_style, k_out, v_out))
     _warn_shared_allocation((("k_out", k_out), ("v_out", v_out)))
 
 
@@ -144,7 +142,7 @@ def _materialize_kv_out_fake(
 @torch.library.custom_op("typedkv::materialize_kv_into_pool_stacked", mutates_args=("k_pool", "v_pool"))
 def materialize_kv_into_pool_stacked(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -158,18 +156,19 @@ def materialize_kv_into_pool_stacked(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
+    kv_layout: str,
 ) -> None:
-    """`typedkv.materialize_kv_into_pool` with ``[L, S, H, D]`` pools."""
+    """`typedkv.materialize_kv_into_pool` with stacked pools (``[L, S, H, D]``, or paged)."""
     _pool(
         kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor, kv_layout,
     )  # fmt: skip
 
 
 @torch.library.custom_op("typedkv::materialize_kv_into_pool_list", mutates_args=("k_pool", "v_pool"))
 def materialize_kv_into_pool_list(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -183,17 +182,18 @@ def materialize_kv_into_pool_list(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
+    kv_layout: str,
 ) -> None:
-    """`typedkv.materialize_kv_into_pool` with one ``[S, H, D]`` pool per layer."""
+    """`typedkv.materialize_kv_into_pool` with one pool tensor per layer."""
     _pool(
         kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+        num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor, kv_layout,
     )  # fmt: skip
 
 
 def _pool(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -207,11 +207,12 @@ def _pool(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
+    kv_layout: str,
 ) -> None:
-    _ops.materialize_kv_into_pool(
+    _impl.materialize_kv_into_pool(
         kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads=num_kv_heads, rope_style=cast(RopeStyle, rope_style),
-        k_scale=_join(k_scale_value, k_scale_tensor), v_scale=_join(v_scale_value, v_scale_tensor),
+        num_kv_heads, rope_style, _join(k_scale_value, k_scale_tensor), _join(v_scale_value, v_scale_tensor),
+        kv_layout,
     )  # fmt: skip
 
 
@@ -219,7 +220,7 @@ def _pool(
 @materialize_kv_into_pool_list.register_fake
 def _pool_fake(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps_value: float | None,
     eps_tensor: Tensor | None,
     cos_sin_cache: Tensor,
@@ -233,16 +234,16 @@ def _pool_fake(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
+    kv_layout: str,
 ) -> None:
     eps = _join(_static(eps_value), eps_tensor)
     k_scale = _join(_static(k_scale_value), k_scale_tensor)
     v_scale = _join(_static(v_scale_value), v_scale_tensor)
     heads = _static(num_kv_heads)
-    _ops._POOL.check(
+    _impl.check_pool(
         (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, heads, rope_style,
-         k_scale, v_scale)
+         k_scale, v_scale, kv_layout)
     )  # fmt: skip
-    _ops._pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
     _warn_shared_allocation([*_labelled("k_pool", k_pool), *_labelled("v_pool", v_pool)])
 
 
@@ -255,7 +256,7 @@ def _labelled(name: str, pool: Tensor | Sequence[Tensor]) -> list[tuple[str, Ten
 
 def materialize_kv(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps: float | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
@@ -279,7 +280,7 @@ def materialize_kv(
 
 def materialize_kv_into_pool(
     kv: Tensor,
-    k_norm_weight: Tensor,
+    k_norm_weight: Tensor | None,
     eps: float | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
@@ -291,6 +292,7 @@ def materialize_kv_into_pool(
     rope_style: RopeStyle,
     k_scale: float | Tensor | None,
     v_scale: float | Tensor | None,
+    kv_layout: str,
 ) -> None:
     """`typedkv.materialize_kv_into_pool` while torch.compile traces: one op call."""
     eps_value, eps_tensor = _split(eps)
@@ -298,27 +300,29 @@ def materialize_kv_into_pool(
     v_scale_value, v_scale_tensor = _split(v_scale)
     if isinstance(k_pool, Tensor) != isinstance(v_pool, Tensor):
         # The eager message; raised here because no op schema takes the mixed layout.
-        _ops._pool_layout(kv, k_pool, v_pool, k_scale, v_scale)
+        _impl.check_pool_kinds(k_pool, v_pool)
     if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
         materialize_kv_into_pool_stacked(
             kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor, kv_layout,
         )  # fmt: skip
     else:
         materialize_kv_into_pool_list(
             kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, cache_loc, list(k_pool), list(v_pool),
-            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor,
+            num_kv_heads, rope_style, k_scale_value, k_scale_tensor, v_scale_value, v_scale_tensor, kv_layout,
         )  # fmt: skip
 
 
-def _empty_out(kv: Tensor, k_norm_weight: Tensor, num_kv_heads: int) -> Tensor:
+def _empty_out(kv: Tensor, k_norm_weight: Tensor | None, num_kv_heads: int) -> Tensor:
     """A ``[L, T, H, D]`` output like the eager op allocates.
 
     Arguments that cannot size it get a placeholder: the op's fake
     implementation rejects them (they come before the outputs) with the eager message.
     """
     heads_ok = isinstance(num_kv_heads, (int, torch.SymInt)) and not isinstance(num_kv_heads, bool) and num_kv_heads > 0
-    if kv.dim() == 3 and k_norm_weight.dim() == 2 and heads_ok:
-        shape = (kv.shape[1], kv.shape[0], num_kv_heads, k_norm_weight.shape[1])
+    if kv.dim() == 3 and heads_ok and (k_norm_weight is None or k_norm_weight.dim() == 2):
+        # D from the norm weight, else from kv's width (2*H*D).
+        head_dim = kv.shape[2] // (2 * num_kv_heads) if k_norm_weight is None else k_norm_weight.shape[1]
+        shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
         return torch.empty(shape, dtype=kv.dtype, device=kv.device)
     return torch.empty(0)

@@ -19,8 +19,9 @@ from torch import Tensor, nn
 
 from ._checking import Bound, Signature
 from ._errors import InputError
-from ._ops import _ROTARY_RULE, materialize_kv, materialize_kv_into_pool
-from ._types import KV_WIDTH, RopeStyle, static_jaxtyping
+from ._impl import ROTARY_RULE
+from ._ops import materialize_kv, materialize_kv_into_pool
+from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
     # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
@@ -33,7 +34,7 @@ else:
 
 
 def _weights(
-    k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
+    k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     kv_weight: Annotated[StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH],
     kv_bias: Annotated[StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH],
@@ -41,7 +42,10 @@ def _weights(
     num_kv_heads: int,
     rope_style: RopeStyle,
 ) -> None:
-    """The constructor's arguments, ordered so that ``D`` is bound before ``kv_weight`` needs it."""
+    """The constructor's arguments, ordered so that ``D`` is bound before ``kv_weight`` needs it.
+
+    Without a norm weight, ``D`` is solved from kv_weight's ``2*H*D`` rows.
+    """
 
 
 _WEIGHTS = Signature(
@@ -49,7 +53,7 @@ _WEIGHTS = Signature(
     scalar_dims={"H": "num_kv_heads"},
     device_of="cos_sin_cache",
     sequence_len={"k_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
-    rules=(_ROTARY_RULE,),
+    rules=(ROTARY_RULE,),
 )
 
 
@@ -83,10 +87,12 @@ class KVMaterializer(nn.Module):
         then V rows. bfloat16 | float16 | float32; ``hidden`` must have this dtype.
         Per-layer tensors are copied into one stacked weight; a contiguous
         stacked tensor is used as it is (not copied).
-    k_norm_weight : Tensor ``[L, D]``, or a sequence of L tensors ``[D]``
-        Each layer's K RMSNorm weight, any float dtype. ``D`` (head dim) is read from here.
+    k_norm_weight : Tensor ``[L, D]``, a sequence of L tensors ``[D]``, or None
+        Each layer's K RMSNorm weight, any float dtype. ``D`` (head dim) is read
+        from here; ``None`` for a draft without a K norm (K is RoPE(k), ``D`` is
+        kv_weight's rows divided by ``2*H``).
     eps : float, Tensor ``[L]``, or a sequence of L floats
-        RMSNorm epsilon, one for all layers or one per layer.
+        RMSNorm epsilon, one for all layers or one per layer; unused without a norm weight.
     cos_sin_cache : Tensor ``[P, R]``
         As in :func:`typedkv.materialize_kv`. Every tensor argument must be on its device.
     num_kv_heads : int
@@ -116,7 +122,7 @@ class KVMaterializer(nn.Module):
 
     kv_weight: Tensor
     kv_bias: Tensor | None
-    k_norm_weight: Tensor
+    k_norm_weight: Tensor | None
     cos_sin_cache: Tensor
     eps: float | Tensor
 
@@ -126,7 +132,7 @@ class KVMaterializer(nn.Module):
         kv_weight: Annotated[
             StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH
         ],
-        k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]],
+        k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
         eps: float | ParamFloat[Tensor, " L"] | Sequence[float],
         cos_sin_cache: ParamFloat[Tensor, "P R"],
         *,
@@ -151,7 +157,8 @@ class KVMaterializer(nn.Module):
         self.register_buffer("kv_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
         bias = None if kv_bias is None else _stacked(kv_bias).flatten()
         self.register_buffer("kv_bias", bias, persistent=False)
-        self.register_buffer("k_norm_weight", _stacked(k_norm_weight), persistent=False)
+        norm = None if k_norm_weight is None else _stacked(k_norm_weight)
+        self.register_buffer("k_norm_weight", norm, persistent=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
         if isinstance(layer_eps, Tensor):
             self.register_buffer("eps", layer_eps.detach(), persistent=False)
@@ -189,17 +196,28 @@ class KVMaterializer(nn.Module):
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
         )  # fmt: skip
 
-    @static_jaxtyping("T S")
+    @static_jaxtyping("T S N B")
     def into_pool(
         self,
         hidden: StorageFloat[Tensor, "T hidden"],
         positions: Index[Tensor, " T"],
         cache_loc: Index[Tensor, " T"],
-        k_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
-        v_pool: PoolFloat[Tensor, "L S H D"] | Sequence[PoolFloat[Tensor, "S H D"]],
+        k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
+        | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
+        | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
+        | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
+        | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
+        | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
+        v_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
+        | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
+        | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
+        | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
+        | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
+        | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
         *,
         k_scale: float | ParamFloat[Tensor, " L"] | None = None,
         v_scale: float | ParamFloat[Tensor, " L"] | None = None,
+        kv_layout: KVLayout = "NHD",
     ) -> None:
         """K and V of every layer for ``hidden``, written straight into a paged pool.
 
@@ -207,9 +225,10 @@ class KVMaterializer(nn.Module):
         ----------
         hidden, positions
             As in :meth:`forward`.
-        cache_loc, k_pool, v_pool, k_scale, v_scale
-            As in :func:`typedkv.materialize_kv_into_pool`. The pools are
-            written in place, rows named by ``cache_loc`` only.
+        cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout
+            As in :func:`typedkv.materialize_kv_into_pool` (stacked, per-layer
+            or paged pools). The pools are written in place, slots named by
+            ``cache_loc`` only.
 
         Raises
         ------
@@ -219,7 +238,7 @@ class KVMaterializer(nn.Module):
         materialize_kv_into_pool(
             self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
             k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
         )  # fmt: skip
 
     if TYPE_CHECKING:
@@ -316,11 +335,11 @@ def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
 
 def _check_layer_dtypes(
     kv_weight: Tensor | Sequence[Tensor],
-    k_norm_weight: Tensor | Sequence[Tensor],
+    k_norm_weight: Tensor | Sequence[Tensor] | None,
     kv_bias: Tensor | Sequence[Tensor] | None,
 ) -> None:
     for name, value in (("kv_weight", kv_weight), ("k_norm_weight", k_norm_weight), ("kv_bias", kv_bias)):
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, (list, tuple)) and value:
             for i, layer in enumerate(value):
                 if layer.dtype != value[0].dtype:
                     raise InputError(

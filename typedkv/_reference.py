@@ -15,30 +15,33 @@ import torch
 
 def rmsnorm_rope(
     kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
     eps: float | torch.Tensor,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     num_kv_heads: int,
     neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K normed and rotated (float32) and V (kv's dtype), both ``[L, T, H, D]``."""
-    _, num_layers, _ = kv.shape
-    head_dim = k_norm_weight.shape[1]
+    """K normed (unless ``k_norm_weight`` is None) and rotated (float32), and V (kv's dtype), both ``[L, T, H, D]``."""
+    _, num_layers, width = kv.shape
+    head_dim = width // (2 * num_kv_heads)
     rotary_dim = cos_sin_cache.shape[1]
     half = rotary_dim // 2
     heads = num_kv_heads * head_dim
     k = kv[..., :heads].unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1).float()
     v = kv[..., heads:].unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1)
 
-    if isinstance(eps, torch.Tensor):
-        eps_l = eps.float().view(num_layers, 1, 1, 1)
+    if k_norm_weight is None:
+        y = k  # kv's values, exactly: RoPE takes them as they are
     else:
-        eps_l = torch.tensor(eps, dtype=torch.float32)
-    rstd = torch.rsqrt(k.square().mean(-1, keepdim=True) + eps_l)
-    weight = k_norm_weight.float()[:, None, None, :]
-    # Rounded to the storage dtype between norm and RoPE, as the unfused model does.
-    y = (k * rstd * weight).to(kv.dtype).float()
+        if isinstance(eps, torch.Tensor):
+            eps_l = eps.float().view(num_layers, 1, 1, 1)
+        else:
+            eps_l = torch.tensor(eps, dtype=torch.float32)
+        rstd = torch.rsqrt(k.square().mean(-1, keepdim=True) + eps_l)
+        weight = k_norm_weight.float()[:, None, None, :]
+        # Rounded to the storage dtype between norm and RoPE, as the unfused model does.
+        y = (k * rstd * weight).to(kv.dtype).float()
 
     valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
     if cos_sin_cache.shape[0] == 0:  # no position is valid: nothing may be read
@@ -80,10 +83,22 @@ def write_pool(
     values: torch.Tensor,
     cache_loc: torch.Tensor,
     pools: Sequence[torch.Tensor],
+    page_size: int = 1,
+    hnd: bool = False,
 ) -> None:
-    """Write ``values[l, t]`` to ``pools[l][cache_loc[t]]`` for every slot in ``[0, S)``."""
-    num_slots = pools[0].shape[0]
+    """Write ``values[l, t]`` (``[H, D]``) to slot ``cache_loc[t]`` of ``pools[l]`` for every slot in range.
+
+    A pool is ``[S, H, D]`` (``page_size`` 1), or ``[N, B, H, D]`` / ``[N, H, B, D]``
+    (``hnd``): slot ``s`` is page ``s // B``, offset ``s % B``.
+    """
+    num_slots = pools[0].shape[0] * (page_size if pools[0].dim() == 4 else 1)
     keep = (cache_loc >= 0) & (cache_loc < num_slots)
     slots = cache_loc[keep].long()
     for layer, pool in enumerate(pools):
-        pool[slots] = values[layer][keep]
+        if pool.dim() == 3:
+            pool[slots] = values[layer][keep]
+        elif hnd:
+            # Advanced indices split by a slice: their dim comes first, [K, H, D].
+            pool[slots // page_size, :, slots % page_size] = values[layer][keep]
+        else:
+            pool[slots // page_size, slots % page_size] = values[layer][keep]

@@ -21,10 +21,29 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 from jaxtyping import AbstractDtype
 
-__all__ = ["KV_WIDTH", "Derived", "Index", "ParamFloat", "PoolFloat", "RopeStyle", "StorageFloat", "static_jaxtyping"]
+__all__ = [
+    "HND",
+    "KV_WIDTH",
+    "NHD",
+    "Derived",
+    "Index",
+    "KVLayout",
+    "PageLayout",
+    "ParamFloat",
+    "PoolFloat",
+    "RopeStyle",
+    "StorageFloat",
+    "static_jaxtyping",
+]
 
 RopeStyle = Literal["neox", "gptj"]
 """``"neox"`` rotates the two halves of the rotary dims; ``"gptj"`` rotates interleaved pairs."""
+
+KVLayout = Literal["NHD", "HND"]
+"""Where a paged pool keeps a page's slot dim ``B``: before the heads (``[N, B, H, D]``) or after (``[N, H, B, D]``).
+
+FlashInfer's names. A pool without page dims (``[S, H, D]``) is NHD with pages of one slot.
+"""
 
 _F = TypeVar("_F")
 
@@ -95,3 +114,20 @@ class Derived:
 
 KV_WIDTH = Derived("KV = 2*H*D")
 """kv's last dim: per layer, ``H`` heads of ``D`` for K, then the same for V."""
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The `KVLayout` a pool shape belongs to, as ``Annotated`` metadata.
+
+    A pool argument is a union of shapes; two of them have the same rank (NHD's
+    ``[L, N, B, H, D]`` and HND's ``[L, N, H, B, D]``), so the run-time check
+    picks the one tagged with the call's ``kv_layout``. Static checkers ignore
+    the tag and accept any member.
+    """
+
+    layout: str
+
+
+NHD = PageLayout("NHD")
+HND = PageLayout("HND")

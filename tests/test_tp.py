@@ -1,0 +1,69 @@
+"""Tensor parallelism: KV heads sharded across two ranks, typedkv called on each (`tests/tp_worker.py`).
+
+Each rank writes its pool shard with a ``KVMaterializer`` built from its heads'
+weight rows; the pools gathered from both ranks must be, bit for bit, the pool one
+process writes with all heads. The worker runs under ``torch.distributed.run``
+(two processes): on two CUDA devices over NCCL (``gpu`` marker, ``nox -s tp``), and
+on the CPU over gloo, so that the suite proves the sharding on every run -- the
+PyTorch reference path, or the Triton kernel when ``TRITON_INTERPRET=1`` (fewer
+tokens then: the interpreter takes about 14 ms per token and layer).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tp_worker import CASES
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "tp_worker.py"
+RANKS = 2
+TIMEOUT_S = 300
+# As typedkv reads it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def run_worker(*args: str) -> None:
+    """``torch.distributed.run`` of the worker on `RANKS` processes; fails with its output unless every case passed.
+
+    ``--standalone`` rendezvouses on a free local port, so parallel runs do not collide.
+    The launcher and its workers get a session of their own: a run past the timeout is
+    killed whole, not leaving workers behind.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+        str(WORKER), *args,
+    ]  # fmt: skip
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as launcher:  # fmt: skip
+        try:
+            output, _ = launcher.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            output, _ = launcher.communicate()
+            pytest.fail(f"{' '.join(command)}: no result after {TIMEOUT_S} s\n{output}")
+    assert launcher.returncode == 0, f"{' '.join(command)}: exit status {launcher.returncode}\n{output}"
+    # Every rank reported every case: a worker that checked nothing cannot pass.
+    passed = re.findall(r"^rank \d+/\d+ .*: OK, bit for bit$", output, re.MULTILINE)
+    assert len(passed) == RANKS * len(CASES), output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} CUDA devices")
+def test_two_gpu_tensor_parallel() -> None:
+    """Two CUDA ranks over NCCL: the gathered pool shards are the full-head pool, bit for bit."""
+    run_worker("--backend", "nccl", "--device", "cuda")
+
+
+def test_two_cpu_ranks_tensor_parallel() -> None:
+    """Two CPU ranks over gloo: the same check, on the reference path or the interpreted kernel."""
+    run_worker("--backend", "gloo", "--device", "cpu", *(("--tokens", "11") if INTERPRETED else ()))

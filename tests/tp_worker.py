@@ -1,0 +1,395 @@
+"""Tensor parallelism, one process per rank: ``torchrun --nproc-per-node 2 tests/tp_worker.py``.
+
+An engine that shards a draft model's KV heads across ranks gives each rank the
+weight rows of its heads -- the K rows *and* the V rows of heads
+``[rank*H/world, (rank+1)*H/world)`` of every layer -- and each rank calls typedkv
+with ``num_kv_heads=H/world`` into its own pool shard ``[L, S, H/world, D]``. Here
+every rank builds the full model from one seed, takes its shard, writes its pool
+shard with `typedkv.KVMaterializer.into_pool`, and checks, bit for bit:
+
+- its pool shard is the full-head pool's heads of this rank, where the full-head
+  pool is what one process writes with the full-head ``KVMaterializer`` (every
+  rank computes it);
+- the pool gathered from all ranks (``all_gather``, concatenated on the head dim)
+  is that full-head pool;
+- the pool rows ``cache_loc`` does not name (negative slots, other slots) keep
+  their random fill, in the shard and in the full-head pool, and every named row
+  was written.
+
+The GEMM is the one step whose bits could depend on the shard: a rank multiplies by
+``2*H/world*D`` rows per layer, not ``2*H*D``, and a GEMM library may pick another
+kernel or split for another matrix shape. Each case therefore also compares the
+shard's GEMM rows with the full GEMM's rows of the same heads (they must agree too:
+a skipped token's rows never reach a pool). Where the pools differ, the report says
+whose the difference is: the shard's weight rows (a sharding bug), the GEMM (then
+`typedkv.materialize_kv_into_pool` on the full GEMM's rows of the shard must give
+the full-head pool's heads), or the op -- with the number of differing elements and
+the largest difference. Nothing is compared to a tolerance.
+
+Prints one line per case per rank; exits non-zero on any mismatch (every rank,
+after the last case, so that no rank is left waiting in a collective).
+Debug checking is on (`typedkv.set_debug`), as in the test suite. Under
+``TRITON_INTERPRET=1`` CPU tensors run the Triton kernel in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import typedkv
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and call sizes (every rank the same)."""
+
+    num_layers: int
+    num_kv_heads: int  # H of the full model; a rank holds H / world
+    head_dim: int
+    hidden_size: int
+    num_tokens: int
+    num_slots: int  # S, the pool's rows
+    max_position: int  # P, the rows of cos_sin_cache
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: kv dtype, RoPE, pool dtype and form."""
+
+    dtype: torch.dtype
+    rope_style: typedkv.RopeStyle
+    partial_rotary: bool  # R = about D/2 (the rest of each head passes through), else R = D
+    fp8_pool: bool  # float8_e4m3fn pools with per-layer k_scale / v_scale [L]
+    per_layer: bool  # weights and pools as sequences of L per-layer tensors
+
+    def name(self, shape: Shape) -> str:
+        pool = f"{_dt(FP8 if self.fp8_pool else self.dtype)} pool"
+        form = "per-layer" if self.per_layer else "stacked"
+        return f"{_dt(self.dtype)} {self.rope_style} R={rotary_dim(self, shape)} {form} {pool}"
+
+
+CASES = (
+    Case(torch.bfloat16, "neox", partial_rotary=False, fp8_pool=False, per_layer=False),
+    Case(torch.bfloat16, "gptj", partial_rotary=True, fp8_pool=False, per_layer=False),
+    Case(torch.bfloat16, "neox", partial_rotary=True, fp8_pool=True, per_layer=False),
+    Case(torch.bfloat16, "gptj", partial_rotary=False, fp8_pool=False, per_layer=True),
+    Case(torch.float16, "neox", partial_rotary=True, fp8_pool=True, per_layer=True),
+)
+FP8 = torch.float8_e4m3fn
+
+
+def rotary_dim(case: Case, shape: Shape) -> int:
+    # Even, as RoPE pairs dims; at most D.
+    return (shape.head_dim // 4) * 2 if case.partial_rotary else shape.head_dim
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- the model and one call
+
+
+@dataclass(frozen=True)
+class Model:
+    """The full model's K/V path (all heads), on the rank's device."""
+
+    kv_weight: Tensor  # [L, 2*H*D, hidden]: nn.Linear rows, K block then V block, head-major
+    k_norm_weight: Tensor  # [L, D]
+    eps: Tensor  # [L]
+    cos_sin_cache: Tensor  # [P, R]
+    k_scale: Tensor | None  # [L], FP8 pools only
+    v_scale: Tensor | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``into_pool`` call's inputs and the full-head pools' fill before it."""
+
+    hidden: Tensor  # [T, hidden]
+    positions: Tensor  # [T]
+    cache_loc: Tensor  # [T], shuffled slots, some negative (skipped)
+    k_fill: Tensor  # [L, S, H, D], random bits (the pool dtype)
+    v_fill: Tensor
+
+
+def make_model(case: Case, shape: Shape, seed: int, device: torch.device) -> Model:
+    """Random weights (never zeros) from ``seed``: drawn on the CPU, so every rank and device gets the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    num_layers, width = shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim
+    rotary = rotary_dim(case, shape)
+    kv_weight = torch.randn(num_layers, width, shape.hidden_size, generator=g) / shape.hidden_size**0.5
+    inv_freq = 10000.0 ** -(torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+    angles = torch.outer(torch.arange(shape.max_position, dtype=torch.float64), inv_freq)
+    k_norm_weight = torch.rand(num_layers, shape.head_dim, generator=g) + 0.5
+    k_scale, v_scale = (torch.rand(num_layers, generator=g) * 0.05 + 0.01 for _ in range(2))
+    return Model(
+        kv_weight.to(case.dtype).to(device),
+        k_norm_weight.to(device),
+        torch.logspace(-6, -3, num_layers).to(device),
+        torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device),
+        k_scale.to(device) if case.fp8_pool else None,
+        v_scale.to(device) if case.fp8_pool else None,
+    )
+
+
+def make_call(case: Case, shape: Shape, seed: int, device: torch.device) -> Call:
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = shape.num_tokens
+    hidden = torch.randn(num_tokens, shape.hidden_size, generator=g).to(case.dtype)
+    positions = torch.randint(0, shape.max_position, (num_tokens,), generator=g)
+    cache_loc = torch.randperm(shape.num_slots, generator=g)[:num_tokens]
+    # About one token in four skipped; at least one.
+    skipped = torch.rand(num_tokens, generator=g) < 0.25
+    skipped[torch.randint(0, num_tokens, (1,), generator=g)] = True
+    cache_loc[skipped] = -1
+    pool_shape = (shape.num_layers, shape.num_slots, shape.num_kv_heads, shape.head_dim)
+
+    def fill() -> Tensor:
+        if case.fp8_pool:
+            return torch.randint(0, 256, pool_shape, dtype=torch.uint8, generator=g).view(FP8)
+        return torch.randn(pool_shape, generator=g).to(case.dtype)
+
+    return Call(*(t.to(device) for t in (hidden, positions, cache_loc, fill(), fill())))
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def head_range(rank: int, world_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """The KV heads ``[first, end)`` this rank holds."""
+    per_rank = num_kv_heads // world_size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def shard_kv_weight(kv_weight: Tensor, heads: tuple[int, int], num_kv_heads: int, head_dim: int) -> Tensor:
+    """``[L, 2*h*D, hidden]``: the K rows, then the V rows, of heads ``[first, end)`` (h of them) of every layer.
+
+    K rows of head ``i`` are ``i*D .. (i+1)*D``; its V rows are ``H*D + i*D .. H*D + (i+1)*D``.
+    """
+    first, end = heads
+    k_rows = kv_weight[:, first * head_dim : end * head_dim]
+    v_rows = kv_weight[:, (num_kv_heads + first) * head_dim : (num_kv_heads + end) * head_dim]
+    return torch.cat((k_rows, v_rows), dim=1)
+
+
+def as_pool(stacked: Tensor, per_layer: bool) -> Tensor | list[Tensor]:
+    """A stacked pool as it is, or as L per-layer tensors (each its own allocation, as an engine's may be)."""
+    return [layer.clone() for layer in stacked] if per_layer else stacked
+
+
+def stacked(pool: Tensor | Sequence[Tensor]) -> Tensor:
+    return pool if isinstance(pool, Tensor) else torch.stack(list(pool))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def bits(t: Tensor) -> Tensor:
+    """The bytes of ``t`` (its last dim times its item size): what bit-for-bit equality and the gather use."""
+    return t.contiguous().view(torch.uint8)
+
+
+def difference(got: Tensor, want: Tensor) -> str:
+    """How many elements' bits differ, and the largest ``|got - want|`` among them (a random FP8 fill may hold NaN)."""
+    differ = (bits(got) != bits(want)).unflatten(-1, (got.shape[-1], got.element_size())).any(-1)
+    diff = (got.float()[differ] - want.float()[differ]).abs()
+    finite = diff.isfinite()
+    largest = diff[finite].max().item() if finite.any() else float("nan")
+    text = f"{int(differ.sum())} of {differ.numel()} elements differ, max abs diff {largest:.6g}"
+    return text if finite.all() else f"{text} ({int((~finite).sum())} of them NaN or inf)"
+
+
+def gather_heads(shard: Tensor, world_size: int) -> Tensor:
+    """Every rank's ``[L, S, h, D]`` pool shard, concatenated on the head dim: ``[L, S, H, D]``.
+
+    Gathered as bytes: every backend moves uint8 (gloo has no float8), and bytes are what is compared.
+    """
+    shard_bits = bits(shard)
+    parts = [torch.empty_like(shard_bits) for _ in range(world_size)]
+    dist.all_gather(parts, shard_bits)
+    return torch.cat(parts, dim=2).view(shard.dtype)
+
+
+def row_problems(name: str, pool: Tensor, fill: Tensor, cache_loc: Tensor) -> list[str]:
+    """The rows ``cache_loc`` skips must hold their fill; every row it names must have been written."""
+    named = torch.zeros(pool.shape[1], dtype=torch.bool, device=pool.device)
+    named[cache_loc[cache_loc >= 0]] = True
+    row_bits, fill_bits = bits(pool).flatten(2), bits(fill).flatten(2)
+    problems = []
+    if not torch.equal(row_bits[:, ~named], fill_bits[:, ~named]):
+        problems.append(f"{name}: rows cache_loc does not name were changed")
+    if (row_bits[:, named] == fill_bits[:, named]).all(-1).any():
+        problems.append(f"{name}: a row cache_loc names still holds its fill (not written)")
+    return problems
+
+
+def compare(name: str, got: Tensor, want: Tensor) -> list[str]:
+    """Nothing when ``got`` and ``want`` are equal bit for bit; else what differs."""
+    return [] if torch.equal(bits(got), bits(want)) else [f"{name}: {difference(got, want)}"]
+
+
+def run_case(case: Case, shape: Shape, seed: int, device: torch.device) -> list[str]:
+    """Write this rank's pool shard and the full-head pool; the problems found (none: bit for bit)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model(case, shape, seed, device)
+    call = make_call(case, shape, seed + 1, device)
+    num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+
+    # One process, all heads.
+    full = typedkv.KVMaterializer(
+        list(model.kv_weight) if case.per_layer else model.kv_weight, model.k_norm_weight, model.eps,
+        model.cos_sin_cache, num_kv_heads=num_kv_heads, rope_style=case.rope_style,
+    )  # fmt: skip
+    full_k, full_v = as_pool(call.k_fill.clone(), case.per_layer), as_pool(call.v_fill.clone(), case.per_layer)
+    full.into_pool(
+        call.hidden, call.positions, call.cache_loc, full_k, full_v, k_scale=model.k_scale, v_scale=model.v_scale
+    )
+
+    # This rank: its heads' weight rows, its pool shard.
+    heads = head_range(rank, world_size, num_kv_heads)
+    first, end = heads
+    shard_weight = shard_kv_weight(model.kv_weight, heads, num_kv_heads, head_dim)
+    shard = typedkv.KVMaterializer(
+        list(shard_weight) if case.per_layer else shard_weight, model.k_norm_weight, model.eps,
+        model.cos_sin_cache, num_kv_heads=num_kv_heads // world_size, rope_style=case.rope_style,
+    )  # fmt: skip
+    k_fill, v_fill = call.k_fill[:, :, first:end].clone(), call.v_fill[:, :, first:end].clone()
+    shard_k, shard_v = as_pool(k_fill.clone(), case.per_layer), as_pool(v_fill.clone(), case.per_layer)
+    shard.into_pool(
+        call.hidden, call.positions, call.cache_loc, shard_k, shard_v, k_scale=model.k_scale, v_scale=model.v_scale
+    )
+
+    want_k, want_v = stacked(full_k), stacked(full_v)
+    got_k, got_v = stacked(shard_k), stacked(shard_v)
+    gathered_k, gathered_v = gather_heads(got_k, world_size), gather_heads(got_v, world_size)
+    want_heads = (want_k[:, :, first:end], want_v[:, :, first:end])
+    problems = [
+        *compare("shard K vs full-head K", got_k, want_heads[0]),
+        *compare("shard V vs full-head V", got_v, want_heads[1]),
+        *compare("gathered K vs full-head K", gathered_k, want_k),
+        *compare("gathered V vs full-head V", gathered_v, want_v),
+        *row_problems("shard K pool", got_k, k_fill, call.cache_loc),
+        *row_problems("shard V pool", got_v, v_fill, call.cache_loc),
+        *row_problems("full-head K pool", want_k, call.k_fill, call.cache_loc),
+        *row_problems("full-head V pool", want_v, call.v_fill, call.cache_loc),
+    ]
+    return problems + diagnose(case, shape, model, call, shard_weight, heads, want_heads, bool(problems))
+
+
+def diagnose(
+    case: Case,
+    shape: Shape,
+    model: Model,
+    call: Call,
+    shard_weight: Tensor,
+    heads: tuple[int, int],
+    want_heads: tuple[Tensor, Tensor],
+    pools_differ: bool,
+) -> list[str]:
+    """Where a difference comes from -- the shard's weight rows, the GEMM, or the op; nothing when all agree.
+
+    The GEMMs run as `typedkv.KVMaterializer` runs them: one ``torch.mm`` of all layers' rows.
+    The GEMM check runs even when the pools agree: a skipped token's rows never reach a pool.
+    """
+    first, end = heads
+    num_tokens, num_layers, num_kv_heads = shape.num_tokens, shape.num_layers, shape.num_kv_heads
+    head_dim, hidden_size = shape.head_dim, shape.hidden_size
+    # The rows of this rank's heads, indexed another way than shard_kv_weight's: [L, K|V, H, D, hidden].
+    want_weight = model.kv_weight.view(num_layers, 2, num_kv_heads, head_dim, hidden_size)[:, :, first:end]
+    weight = compare(
+        "shard's weight rows vs the full weight's rows of its heads", shard_weight, want_weight.flatten(1, 3)
+    )
+    if weight:
+        return [f"a sharding bug, not numerics: {weight[0]}"]
+    full_kv = torch.mm(call.hidden, model.kv_weight.reshape(-1, hidden_size).t())
+    full_kv = full_kv.view(num_tokens, num_layers, 2, num_kv_heads, head_dim)[:, :, :, first:end]
+    shard_kv = torch.mm(call.hidden, shard_weight.reshape(-1, hidden_size).t()).view_as(full_kv)
+    gemm = compare("the shard's GEMM rows vs the full GEMM's rows of its heads", shard_kv, full_kv)
+    if not gemm:
+        # Both runs fed the op the same kv bits.
+        return ["the GEMM rows agree bit for bit: the difference is the op's"] if pools_differ else []
+    found = [f"the sharded GEMM is not row-for-row the full GEMM on this device (another kernel or split): {gemm[0]}"]
+    if not pools_differ:
+        return found
+    # The op alone, on the full GEMM's rows of this rank's heads: it must give the full-head pool's heads.
+    op_k = as_pool(call.k_fill[:, :, first:end].clone(), case.per_layer)
+    op_v = as_pool(call.v_fill[:, :, first:end].clone(), case.per_layer)
+    typedkv.materialize_kv_into_pool(
+        full_kv.reshape(num_tokens, num_layers, -1), model.k_norm_weight, model.eps, model.cos_sin_cache,
+        call.positions, call.cache_loc, op_k, op_v,
+        num_kv_heads=end - first, rope_style=case.rope_style, k_scale=model.k_scale, v_scale=model.v_scale,
+    )  # fmt: skip
+    op = [
+        *compare("K", stacked(op_k), want_heads[0]),
+        *compare("V", stacked(op_v), want_heads[1]),
+    ]
+    verdict = "also differs: " + "; ".join(op) if op else "equal the full-head pool's heads: the GEMM alone differs"
+    return [*found, f"the op's pools on the full GEMM's rows of these heads {verdict}"]
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's stdout, and print writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Shape]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--kv-heads", type=int, default=4, help="H of the full model, a multiple of the world size")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=37)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--max-position", type=int, default=128)
+    args = parser.parse_args(argv)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, args.hidden, args.tokens, args.slots, args.max_position)
+    return args, shape
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, shape = parse_args(argv)
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=args.backend, device_id=device if device.type == "cuda" else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    typedkv.set_debug(True)
+    failures = 0
+    try:
+        if shape.num_kv_heads % world_size:
+            raise SystemExit(f"--kv-heads {shape.num_kv_heads} is not a multiple of the world size {world_size}")
+        for index, case in enumerate(CASES):
+            problems = run_case(case, shape, args.seed + 100 * index, device)
+            first, end = head_range(rank, world_size, shape.num_kv_heads)
+            where = f"rank {rank}/{world_size} heads [{first}, {end}) of {shape.num_kv_heads}"
+            verdict = "OK, bit for bit" if not problems else "MISMATCH: " + "; ".join(problems)
+            say(f"{where}: {case.name(shape)}: {verdict}")
+            failures += bool(problems)
+        # Every rank exits with the verdict of all ranks.
+        total = torch.tensor([failures], device=device)
+        dist.all_reduce(total)
+        if rank == 0:
+            say(f"tp_worker: {int(total.item())} of {len(CASES) * world_size} case runs failed")
+        return 1 if total.item() else 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
