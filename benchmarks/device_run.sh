@@ -9,6 +9,9 @@
 #   fuzz           the GPU fuzz and thread suites (8 workers, at most 300 s)
 #   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)
+#   gpu_new        the GPU tests of paged pools, RoPE-only drafts, graph replay and memcheck (4 workers)
+#   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
+#   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -22,7 +25,7 @@ for step in $STEPS; do
             (cd .old/base && python3 -m pytest -c "$ROOT/pyproject.toml" --rootdir "$ROOT" -m gpu -q -p no:cacheprovider \
                 "$ROOT/tests/test_gpu_graphs.py" 2>&1 | tail -40) | tee "$OUT/graphs_before.txt" ;;
         gpu)
-            python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
+            python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
         host)
             for round in 1 2 3 4 5 6; do
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_time.py
@@ -35,6 +38,14 @@ for step in $STEPS; do
             PYTHONPATH="$ROOT:/tmp/site" compute-sanitizer --tool memcheck --error-exitcode 1 \
                 python3 tests/fuzz_sample.py --device cuda --examples 30 \
                 2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
+        gpu_new)
+            python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu.py \
+                -k "rope_only or paged or graph_replay or sanitizer" 2>&1 | tail -40 | tee "$OUT/gpu_new.txt" ;;
+        benchq)
+            python3 -m typedkv bench --only "${BENCH_ONLY:-}" --no-compare --out "$OUT/benchq" 2>&1 | tail -80 \
+                | tee "$OUT/benchq.txt" ;;
+        tp)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py 2>&1 | tail -40 | tee "$OUT/tp.txt" ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
     esac

@@ -246,6 +246,72 @@ def test_tensor_parallel_sharding_in_the_guide() -> None:
         torch.testing.assert_close(v_rank, v[:, :, heads])
 
 
+def titled_blocks(page: str) -> dict[str, str]:
+    """The titled Python blocks of a docs page, by title."""
+    found = _FENCE.finditer((DOCS / page).read_text())
+    return {m.group(2): m.group(3) for m in found if m.group(1) == "python" and m.group(2)}
+
+
+# Per engine snippet: K and V of layer l at slot s, read back through the engine's own indexing.
+_ENGINE_SLOTS: dict[str, Callable[[dict[str, Any], int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "sglang: per-layer token pools": lambda ns, l, s, b: (ns["k_buffer"][l][s], ns["v_buffer"][l][s]),
+    "vLLM: flash-attention layout": lambda ns, l, s, b: (
+        ns["kv_caches"][l][0, s // b, s % b],
+        ns["kv_caches"][l][1, s // b, s % b],
+    ),
+    "vLLM and FlashInfer: FlashInfer's NHD layout": lambda ns, l, s, b: (
+        ns["kv_caches"][l][s // b, 0, s % b],
+        ns["kv_caches"][l][s // b, 1, s % b],
+    ),
+    "FlashInfer: HND layout": lambda ns, l, s, b: (
+        ns["kv_caches"][l][s // b, 0, :, s % b],
+        ns["kv_caches"][l][s // b, 1, :, s % b],
+    ),
+    "One HND cache for all draft layers": lambda ns, l, s, b: (
+        ns["kv_cache"][l, s // b, 0, :, s % b],
+        ns["kv_cache"][l, s // b, 1, :, s % b],
+    ),
+}
+
+
+def test_every_engine_snippet_is_run() -> None:
+    blocks = titled_blocks("integration.md")
+    assert set(_ENGINE_SLOTS) <= set(blocks), "a snippet of the guide's engine section is missing"
+    assert {t for t in blocks if t not in _ENGINE_SLOTS} == set(), "a titled snippet no test runs"
+
+
+@pytest.mark.parametrize("title", list(_ENGINE_SLOTS))
+def test_engine_cache_snippet(title: str) -> None:
+    """integration.md's snippet for one engine layout writes exactly materialize_kv's rows at the named slots."""
+    block = titled_blocks("integration.md")[title]
+    gen = torch.Generator().manual_seed(len(title))
+    L, N, B, H, D, P, T = 3, 5, 4, 2, 16, 64, 9
+    angles = torch.rand(P, D // 2, generator=gen) * 6.2
+    kv = torch.randn(T, L, 2 * H * D, generator=gen).to(torch.bfloat16)
+    cache_loc = torch.randperm(N * B, generator=gen)[:T]
+    cache_loc[2] = -1  # padding: not written
+    namespace: dict[str, Any] = {
+        "torch": torch, "typedkv": typedkv, "num_layers": L, "num_pages": N, "page_size": B,
+        "num_kv_heads": H, "head_dim": D, "dtype": torch.bfloat16, "device": "cpu", "kv": kv,
+        "k_norm_weight": torch.rand(L, D, generator=gen) + 0.5, "eps": 1e-6,
+        "cos_sin_cache": torch.cat((angles.cos(), angles.sin()), dim=-1),
+        "positions": torch.randint(0, P, (T,), generator=gen), "cache_loc": cache_loc,
+    }  # fmt: skip
+    k, v = typedkv.materialize_kv(
+        kv, namespace["k_norm_weight"], 1e-6, namespace["cos_sin_cache"], namespace["positions"], num_kv_heads=H
+    )
+    exec(compile(block, f"{DOCS / 'integration.md'}:{title}", "exec"), namespace)
+    slots = cache_loc.tolist()
+    for layer in range(L):
+        for slot in range(N * B):
+            k_got, v_got = _ENGINE_SLOTS[title](namespace, layer, slot, B)
+            if slot in slots:
+                token = slots.index(slot)
+                assert torch.equal(k_got, k[layer, token]) and torch.equal(v_got, v[layer, token]), (layer, slot)
+            else:
+                assert not k_got.any() and not v_got.any(), f"slot {slot} of layer {layer} was written"
+
+
 @pytest.mark.gpu
 def test_cuda_graph_recipe_in_the_guide() -> None:
     """integration.md's CUDA-graph recipe captures, replays, and writes what an eager call writes."""

@@ -82,8 +82,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from reference64 import materialize_kv64
 from test_numerics import ELEMENT_ULPS, assert_bitwise_equal, assert_k_close, bits, pair_length
-from test_pool import FP8, to_fp8
-from test_pool import LAYOUTS as POOL_LAYOUTS
+from test_pool import FP8, LAYOUTS, to_fp8
 from torch import Tensor
 
 import typedkv
@@ -93,6 +92,9 @@ STORAGE = (torch.bfloat16, torch.float16, torch.float32)
 PARAM_FLOATS = (*STORAGE, torch.float64)
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 STYLES: tuple[RopeStyle, ...] = ("neox", "gptj")
+# The pool layouts without page dims: the misuse below is written for [L, S, H, D] pools
+# (paged pools have their own misuse and memcheck cases: tests/test_pool.py, tests/test_gpu.py).
+POOL_LAYOUTS = {name: layout for name, layout in LAYOUTS.items() if layout.page_size == 1}
 KV_LAYOUTS = ("contiguous", "token-stride", "layer-stride", "wide-row", "offset-row", "layer-major")
 OUT_KINDS = ("none", "slab", "padded-slab")
 POSITION_FAULTS = ("negative", "past", "far-negative", "far-past")

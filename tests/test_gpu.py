@@ -20,7 +20,19 @@ from typing import Any
 import pytest
 import torch
 from test_numerics import STORAGE, STYLES, Case, _dims_and_rotary, assert_matches_reference, make_case
-from test_pool import _special_values
+from test_pool import (
+    FP8,
+    LAYOUTS,
+    PAGED_LAYOUTS,
+    SENTINEL,
+    Inputs,
+    _layers,
+    _special_values,
+    make_inputs,
+    run_pool,
+    slots_for,
+    write_slots,
+)
 from torch import Tensor
 
 import typedkv
@@ -37,7 +49,7 @@ def cuda(case: Case) -> Case:
     return replace(
         case,
         kv=case.kv.cuda(),
-        k_norm_weight=case.k_norm_weight.cuda(),
+        k_norm_weight=None if case.k_norm_weight is None else case.k_norm_weight.cuda(),
         eps=eps,
         cos_sin_cache=case.cos_sin_cache.cuda(),
         positions=case.positions.cuda(),
@@ -99,6 +111,76 @@ def _pool_inputs(num_tokens: int, num_slots: int, fmt: torch.dtype, rotary_dim: 
     slots = torch.randperm(num_slots, device="cuda")[:num_tokens]
     slots[::7] = -1  # padding tokens
     return case, slots
+
+
+@pytest.mark.parametrize("rope_style", STYLES)
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), _dims_and_rotary((64, 80, 128, 256)))
+@pytest.mark.parametrize("num_tokens", [1, 7, 1000])
+def test_rope_only_cuda(
+    num_tokens: int, head_dim: int, rotary_dim: int, dtype: torch.dtype, rope_style: RopeStyle
+) -> None:
+    """k_norm_weight=None on CUDA: RoPE(k) against the float64 reference (eps NaN: never read)."""
+    case = make_case(num_tokens, 3, 2, head_dim, rotary_dim, dtype, rope_style, eps=float("nan"), norm=False)
+    case = cuda(case)
+    k, v = case.run()
+    assert_matches_reference(case, k, v)
+
+
+def _on(inp: Inputs, device: str) -> Inputs:
+    eps = inp.eps.to(device) if isinstance(inp.eps, Tensor) else inp.eps
+    weight = None if inp.k_norm_weight is None else inp.k_norm_weight.to(device)
+    return replace(
+        inp, kv=inp.kv.to(device), k_norm_weight=weight, eps=eps,
+        cos_sin_cache=inp.cos_sin_cache.to(device), positions=inp.positions.to(device),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(PAGED_LAYOUTS))
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_paged_cuda(layout: str, norm: bool, fmt: torch.dtype) -> None:
+    """Paged NHD/HND pools, combined-cache views (FlashInfer, vLLM) on CUDA: the CPU path's bytes.
+
+    V bit for bit, K within one step of the pool format (float32 math may round
+    differently in the last bit), every byte no slot names untouched.
+    """
+    num_tokens, num_slots = 300, 1000
+    inp = make_inputs(num_tokens, 3, 4, 128, 64, torch.bfloat16, seed=11, num_positions=512, norm=norm)
+    cache_loc = slots_for(num_tokens, num_slots, seed=12)
+    cache_loc[5] = num_slots + 7  # past the last page: skipped in production
+    scales = (torch.tensor([0.5, 2.0, 0.125]), torch.tensor([1.5, 0.25, 1.0])) if fmt in FP8 else (None, None)
+    typedkv.set_debug(False)
+    want = run_pool(inp, cache_loc, LAYOUTS[layout], fmt, num_slots, k_scale=scales[0], v_scale=scales[1])
+    spec = LAYOUTS[layout]
+    bases = [b.cuda() for b in spec.alloc(3, num_slots, 4, 128, fmt)]
+    for base in bases:
+        base.view(torch.uint8).fill_(SENTINEL)
+    k_pool, v_pool = spec.view(bases, 4, 128)
+    gpu = _on(inp, "cuda")
+    gpu.into_pool(
+        cache_loc.cuda(), k_pool, v_pool, kv_layout=spec.kv_layout,
+        k_scale=None if scales[0] is None else scales[0].cuda(), v_scale=None if scales[1] is None else scales[1].cuda(),
+    )  # fmt: skip
+    info = torch.finfo(fmt)
+    for got_pool, want_pool, exact in ((v_pool, want.v_pool, True), (k_pool, want.k_pool, False)):
+        for got, expected in zip(_layers(got_pool), _layers(want_pool), strict=True):
+            got = got.cpu()
+            if exact:
+                assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+                continue
+            # The intermediate rounding after the norm may differ in the last bit, and RoPE
+            # carries it into the partner dim: within two steps of the head's largest value.
+            step = 2 * expected.float().abs().amax(-1, keepdim=True) * info.eps + info.smallest_normal * info.eps
+            err = (got.float() - expected.float()).abs()
+            assert bool((err <= step).all()), f"K off by {float((err / step).max()):.2f} of the bound"
+    # Every byte but the written slots still the sentinel: overwrite those with it, then look.
+    filler = torch.empty(3, num_tokens, 4, 128, dtype=fmt, device="cuda")
+    filler.view(torch.uint8).fill_(SENTINEL)
+    for pool in (k_pool, v_pool):
+        write_slots(pool, filler, want.kept, want.slots, spec)
+    for base in bases:
+        assert bool((base.view(torch.uint8) == SENTINEL).all()), "a byte no slot names was written"
 
 
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -263,31 +345,49 @@ def test_debug_mode_does_sync_and_checks() -> None:
         replace(case, positions=positions).run()
 
 
-@pytest.mark.parametrize("pool", [False, True])
-def test_cuda_graph_replay_new_values(pool: bool) -> None:
-    """Captured at fixed T, replayed with new inputs copied in: results follow the new values."""
+@pytest.mark.parametrize("kind", ["dense", "pool", "paged-hnd", "rope-only-paged-nhd"])
+def test_cuda_graph_replay_new_values(kind: str) -> None:
+    """Captured at fixed T, replayed with new inputs copied in: results follow the new values.
+
+    Paged pools are the K/V halves of one combined cache ``[L, N, 2, ...]`` with pages of 16 slots.
+    """
     typedkv.set_debug(False)
-    T, L, H, D = 48, 3, 2, 128
-    case = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512))
+    T, L, H, D, B = 48, 3, 2, 128, 16
+    norm = not kind.startswith("rope-only")
+    case = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512, norm=norm))
     static = replace(
         case,
         kv=case.kv.clone(),
         positions=case.positions.clone(),
     )
-    slots = torch.randperm(200, device="cuda")[:T]
-    k_pool = torch.zeros(L, 200, H, D, dtype=torch.bfloat16, device="cuda")
-    v_pool = torch.zeros_like(k_pool)
+    slots = torch.randperm(208, device="cuda")[:T]
+    layout: typedkv.KVLayout = "HND" if kind == "paged-hnd" else "NHD"
+    if kind == "pool":
+        k_pool = torch.zeros(L, 208, H, D, dtype=torch.bfloat16, device="cuda")
+        v_pool = torch.zeros_like(k_pool)
+    else:
+        page = (H, B) if layout == "HND" else (B, H)
+        cache = torch.zeros(L, 208 // B, 2, *page, D, dtype=torch.bfloat16, device="cuda")
+        k_pool, v_pool = cache[:, :, 0], cache[:, :, 1]
     k_out = torch.empty(L, T, H, D, dtype=torch.bfloat16, device="cuda")
     v_out = torch.empty_like(k_out)
 
     def step() -> None:
-        if pool:
+        if kind == "dense":
+            static.run(k_out=k_out, v_out=v_out)
+        else:
             typedkv.materialize_kv_into_pool(
                 static.kv, static.k_norm_weight, static.eps, static.cos_sin_cache, static.positions, slots,
-                k_pool, v_pool, num_kv_heads=H,
+                k_pool, v_pool, num_kv_heads=H, kv_layout=layout,
             )  # fmt: skip
-        else:
-            static.run(k_out=k_out, v_out=v_out)
+
+    def rows(pool: Tensor) -> Tensor:
+        # [L, T, H, D]: the rows of the written slots, read back by page and offset.
+        if kind == "pool":
+            return pool[:, slots]
+        if layout == "HND":
+            return pool[:, slots // B, :, slots % B].transpose(0, 1)
+        return pool[:, slots // B, slots % B]
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -299,15 +399,12 @@ def test_cuda_graph_replay_new_values(pool: bool) -> None:
         step()
     for seed in range(3):
         # New activations and positions; the weights and the cache are the captured ones.
-        fresh = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512, seed=100 + seed))
+        fresh = cuda(make_case(T, L, H, D, D, torch.bfloat16, num_positions=512, seed=100 + seed, norm=norm))
         static.kv.copy_(fresh.kv)
         static.positions.copy_(fresh.positions)
         graph.replay()
         torch.cuda.synchronize()
-        if pool:
-            k, v = k_pool[:, slots], v_pool[:, slots]
-        else:
-            k, v = k_out, v_out
+        k, v = (k_out, v_out) if kind == "dense" else (rows(k_pool), rows(v_pool))
         assert_matches_reference(replace(static, kv=fresh.kv, positions=fresh.positions), k, v)
 
 
@@ -328,6 +425,18 @@ slots[1] = -5
 slots[2] = 10**6  # beyond the pool: must not be written
 pools = [torch.empty(100, H, D, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2 * L)]
 typedkv.materialize_kv_into_pool(kv, w, 1e-6, cs, pos, slots, pools[:L], pools[L:], num_kv_heads=H, k_scale=0.5)
+# Paged: the K/V halves of combined caches, NHD and HND, pages of 16 (6 pages: slots >= 96 skipped).
+for page in ((16, H), (H, 16)):
+    cache = torch.empty(L, 6, 2, *page, D, device="cuda", dtype=torch.bfloat16)
+    layout = "NHD" if page[0] == 16 else "HND"
+    typedkv.materialize_kv_into_pool(
+        kv, None, 1e-6, cs, pos, slots, cache[:, :, 0], cache[:, :, 1], num_kv_heads=H, kv_layout=layout
+    )
+    per_layer = [torch.empty(6, 2, *page, D, device="cuda", dtype=torch.float8_e5m2) for _ in range(L)]
+    typedkv.materialize_kv_into_pool(
+        kv, w, 1e-6, cs, pos, slots, [c[:, 0] for c in per_layer], [c[:, 1] for c in per_layer],
+        num_kv_heads=H, kv_layout=layout, v_scale=2.0,
+    )
 torch.cuda.synchronize()
 print("sanitized run done")
 """

@@ -141,7 +141,8 @@ def test_rope_only(stacked: bool) -> None:
     want = typedkv.materialize_kv(kv, None, 0.0, layers.cos_sin_cache, positions, num_kv_heads=H, rope_style="gptj")
     assert_equal(m(hidden, positions), want)
     cache_loc = torch.tensor([9, -1, 0, 5, 2])
-    for kv_layout, shape in (("NHD", (L, 3, 4, H, D)), ("HND", (L, 3, H, 4, D))):
+    layouts: tuple[tuple[typedkv.KVLayout, tuple[int, ...]], ...] = (("NHD", (L, 3, 4, H, D)), ("HND", (L, 3, H, 4, D)))
+    for kv_layout, shape in layouts:
         cache = torch.zeros(2, *shape)
         m.into_pool(hidden, positions, cache_loc, cache[0], cache[1], kv_layout=kv_layout)
         flat = cache.transpose(3, 4) if kv_layout == "HND" else cache

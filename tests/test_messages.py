@@ -261,7 +261,11 @@ DENSE = [
         "convert it with k_norm_weight.to(torch.bfloat16)",
         "k_norm_weight-int64",
     ),
-    _case(lambda: {"k_norm_weight": [[1.0]]}, "k_norm_weight: expected a torch.Tensor or None, got list", "k_norm_weight-list"),
+    _case(
+        lambda: {"k_norm_weight": [[1.0]]},
+        "k_norm_weight: expected a torch.Tensor or None, got list",
+        "k_norm_weight-list",
+    ),
     # eps
     _case(lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor or a float, got str", "eps-str"),
     _case(lambda: {"eps": True}, "eps: expected a torch.Tensor or a float, got bool", "eps-bool"),

@@ -410,6 +410,7 @@ def test_per_layer_eps_is_per_layer(dtype: torch.dtype) -> None:
     eps = torch.tensor([2.0, 1e-5, 0.25])
     case = make_case(5, 3, 2, 80, 80, dtype, eps=eps)
     k, v = check(case)
+    assert case.k_norm_weight is not None
     for layer in range(3):
         single = replace(case, kv=case.kv[:, layer : layer + 1], k_norm_weight=case.k_norm_weight[layer : layer + 1])
         k1, v1 = replace(single, eps=float(eps[layer])).run()
@@ -465,6 +466,7 @@ def test_strided_kv(layout: str, dtype: torch.dtype) -> None:
 def test_strided_parameters(rope_style: RopeStyle) -> None:
     """Non-contiguous weight, cache and positions: every stride is honoured."""
     case = make_case(7, 3, 2, 64, 48, torch.bfloat16, rope_style)
+    assert case.k_norm_weight is not None
     weight = torch.empty(case.k_norm_weight.shape[::-1]).t()  # [L, D] with strides (1, L)
     weight.copy_(case.k_norm_weight)
     cache = torch.empty(case.cos_sin_cache.shape[0], 2 * case.cos_sin_cache.shape[1])[:, 1::2]

@@ -513,7 +513,9 @@ def test_layouts_match_dense(layout: str) -> None:
 @pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 def test_rope_only_drafts(layout: str, rope_style: str) -> None:
     """k_norm_weight=None into every kind of pool: the dense op's RoPE-only rows, eps unused."""
-    inp = make_inputs(7, 2, 2, 32, 16, torch.float16, rope_style, seed=_seed("rope-only", layout, rope_style), norm=False)
+    inp = make_inputs(
+        7, 2, 2, 32, 16, torch.float16, rope_style, seed=_seed("rope-only", layout, rope_style), norm=False
+    )
     inp = Inputs(inp.kv, None, float("nan"), inp.cos_sin_cache, inp.positions, inp.num_kv_heads, inp.rope_style)
     cache_loc = slots_for(7, 12, seed=_seed("rope-only", layout))
     run = run_pool(inp, cache_loc, LAYOUTS[layout], torch.float16, 12)
@@ -1073,7 +1075,9 @@ def test_debug_rejects_slot_past_the_pages(layout: str) -> None:
     inp = make_inputs(3, 2, seed=9)
     bases = LAYOUTS[layout].alloc(2, 3 * PAGE, 2, 16, torch.bfloat16)
     k_pool, v_pool = LAYOUTS[layout].view(bases, 2, 16)
-    with pytest.raises(typedkv.InputError, match=r"^cache_loc: expected slots below S=12 \(or negative to skip\), got 12"):
+    with pytest.raises(
+        typedkv.InputError, match=r"^cache_loc: expected slots below S=12 \(or negative to skip\), got 12"
+    ):
         inp.into_pool(torch.tensor([0, 12, 3]), k_pool, v_pool, kv_layout=LAYOUTS[layout].kv_layout)
 
 

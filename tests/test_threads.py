@@ -245,6 +245,6 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
                 thread.join(timeout=2)  # a lock in _layer_table would hold it back: then go on
             return hit
 
-    monkeypatch.setattr(_ops, "_TABLES", SwitchAfterLookup(_impl._TABLES))
+    monkeypatch.setattr(_impl, "_TABLES", SwitchAfterLookup(_impl._TABLES))
     table = _impl._layer_table(k_layers, v_layers)
     assert table.tolist() == [[0, 64], [0, 64]]

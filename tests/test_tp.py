@@ -43,7 +43,9 @@ def run_worker(*args: str) -> None:
     ]  # fmt: skip
     with subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # The workers import this checkout's typedkv, installed or not (a script's own folder is on
+        # its path, not the repository root).
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))},
     ) as launcher:  # fmt: skip
         try:
             output, _ = launcher.communicate(timeout=TIMEOUT_S)

@@ -9,12 +9,14 @@ from ._errors import InputError as InputError
 from ._materializer import KVMaterializer as KVMaterializer
 from ._ops import materialize_kv as materialize_kv
 from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
+from ._types import KVLayout as KVLayout
 from ._types import RopeStyle as RopeStyle
 
 __version__ = "0.1.0"
 
 __all__ = [
     "InputError",
+    "KVLayout",
     "KVMaterializer",
     "RopeStyle",
     "debug_enabled",

@@ -40,9 +40,15 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     rope_style: str = "neox"
     pool: str = ""  # "", "bf16" (pool of kv's dtype) or "fp8"
+    norm: bool = True  # False: a RoPE-only draft (k_norm_weight=None)
+    # Paged pools (page_size > 0): the K and V halves of one combined cache
+    # [L, N, 2, B, H, D] (NHD) or [L, N, 2, H, B, D] (HND), passed as views.
+    page_size: int = 0
+    kv_layout: str = "NHD"
 
 
 MAIN = Case("L5 H8 D128", 5, 8, 128, 128)
+POOL_FP8 = Case("L5 H8 D128 pool fp8", 5, 8, 128, 128, pool="fp8")
 GPU_CASES = (
     MAIN,
     Case("L1 H8 D128", 1, 8, 128, 128),
@@ -51,7 +57,13 @@ GPU_CASES = (
     Case("L5 H8 D128 fp16", 5, 8, 128, 128, torch.float16),
     Case("L5 H8 D128 gptj", 5, 8, 128, 128, rope_style="gptj"),
     Case("L5 H8 D128 pool", 5, 8, 128, 128, pool="bf16"),
-    Case("L5 H8 D128 pool fp8", 5, 8, 128, 128, pool="fp8"),
+    POOL_FP8,
+    Case("L5 H8 D128 rope-only", 5, 8, 128, 128, norm=False),
+    Case("L5 H8 D128 NHD B16", 5, 8, 128, 128, pool="bf16", page_size=16),
+    Case("L5 H8 D128 NHD B64", 5, 8, 128, 128, pool="bf16", page_size=64),
+    Case("L5 H8 D128 HND B16", 5, 8, 128, 128, pool="bf16", page_size=16, kv_layout="HND"),
+    Case("L5 H8 D128 HND B64", 5, 8, 128, 128, pool="bf16", page_size=64, kv_layout="HND"),
+    Case("L5 H8 D128 NHD B16 fp8", 5, 8, 128, 128, pool="fp8", page_size=16),
 )
 GPU_TOKENS = (16, 256, 2048, 16384, 65536)
 CPU_CASES = (
@@ -86,13 +98,17 @@ class Inputs:
     k_pool: torch.Tensor
     v_pool: torch.Tensor
 
+    @property
+    def norm_weight(self) -> torch.Tensor | None:
+        return self.weight if self.weight.numel() else None
+
 
 def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: int = 0) -> Inputs:
     """Fresh random inputs for one call (never zeros: they hide unwritten outputs)."""
     L, H, D, R = case.num_layers, case.num_kv_heads, case.head_dim, case.rotary_dim
     positions_max = 131072
     kv = torch.randn(num_tokens, L, 2 * H * D, device=device, dtype=case.dtype)
-    weight = torch.rand(L, D, device=device) + 0.5
+    weight = torch.rand(L, D, device=device) + 0.5 if case.norm else torch.empty(0, device=device)
     eps = torch.full((L,), 1e-6, device=device)
     angles = torch.rand(positions_max, R // 2, device=device) * 6.3
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
@@ -103,10 +119,17 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     k_pool = v_pool = torch.empty(0, device=device)
     if case.pool:
         num_slots = num_slots or 2 * num_tokens
-        slots = torch.randperm(num_slots, device=device)[:num_tokens]
         pool_dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
-        k_pool = torch.empty(L, num_slots, H, D, device=device, dtype=pool_dtype)
-        v_pool = torch.empty_like(k_pool)
+        if case.page_size:
+            pages = -(-num_slots // case.page_size)
+            num_slots = pages * case.page_size
+            page = (case.page_size, H) if case.kv_layout == "NHD" else (H, case.page_size)
+            cache = torch.empty(L, pages, 2, *page, D, device=device, dtype=pool_dtype)
+            k_pool, v_pool = cache[:, :, 0], cache[:, :, 1]
+        else:
+            k_pool = torch.empty(L, num_slots, H, D, device=device, dtype=pool_dtype)
+            v_pool = torch.empty_like(k_pool)
+        slots = torch.randperm(num_slots, device=device)[:num_tokens]
     return Inputs(kv, weight, eps, cos_sin, positions, k_out, v_out, slots, k_pool, v_pool)
 
 
@@ -122,14 +145,15 @@ def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
     H = case.num_kv_heads
     if case.pool:
         scale = 0.5 if case.pool == "fp8" else None
+        layout: Any = case.kv_layout
         return lambda: materialize_kv_into_pool(
-            x.kv, x.weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, x.v_pool,
-            num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale,
+            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, x.v_pool,
+            num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale, kv_layout=layout,
         )  # fmt: skip
     return lambda: _discard(
         materialize_kv(
             x.kv,
-            x.weight,
+            x.norm_weight,
             x.eps,
             x.cos_sin,
             x.positions,
@@ -316,7 +340,7 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
             inputs = [make_inputs(case, num_tokens, device) for _ in range(sets)]
             row = Row(case.name, num_tokens, nbytes / 1e6)
             impls: dict[str, Callable[[Case, Inputs], Callable[[], None]]] = {"typedkv": typedkv_call}
-            if compare and case in (MAIN, GPU_CASES[-2]):
+            if compare and case in (MAIN, POOL_FP8):  # the baselines on one dense and one pool case
                 impls["eager"] = eager_call
                 impls["compile"] = lambda c, x: eager_call(c, x, compiled=True)
                 if case.pool:
@@ -461,14 +485,17 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(out_dir: Path, quick: bool, compare: bool) -> int:
-    """Run the benchmark for the best available device; print the table, write JSON and PNG."""
+def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
+    """Run the benchmark for the best available device; print the table, write JSON and PNG.
+
+    ``only``: run the GPU cases whose name contains this text (all when empty).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name()
         tokens = GPU_TOKENS[:3] if quick else GPU_TOKENS
-        result = run_gpu(tokens, GPU_CASES, compare)
+        result = run_gpu(tokens, [c for c in GPU_CASES if only in c.name], compare)
     else:
         meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
         result = run_cpu(CPU_TOKENS, CPU_CASES)

@@ -401,7 +401,13 @@ class Signature:
         bound.solved.add(unknown)
 
     def _choose(
-        self, p: _Param, label: str, specs: tuple[_ArraySpec, ...], value: torch.Tensor, bound: Bound, args: Sequence[Any]
+        self,
+        p: _Param,
+        label: str,
+        specs: tuple[_ArraySpec, ...],
+        value: torch.Tensor,
+        bound: Bound,
+        args: Sequence[Any],
     ) -> _ArraySpec:
         """The shape of ``specs`` that ``value`` is checked against: by rank, then by the layout argument."""
         if len(specs) == 1:

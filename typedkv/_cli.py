@@ -25,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
     bench.add_argument("--quick", action="store_true", help="only T <= 2048")
     bench.add_argument("--no-compare", action="store_true", help="skip the eager and torch.compile baselines")
+    bench.add_argument("--only", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import main as demo
@@ -32,4 +33,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo()
     from ._bench import main as run_bench
 
-    return run_bench(args.out, quick=args.quick, compare=not args.no_compare)
+    return run_bench(args.out, quick=args.quick, compare=not args.no_compare, only=args.only)
