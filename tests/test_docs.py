@@ -252,24 +252,24 @@ def titled_blocks(page: str) -> dict[str, str]:
     return {m.group(2): m.group(3) for m in found if m.group(1) == "python" and m.group(2)}
 
 
-# Per engine snippet: K and V of layer l at slot s, read back through the engine's own indexing.
+# Per engine snippet: K and V of layer i at slot s, read back through the engine's own indexing.
 _ENGINE_SLOTS: dict[str, Callable[[dict[str, Any], int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {
-    "sglang: per-layer token pools": lambda ns, l, s, b: (ns["k_buffer"][l][s], ns["v_buffer"][l][s]),
-    "vLLM: flash-attention layout": lambda ns, l, s, b: (
-        ns["kv_caches"][l][0, s // b, s % b],
-        ns["kv_caches"][l][1, s // b, s % b],
+    "sglang: per-layer token pools": lambda ns, i, s, b: (ns["k_buffer"][i][s], ns["v_buffer"][i][s]),
+    "vLLM: flash-attention layout": lambda ns, i, s, b: (
+        ns["kv_caches"][i][0, s // b, s % b],
+        ns["kv_caches"][i][1, s // b, s % b],
     ),
-    "vLLM and FlashInfer: FlashInfer's NHD layout": lambda ns, l, s, b: (
-        ns["kv_caches"][l][s // b, 0, s % b],
-        ns["kv_caches"][l][s // b, 1, s % b],
+    "vLLM and FlashInfer: FlashInfer's NHD layout": lambda ns, i, s, b: (
+        ns["kv_caches"][i][s // b, 0, s % b],
+        ns["kv_caches"][i][s // b, 1, s % b],
     ),
-    "FlashInfer: HND layout": lambda ns, l, s, b: (
-        ns["kv_caches"][l][s // b, 0, :, s % b],
-        ns["kv_caches"][l][s // b, 1, :, s % b],
+    "FlashInfer: HND layout": lambda ns, i, s, b: (
+        ns["kv_caches"][i][s // b, 0, :, s % b],
+        ns["kv_caches"][i][s // b, 1, :, s % b],
     ),
-    "One HND cache for all draft layers": lambda ns, l, s, b: (
-        ns["kv_cache"][l, s // b, 0, :, s % b],
-        ns["kv_cache"][l, s // b, 1, :, s % b],
+    "One HND cache for all draft layers": lambda ns, i, s, b: (
+        ns["kv_cache"][i, s // b, 0, :, s % b],
+        ns["kv_cache"][i, s // b, 1, :, s % b],
     ),
 }
 

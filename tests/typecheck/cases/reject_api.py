@@ -20,6 +20,11 @@ style = "gptj"
 typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=H, rope_style=style)  # E: arg-type
 bad_style: typedkv.RopeStyle = "llama"  # E: assignment
 
+# kv_layout is "NHD" or "HND" (FlashInfer's names), nothing else.
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, kv_layout="NDH")  # E: arg-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, kv_layout="hnd")  # E: arg-type
+bad_layout: typedkv.KVLayout = "paged"  # E: assignment
+
 # positions (and cache_loc) are tensors, not lists.
 typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, [0, 1, 2, 3], num_kv_heads=H)  # E: arg-type
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, [0, 1, 2, 3], k_pool, v_pool, num_kv_heads=H)  # E: arg-type

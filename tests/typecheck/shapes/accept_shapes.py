@@ -98,3 +98,20 @@ def draft_step(
 ) -> Float[Tensor, "T L H D"]:
     k, _ = m(hidden, positions)
     return k.transpose(0, 1)
+
+
+# Paged pools: NHD [L, N, B, H, D] and HND [L, N, H, B, D], stacked or per layer, as views of one
+# combined cache; a RoPE-only draft (no norm weight).
+nhd_cache = torch.empty(5, 64, 2, 16, 8, 128, dtype=torch.bfloat16)
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, nhd_cache[:, :, 0], nhd_cache[:, :, 1], num_kv_heads=8
+)
+hnd_pages = torch.empty(5, 64, 8, 16, 128, dtype=torch.bfloat16)
+typedkv.materialize_kv_into_pool(
+    kv, None, 1e-6, cos_sin_cache, positions, cache_loc, hnd_pages, hnd_pages.clone(), num_kv_heads=8, kv_layout="HND"
+)
+per_layer_pages = [torch.empty(64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(5)]
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, per_layer_pages, per_layer_pages, num_kv_heads=8
+)
+rope_only_k, rope_only_v = typedkv.materialize_kv(kv, None, 1e-6, cos_sin_cache, positions, num_kv_heads=8)

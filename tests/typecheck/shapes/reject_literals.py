@@ -53,3 +53,8 @@ materializer(torch.randn(16, 1000), positions)  # E: bad-argument-type
 materializer(torch.randn(16, 1024), torch.arange(8))  # E: bad-argument-type
 materializer.into_pool(torch.randn(16, 1024), positions, torch.arange(8), k_pool, v_pool)  # E: bad-argument-type
 materializer.into_pool(torch.randn(16, 1024), positions, cache_loc, torch.empty(4, 256, 8, 128), torch.empty(4, 256, 8, 128))  # E: bad-argument-type bad-argument-type
+
+# Paged pools: K and V with different page counts (N = 64 comes from k_pool); pages for 4 layers; a RoPE-only call's k_out of another head dim.
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, torch.empty(5, 64, 16, 8, 128), torch.empty(5, 32, 16, 8, 128), num_kv_heads=8)  # E: bad-argument-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, torch.empty(4, 64, 8, 16, 128), torch.empty(4, 64, 8, 16, 128), num_kv_heads=8, kv_layout="HND")  # E: bad-argument-type bad-argument-type
+typedkv.materialize_kv(kv, None, 1e-6, cos_sin_cache, positions, num_kv_heads=8, k_out=torch.empty(5, 16, 8, 128), v_out=torch.empty(5, 16, 8, 64))  # E: bad-argument-type

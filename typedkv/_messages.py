@@ -1,0 +1,212 @@
+"""The words of an `InputError`: what was expected, what came, and the fix.
+
+`Messages` holds what a function's messages need to know about it (which
+arguments are outputs, whose dtype they copy, which dims come from ``int``
+arguments); `typedkv._checking.Signature` decides *that* an argument is wrong
+and asks here how to say it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._annotations import NAME, ArraySpec, Dim, Param
+
+if TYPE_CHECKING:
+    from ._checking import Bound
+
+# How a dim is spoken of in a fix ("allocate layers first").
+DIM_WORDS = {"L": "layers", "T": "tokens", "H": "heads", "D": "head dims", "S": "slots"}
+
+
+class Messages:
+    """How one function's checks word their errors.
+
+    Parameters
+    ----------
+    device_of
+        The argument whose device every tensor shares (named in allocation fixes).
+    outputs
+        Arguments the function writes: their fixes say how to allocate them.
+    same_dtype
+        Arguments that must have another's dtype.
+    scalar_dims
+        ``(dim, index, argument)`` of each dim an ``int`` argument gives.
+    """
+
+    def __init__(
+        self,
+        device_of: str,
+        outputs: frozenset[str],
+        same_dtype: Mapping[str, Any],
+        scalar_dims: Sequence[tuple[str, int, str]],
+    ) -> None:
+        self._device_of = device_of
+        self._outputs = outputs
+        self._same_dtype = same_dtype
+        self._scalar_dims = scalar_dims
+
+    def describe(self, p: Param) -> str:
+        kinds = []
+        if p.arrays:
+            kinds.append("a torch.Tensor")
+        if p.sequences:
+            kinds.append(f"a sequence of {p.sequence_len} torch.Tensors")
+        words = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
+        kinds += [words[s] for s in p.scalars if not (s is int and float in p.scalars)]
+        if p.optional:
+            kinds.append("None")
+        return or_list(kinds)
+
+    def dtype_fix(self, name: str, label: str, spec: ArraySpec, got: torch.dtype) -> str:
+        if spec.dtype_names[0].startswith("int"):
+            return f": pass {label}.long()"
+        if got == torch.uint8 and torch.float8_e4m3fn in spec.dtypes:
+            # Engines often keep an FP8 cache as raw bytes.
+            return f": an FP8 cache kept as bytes can be passed as {label}.view(torch.float8_e4m3fn)"
+        if name in self._outputs:
+            # Converting an output would write into a copy.
+            return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
+        return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
+
+    def expected(self, spec: ArraySpec, dims: Mapping[str, int]) -> str:
+        parts = []
+        for d in spec.dims:
+            if d.fixed is not None:
+                parts.append(d.text)
+            elif d.name is not None:
+                parts.append(f"{d.name}={dims[d.name]}" if d.name in dims else d.name)
+            else:
+                try:
+                    parts.append(f"{d.text}={eval(d.code, {}, dict(dims))}")
+                except NameError:
+                    parts.append(d.text)
+        return "(" + ", ".join(parts) + ")"
+
+    def sizes(self, spec: ArraySpec, dims: Mapping[str, int]) -> list[int | None] | None:
+        """Expected sizes, ``None`` where a dim is not bound yet; ``None`` for a wrong rank."""
+        out: list[int | None] = []
+        for d in spec.dims:
+            if d.fixed is not None:
+                out.append(d.fixed)
+            elif d.name is not None:
+                out.append(dims.get(d.name))
+            else:
+                try:
+                    out.append(eval(d.code, {}, dict(dims)))
+                except NameError:
+                    out.append(None)
+        return out
+
+    def alloc(self, spec: ArraySpec, bound: Bound) -> str:
+        sizes = self.sizes(spec, bound.dims)
+        args = ", ".join(map(str, sizes or []))
+        return f"torch.empty({args}, dtype={self._device_of}.dtype, device={self._device_of}.device)"
+
+    def shape_message(self, name: str, label: str, spec: ArraySpec, got: tuple[int, ...], bound: Bound) -> str:
+        dims = bound.dims
+        msg = f"{label}: expected shape {self.expected(spec, dims)}, got {got}"
+        want = self.sizes(spec, dims)
+        # An output the op can allocate itself (k_out, v_out) gets a torch.empty
+        # fix; a pool is the caller's memory and only gets told what is wrong.
+        allocatable = name in self._outputs and name in self._same_dtype
+        fixes: list[str] = []
+        swap = swapped(want, got) if want is not None and len(want) == len(got) else None
+        if swap is not None:
+            i, j = swap
+            fixes.append(f"dims {i} and {j} look swapped")
+            first = spec.dims[i].name
+            if name in self._outputs:
+                word = DIM_WORDS.get(first or "", f"dim {first}")
+                fixes.append(f"allocate {word} first" + (f": {self.alloc(spec, bound)}" if allocatable else ""))
+            elif j != len(got) - 1:
+                fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
+            return msg + ": " + "; ".join(fixes)
+        if len(got) == len(spec.dims):
+            for d, size in zip(spec.dims, got, strict=True):
+                if (
+                    d.name is not None
+                    and d.name in dims
+                    and dims[d.name] != size
+                    and bound.bound_by.get(d.name) != label
+                ):
+                    fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}")
+                elif d.code is not None and all(n in dims for n in d.needs) and eval(d.code, {}, dict(dims)) != size:
+                    fixes.append(self.symbolic_fix(d, size, dims))
+        if allocatable and want is not None and None not in want:
+            fixes.append(f"allocate it as {self.alloc(spec, bound)}, or pass {name}=None")
+        return msg + (": " + "; ".join(f for f in fixes if f) if fixes else "")
+
+    def symbolic_fix(self, d: Dim, size: int, dims: Mapping[str, int]) -> str:
+        names = set(NAME.findall(d.text))
+        filled = re.sub(NAME, lambda m: str(dims.get(m.group(0), m.group(0))), d.text)
+        fix = f"the size must be {d.text} = {filled} = {eval(d.code, {}, dict(dims))}"
+        for dim, _, arg in self._scalar_dims:
+            if dim in names:
+                per_unit = eval(d.code, {}, {**dims, dim: 1})
+                if per_unit and size % per_unit == 0:
+                    fix += f"; {size} would fit {arg}={size // per_unit}"
+        return fix
+
+    def like_message(
+        self,
+        name: str,
+        label: str,
+        spec: ArraySpec,
+        value: torch.Tensor,
+        want: torch.dtype,
+        other: str,
+        bound: Bound,
+    ) -> str:
+        msg = (
+            f"{label}: expected dtype {fmt_dtype(want)} on {bound.device} ({other}'s dtype and device), "
+            f"got dtype {fmt_dtype(value.dtype)} on {value.device}"
+        )
+        if name in self._outputs:
+            msg += f": allocate it as {self.alloc(spec, bound)}, or pass {name}=None"
+        return msg
+
+
+def fmt_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def or_list(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def type_name(value: object) -> str:
+    kind = type(value)
+    # numpy.int64, not "int64", which would read like a dtype.
+    return (
+        kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+    )
+
+
+def scalar_fix(p: Param, value: object) -> str:
+    """For a numpy (or other array-library) scalar where a Python number is expected: how to convert."""
+    if isinstance(value, float) and int in p.scalars and float not in p.scalars:
+        return ": a count is an int (// divides to an int, / to a float)"
+    if isinstance(value, torch.Tensor) or not hasattr(value, "item") or not p.scalars:
+        return ""
+    kind = "float" if float in p.scalars else "int"
+    return f": pass {kind}({p.name})"
+
+
+def swapped(want: Sequence[int | None], got: Sequence[int]) -> tuple[int, int] | None:
+    """The two dims whose exchange would fix ``got``, if there is exactly one such pair."""
+    wrong = [i for i, w in enumerate(want) if w is not None and w != got[i]]
+    if len(wrong) == 2:
+        i, j = wrong
+        return (i, j) if (got[i], got[j]) == (want[j], want[i]) else None
+    if len(wrong) == 1:
+        (i,) = wrong
+        # The other dim of the pair is one not bound yet (S of a pool, say).
+        free = [j for j, w in enumerate(want) if w is None and got[j] == want[i]]
+        if len(free) == 1:
+            return min(i, free[0]), max(i, free[0])
+    return None
