@@ -12,6 +12,7 @@
 #   gpu_new        the GPU tests of paged pools, RoPE-only drafts, graph replay and memcheck (4 workers)
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
+#   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -46,6 +47,11 @@ for step in $STEPS; do
                 | tee "$OUT/benchq.txt" ;;
         tp)
             python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py 2>&1 | tail -40 | tee "$OUT/tp.txt" ;;
+        ab)
+            for round in 1 2 3; do
+                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new
+            done 2>/dev/null | tee "$OUT/ab.txt" ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
     esac
