@@ -52,6 +52,7 @@ class _Plan:
     kernel: bool  # the Triton kernel (else the PyTorch reference)
     launch: _launch.Launch | None = None  # built at the first launch, when the outputs exist
     typechecked: bool = False  # debug mode's beartype + jaxtyping pass done for this layout
+    geometry: _Geometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
 
 
 def _planner(check_relations: Callable[[Bound], None] | None = None) -> Callable[[Bound], _Plan]:
@@ -166,7 +167,9 @@ def materialize_kv_into_pool(
     if plan.empty:
         return
     dims = plan.bound.dims
-    geometry = _Geometry.of(plan.bound)
+    geometry = plan.geometry
+    if geometry is None:
+        geometry = plan.geometry = _Geometry.of(plan.bound)
     if debug_enabled():
         _check_slots(cache_loc, geometry.num_slots)
     neox = rope_style == "neox"
