@@ -181,6 +181,29 @@ def test_pool_compiled(layout: str, dtype: torch.dtype) -> None:
     assert torch.equal(_whole(k_pool, v_pool), _whole(want_k, want_v))
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_paged_rope_only_compiled(kv_layout: typedkv.KVLayout) -> None:
+    """Paged pools (the K/V halves of one cache, sliced inside the compiled function) and no norm weight:
+    one typedkv op in the graph, the eager bits, written in place."""
+    x = make_inputs()
+    page = (2, H) if kv_layout == "NHD" else (H, 2)  # pages of 2 slots
+
+    def fn(kv: Tensor, cache: Tensor) -> None:
+        typedkv.materialize_kv_into_pool(
+            kv, None, 0.0, x.cos_sin_cache, x.positions, x.cache_loc, cache[:, :, 0], cache[:, :, 1],
+            num_kv_heads=H, kv_layout=kv_layout,
+        )  # fmt: skip
+
+    cache = torch.full((L, S // 2, 2, *page, D), 3.0)
+    targets = graph_ops(fn, x.kv, cache.clone())
+    assert [t for t in targets if t in TYPEDKV_OPS] == [torch.ops.typedkv.materialize_kv_into_pool_stacked.default]
+    _, code = run_and_get_code(compiled(fn), x.kv, cache)
+    assert_no_buffers(code)
+    want = torch.full((L, S // 2, 2, *page, D), 3.0)
+    fn(x.kv, want)
+    assert torch.equal(cache, want) and not torch.equal(want, torch.full_like(want, 3.0))
+
+
 @pytest.mark.parametrize("layout", ["halves", "views"])
 def test_shared_allocation_warns(layout: str) -> None:
     """Pools that share one allocation, passed in as separate tensors: a warning while tracing.
