@@ -53,10 +53,6 @@ class Bound:
     # Dims solved from a symbolic dim (D from kv's 2*H*D when nothing else names D).
     solved: set[str] = field(default_factory=set)
 
-    def layout(self, name: str) -> str | None:
-        """The `PageLayout` tag of the shape ``name`` matched (``None``: untagged)."""
-        return self.specs[name].layout
-
     def shape_of(self, name: str) -> str:
         """The shape ``name`` matched, as written in its annotation (``"L N B H D"``)."""
         return " ".join(d.text for d in self.specs[name].dims)

@@ -23,6 +23,7 @@ from . import _launch, _reference
 from ._checking import Bound, Signature
 from ._config import debug_enabled
 from ._errors import InputError
+from ._messages import fmt_dtype
 
 ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
 """``Signature`` rule shared by every function that takes a cos/sin cache."""
@@ -132,9 +133,10 @@ def materialize_kv(
 
 def check_pool(args: tuple[Any, ...]) -> Bound:
     """The production check of `typedkv.materialize_kv_into_pool`'s arguments (in signature order)."""
-    bound = signature(POOL).check(args)
-    kv, k_pool, v_pool, k_scale, v_scale = args[0], args[6], args[7], args[10], args[11]
-    _pool_layout(kv, k_pool, v_pool, k_scale, v_scale, bound)
+    sig = signature(POOL)
+    bound = sig.check(args)
+    named = dict(zip(sig.parameters, args, strict=True))
+    _pool_layout(named["kv"], named["k_pool"], named["v_pool"], named["k_scale"], named["v_scale"], bound)
     return bound
 
 
@@ -257,7 +259,7 @@ def _pool_layout(
             if layer.dtype != dtype:
                 first = "k_pool" if stacked else "k_pool[0]"
                 raise InputError(
-                    f"{label}: expected dtype {_dt(dtype)} ({first}'s), got {_dt(layer.dtype)}: "
+                    f"{label}: expected dtype {fmt_dtype(dtype)} ({first}'s), got {fmt_dtype(layer.dtype)}: "
                     "every K and V pool tensor shares one dtype"
                 )
             if not stacked and layer.stride() != layers[0].stride():
@@ -267,14 +269,14 @@ def _pool_layout(
                 )
     if dtype != kv.dtype and dtype not in _FP8:
         raise InputError(
-            f"k_pool: expected dtype {_dt(kv.dtype)} (kv's), float8_e4m3fn or float8_e5m2, got {_dt(dtype)}: "
+            f"k_pool: expected dtype {fmt_dtype(kv.dtype)} (kv's), float8_e4m3fn or float8_e5m2, got {fmt_dtype(dtype)}: "
             "allocate the pool with dtype=kv.dtype or an FP8 dtype"
         )
     if dtype not in _FP8:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None:
                 raise InputError(
-                    f"{name}: expected None for a {_dt(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
+                    f"{name}: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
                 )
 
 
@@ -288,10 +290,6 @@ def check_pool_kinds(k_pool: object, v_pool: object) -> None:
 
 def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
     return pool.unbind(0) if isinstance(pool, Tensor) else pool
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _describe(value: object) -> str:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ._checking import Bound, Signature
 from ._errors import InputError
 from ._impl import ROTARY_RULE
+from ._messages import fmt_dtype
 from ._ops import materialize_kv, materialize_kv_into_pool
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
@@ -343,15 +344,15 @@ def _check_layer_dtypes(
             for i, layer in enumerate(value):
                 if layer.dtype != value[0].dtype:
                     raise InputError(
-                        f"{name}[{i}]: expected dtype {_dt(value[0].dtype)} ({name}[0]'s), got {_dt(layer.dtype)}: "
+                        f"{name}[{i}]: expected dtype {fmt_dtype(value[0].dtype)} ({name}[0]'s), got {fmt_dtype(layer.dtype)}: "
                         "the layers share one dtype"
                     )
     if kv_bias is not None:
         weight_dtype, bias_dtype = _stacked_dtype(kv_weight), _stacked_dtype(kv_bias)
         if bias_dtype != weight_dtype:
             raise InputError(
-                f"kv_bias: expected dtype {_dt(weight_dtype)} (kv_weight's), got {_dt(bias_dtype)}: "
-                f"convert it with kv_bias.to(torch.{_dt(weight_dtype)})"
+                f"kv_bias: expected dtype {fmt_dtype(weight_dtype)} (kv_weight's), got {fmt_dtype(bias_dtype)}: "
+                f"convert it with kv_bias.to(torch.{fmt_dtype(weight_dtype)})"
             )
 
 
@@ -361,7 +362,3 @@ def _stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
 
 def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
     return value.dtype if isinstance(value, Tensor) else value[0].dtype
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
