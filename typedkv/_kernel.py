@@ -29,108 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Saturate ``x`` to +-FP8_MAX and round it (to nearest even) onto the FP8 grid.
-
-    The cast to FP8 that follows is then exact. Rounding here, in float32
-    arithmetic, gives the same bits on every backend: Triton's CPU interpreter
-    mis-rounds values whose mantissa carries into the exponent.
-    """
-    # NaN compares false both ways and stays NaN.
-    x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
-    bits = x.to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) - 127
-    exp = tl.maximum(exp, MIN_EXP)  # below the smallest normal the grid is uniform
-    # 1.5 * 2**(exp - MANT + 23): adding it leaves exactly the bits of a
-    # multiple of the grid step 2**(exp - MANT), rounded to nearest even.
-    magic = (((exp - MANT + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    mag = (tl.abs(x) + magic) - magic
-    # The sign bit copied back, so -0.0 stays -0.0 (0 - 0 would give +0.0).
-    return (mag.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """``x`` (float32) as ``dtype``, rounded to nearest even on every backend.
-
-    Triton's CPU interpreter truncates float32 -> bfloat16; with SOFT_ROUND the
-    bits are rounded here first, which makes that conversion exact. GPUs round
-    to nearest even in hardware and skip it.
-    """
-    if SOFT_ROUND and dtype == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _store_scaled(
-    dst,
-    x,
-    mask,
-    MODE: tl.constexpr,
-    scale,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
-):
-    """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1 and 2: FP8 of ``x / scale``."""
-    if MODE == 0:
-        tl.store(dst, _cast(x, dst.dtype.element_ty, SOFT_ROUND), mask=mask)
-    else:
-        # One IEEE reciprocal per program, then multiplies: the reference
-        # quantizes with the same x * (1 / scale).
-        inv = tl.div_rn(1.0, scale)
-        x = x * inv
-        if SOFT_ROUND:
-            x = _to_fp8_grid(x, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
-            q = x.to(dst.dtype.element_ty)
-            if FP8_MANT == 3:
-                # The interpreter's cast to float8_e4m3fn loses NaN (gives +-384):
-                # NaN is S.1111.111 in that format, the sign kept.
-                nan_bits = (((x.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
-                q = tl.where(x != x, nan_bits, q.to(tl.uint8, bitcast=True)).to(dst.dtype.element_ty, bitcast=True)
-        else:
-            # On GPUs the conversion is one `cvt.rn.satfinite` per pair: round to
-            # nearest even, saturate to the finite range, NaN stays NaN. An explicit
-            # clamp here cost 4 instructions per element (tests/test_gpu.py pins
-            # the saturation on CUDA).
-            q = x.to(dst.dtype.element_ty)
-        tl.store(dst, q, mask=mask)
-
-
-@triton.jit
-def _rope_row(
-    positions_ptr,
-    positions_stride,
-    num_positions,
-    tok,
-    tok_ok,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    freq,
-    freq_ok,
-    HALF: tl.constexpr,
-):
-    """``(pos_ok, cos, sin)`` of each token at frequencies ``freq`` (float32, ``[T, F]``).
-
-    Issued before K's loads: the position and then its cos/sin row are two
-    dependent loads, whose latency then overlaps K's instead of following the
-    norm. A position outside ``[0, P)`` is never read (``pos_ok`` is False).
-    """
-    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < num_positions)
-    cs_row = cos_sin_ptr + pos * cos_sin_stride_p
-    cs_mask = (tok_ok & pos_ok)[:, None] & freq_ok[None, :]
-    cos = tl.load(cs_row[:, None] + freq[None, :] * cos_sin_stride_r, mask=cs_mask, other=1.0)
-    sin = tl.load(cs_row[:, None] + (freq + HALF)[None, :] * cos_sin_stride_r, mask=cs_mask, other=0.0)
-    return pos_ok, cos.to(tl.float32), sin.to(tl.float32)
+from ._epilogue import _cast, _rope_row, _row_offset, _store_scaled
 
 
 @triton.jit
@@ -375,16 +274,6 @@ def _k_row(
         FP8_MIN_EXP,
         SOFT_ROUND,
     )
-
-
-@triton.jit
-def _row_offset(row, PAGE: tl.constexpr, stride_page, stride_slot):
-    """Element offset of pool row ``row``: page ``row // PAGE``, slot ``row % PAGE`` (``PAGE`` 1: no pages)."""
-    if PAGE == 1:
-        return row * stride_page
-    else:
-        # A constant divisor: a multiply and shift, not a division.
-        return (row // PAGE) * stride_page + (row % PAGE) * stride_slot
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 
@@ -42,7 +43,6 @@ SPLIT_KV: bool | None = None
 FULL_ROW: bool | None = None
 LAYER_FAST = True
 _SPLIT_BELOW_PROGRAMS = 4096
-_FLOAT_PARAMS = frozenset({"eps", "k_scale", "v_scale"})
 
 
 @functools.lru_cache(maxsize=1024)
@@ -153,12 +153,6 @@ def launch_params(
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
 
 
-_NAMES = tuple(inspect.signature(materialize_kv_kernel.fn).parameters)
-_POINTERS = tuple(i for i, n in enumerate(_NAMES) if n.endswith("_ptr"))
-# What changes from call to call under one checked layout: the tensors and the
-# float scalars (Triton passes floats as fp32 whatever their value). Everything
-# else -- ints, constexprs -- is fixed by the layout.
-_VARYING = tuple(i for i, n in enumerate(_NAMES) if i in _POINTERS or n in _FLOAT_PARAMS)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -175,7 +169,7 @@ def varying(
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
 ) -> tuple[Any, ...]:
-    """The per-call kernel arguments, in kernel order (the `_VARYING` slots)."""
+    """The per-call kernel arguments, in kernel order (the slots `KernelLaunch` fills on each call)."""
     eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
     k_t, k_f = (
         (k_scale, 1.0) if isinstance(k_scale, torch.Tensor) else (None, 1.0 if k_scale is None else float(k_scale))
@@ -209,30 +203,40 @@ def _hooks_idle() -> bool:
     )
 
 
-class Launch:
-    """One launch prepared from a checked layout, run once per call.
+class KernelLaunch:
+    """One launch of ``kernel`` prepared from a checked layout, run once per call.
 
-    Built from the first call's arguments; later calls with the same layout
-    (shapes, strides, dtypes, devices) fill in their own tensors and floats. On
-    CUDA the compiled kernel is called directly once Triton has built it: every
-    value Triton specialises on is fixed by the layout, except pointer
-    alignment, which is checked on each call.
+    Built from the first call's full argument list; later calls with the same
+    layout (shapes, strides, dtypes, devices) fill in their own tensors and
+    floats -- the slots that are not constexprs and hold a tensor, a float or
+    ``None`` (an absent tensor) -- in kernel order. Everything else (ints,
+    constexprs) is fixed by the layout. On CUDA the compiled kernel is called
+    directly once Triton has built it: every value Triton specialises on is
+    fixed by the layout, except pointer alignment, which is checked on each call.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.grid, params, self.num_warps = launch_params(*args, **kwargs)
-        self.template = [None if i in _VARYING else p for i, p in enumerate(params)]
-        kv = params[0]
-        self.device = kv.device
-        self.direct = kv.device.type == "cuda" and not INTERPRETED
+    def __init__(self, kernel: Any, grid: tuple[int, int, int], params: tuple[Any, ...], num_warps: int) -> None:
+        constexprs = _constexpr_indices(kernel)
+        self.kernel = kernel
+        self.grid = grid
+        self.num_warps = num_warps
+        self.varying = tuple(
+            i
+            for i, p in enumerate(params)
+            if i not in constexprs and (p is None or isinstance(p, (torch.Tensor, float)))
+        )
+        varying = frozenset(self.varying)
+        self.template = [None if i in varying else p for i, p in enumerate(params)]
+        self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
+        self.direct = self.device.type == "cuda" and not INTERPRETED
         self.compiled: Any = None
 
     def __call__(self, values: tuple[Any, ...]) -> None:
-        """Launch with this call's `varying` values."""
+        """Launch with this call's tensors and floats, in kernel order."""
         params = self.template.copy()
-        for i, value in zip(_VARYING, values, strict=True):
+        for i, value in zip(self.varying, values, strict=True):
             params[i] = value
-        kernel: Any = materialize_kv_kernel
+        kernel = self.kernel
         if not self.direct:
             if INTERPRETED:
                 with _INTERPRETER_LOCK:
@@ -242,15 +246,15 @@ class Launch:
             return
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):
-                self._cuda(params, kernel)
+                self._cuda(params, values)
         else:
-            self._cuda(params, kernel)
+            self._cuda(params, values)
 
-    def _cuda(self, params: list[Any], kernel: Any) -> None:
-        aligned = not any(params[i].data_ptr() & 15 for i in _POINTERS if params[i] is not None)
+    def _cuda(self, params: list[Any], values: tuple[Any, ...]) -> None:
+        aligned = not any(v.data_ptr() & 15 for v in values if isinstance(v, torch.Tensor))
         compiled = self.compiled
         if compiled is None or not aligned or not _hooks_idle():
-            compiled = kernel[self.grid](*params, num_warps=self.num_warps)
+            compiled = self.kernel[self.grid](*params, num_warps=self.num_warps)
             # Only a kernel compiled for aligned pointers serves later aligned calls.
             if aligned and not hasattr(compiled, "result"):
                 self.compiled = compiled
@@ -263,6 +267,22 @@ class Launch:
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
         )
+
+
+class Launch(KernelLaunch):
+    """The K/V kernel's launch, from `launch_params`' arguments; called with `varying`'s values."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        grid, params, num_warps = launch_params(*args, **kwargs)
+        super().__init__(materialize_kv_kernel, grid, params, num_warps)
+
+
+@functools.cache
+def _constexpr_indices(kernel: Any) -> frozenset[int]:
+    """The positions of ``kernel``'s ``tl.constexpr`` parameters (a jitted or an interpreted kernel)."""
+    parameters = inspect.signature(kernel.fn).parameters.values()
+    # Annotations are strings under `from __future__ import annotations`.
+    return frozenset(i for i, p in enumerate(parameters) if p.annotation in ("tl.constexpr", tl.constexpr))
 
 
 def _pow2_divisor(value: int, cap: int) -> int:
