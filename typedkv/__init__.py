@@ -7,6 +7,8 @@ from ._config import debug_enabled as debug_enabled
 from ._config import set_debug as set_debug
 from ._errors import InputError as InputError
 from ._materializer import KVMaterializer as KVMaterializer
+from ._mla import materialize_mla_kv as materialize_mla_kv
+from ._mla import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool
 from ._ops import materialize_kv as materialize_kv
 from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
 from ._types import KVLayout as KVLayout
@@ -22,5 +24,7 @@ __all__ = [
     "debug_enabled",
     "materialize_kv",
     "materialize_kv_into_pool",
+    "materialize_mla_kv",
+    "materialize_mla_kv_into_pool",
     "set_debug",
 ]

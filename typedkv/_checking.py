@@ -254,14 +254,25 @@ class Signature:
     def _solve(
         self, d: Dim, unknown: str, size: int, name: str, label: str, spec: ArraySpec, shape: torch.Size, bound: Bound
     ) -> None:
-        """Bind ``unknown`` so that the symbolic dim ``d`` (a product such as ``2*H*D``) equals ``size``."""
-        per = eval(d.code, {}, {**bound.dims, unknown: 1})
-        if eval(d.code, {}, {**bound.dims, unknown: 2}) != 2 * per or per <= 0:
+        """Bind ``unknown`` so that the symbolic dim ``d`` equals ``size``.
+
+        ``d`` is ``per*unknown + offset`` over the bound dims: a product such as
+        ``2*H*D`` (offset 0), or a sum such as ``C+R`` (per 1).
+        """
+        offset = eval(d.code, {}, {**bound.dims, unknown: 0})
+        per = eval(d.code, {}, {**bound.dims, unknown: 1}) - offset
+        if eval(d.code, {}, {**bound.dims, unknown: 2}) != 2 * per + offset or per <= 0:
             raise TypeError(f"typedkv: cannot solve {d.text} for {unknown} in the annotation of {name}")
-        if size % per:
+        if offset and size < offset:
+            msg = self._say.shape_message(name, label, spec, tuple(shape), bound)
+            known = "; ".join(
+                f"{n}={bound.dims[n]} comes from {bound.bound_by[n]}" for n in sorted(set(d.needs) - {unknown})
+            )
+            raise InputError(f"{msg}: the size must be {d.text} with {unknown} >= 0, at least {offset}; {known}")
+        if (size - offset) % per:
             msg = self._say.shape_message(name, label, spec, tuple(shape), bound)
             raise InputError(f"{msg}: the size must be {d.text} = {per}*{unknown}; {size} is not a multiple of {per}")
-        bound.dims[unknown] = size // per
+        bound.dims[unknown] = (size - offset) // per
         bound.bound_by[unknown] = label
         bound.solved.add(unknown)
 

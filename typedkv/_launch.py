@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._kernel import materialize_kv_kernel as materialize_kv_kernel
+from ._mla_kernel import materialize_mla_kv_kernel as materialize_mla_kv_kernel
 
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -283,6 +284,95 @@ def _constexpr_indices(kernel: Any) -> frozenset[int]:
     parameters = inspect.signature(kernel.fn).parameters.values()
     # Annotations are strings under `from __future__ import annotations`.
     return frozenset(i for i, p in enumerate(parameters) if p.annotation in ("tl.constexpr", tl.constexpr))
+
+
+# ---------------------------------------------------------------------- MLA
+
+# A latent row of 512 in registers per token: about 2048 elements per program
+# over 4 warps, the dense kernel's rule for a wide K (not yet swept on MLA).
+_MLA_TILE = 2048
+
+
+@functools.lru_cache(maxsize=64)
+def mla_block_config(kv_lora_rank: int, rotary_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_C, BLOCK_HALF, num_warps)`` of the MLA kernel."""
+    block_c = triton.next_power_of_2(max(kv_lora_rank, 1))
+    block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    block_t = max(1, _MLA_TILE // block_c)
+    return block_t, block_c, block_half, 4 if block_t * block_c >= 1024 else 1
+
+
+def mla_launch(
+    ckv: torch.Tensor,
+    kv_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    dst: torch.Tensor,
+    strides: tuple[int, int, int],
+    layer_offsets: torch.Tensor | None,
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    num_rows: int,
+    neox: bool,
+    kv_scale: float | torch.Tensor | None,
+) -> KernelLaunch:
+    """The MLA kernel's launch; called with `mla_varying`'s values.
+
+    ``strides`` are ``(layer, page, slot in page)`` element strides of ``dst``
+    (rows are contiguous); the rest as in `launch_params`, with a ``[L]`` table
+    of ``layer_offsets``.
+    """
+    num_tokens, num_layers, _ = ckv.shape
+    rotary_dim = cos_sin_cache.shape[1]
+    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim)
+    ckv_, w, eps_t, eps_f, cs, pos, slots_, dst_, table, scale_t, scale_f = mla_varying(
+        ckv, kv_norm_weight, eps, cos_sin_cache, positions, slots, dst, layer_offsets, kv_scale
+    )
+    fp8_max, fp8_mant, fp8_min_exp = _fp8_format(dst.dtype)
+    stride_l, stride_page, stride_slot = strides
+    layer_vec = _pow2_divisor(stride_l, 16)
+    params = (
+        ckv_, ckv.stride(0), ckv.stride(1),
+        w, *(w.stride() if w is not None else (0, 0)),
+        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
+        cs, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        pos, positions.stride(0),
+        slots_, slots.stride(0) if slots is not None else 0,
+        dst_, stride_l // layer_vec, stride_page, stride_slot,
+        table,
+        scale_t, scale_t.stride(0) if scale_t is not None else 0, scale_f,
+        num_tokens, cos_sin_cache.shape[0], num_rows,
+        # constexprs
+        kv_lora_rank, rotary_dim, neox, w is not None, eps_t is not None, slots is not None, page_size,
+        layer_offsets is not None, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp, layer_vec,
+        block_t, block_c, block_half, INTERPRETED, num_layers,
+    )  # fmt: skip
+    grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
+    return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)
+
+
+def mla_varying(
+    ckv: torch.Tensor,
+    kv_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    dst: torch.Tensor,
+    layer_offsets: torch.Tensor | None,
+    kv_scale: float | torch.Tensor | None,
+) -> tuple[Any, ...]:
+    """The MLA kernel's per-call arguments, in kernel order."""
+    eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
+    scale_t, scale_f = (
+        (kv_scale, 1.0) if isinstance(kv_scale, torch.Tensor) else (None, 1.0 if kv_scale is None else float(kv_scale))
+    )
+    return (
+        ckv, kv_norm_weight, eps_t, eps_f, cos_sin_cache, positions, slots, dst, layer_offsets, scale_t, scale_f
+    )  # fmt: skip
 
 
 def _pow2_divisor(value: int, cap: int) -> int:

@@ -24,6 +24,7 @@ from jaxtyping import AbstractDtype
 __all__ = [
     "HND",
     "KV_WIDTH",
+    "MLA_WIDTH",
     "NHD",
     "Derived",
     "Index",
@@ -114,6 +115,9 @@ class Derived:
 
 KV_WIDTH = Derived("KV = 2*H*D")
 """kv's last dim: per layer, ``H`` heads of ``D`` for K, then the same for V."""
+
+MLA_WIDTH = Derived("W = C+R")
+"""An MLA row: the latent (``C``, kv_lora_rank) then the rope part (``R``, the rotary dim)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""The public MLA ops: shapes declared once in the annotations; calls handed on.
+
+A draft of an MLA target (DeepSeek-V3, Kimi-K2) caches one row per token and
+layer: the latent ``c_kv`` (``C`` = kv_lora_rank), RMSNorm'ed with the layer's
+``kv_a_layernorm``, then the rope part ``k_pe`` (``R``), rotated by RoPE. As in
+`typedkv._ops`: eager calls go to the checked implementation (`_mla_impl`),
+calls traced by torch.compile to the torch ops (`_mla_library`); each
+function's `Signature` is declared right after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
+
+import torch
+from torch import Tensor
+
+from . import _impl, _mla_impl, _mla_library
+from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
+
+if TYPE_CHECKING:
+    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    from jaxtyping import Float as ParamFloat
+    from jaxtyping import Float as PoolFloat
+    from jaxtyping import Float as StorageFloat
+    from jaxtyping import Int as Index
+else:
+    from ._types import Index, ParamFloat, PoolFloat, StorageFloat
+
+
+@static_jaxtyping("T L W C P R")
+def materialize_mla_kv(
+    ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
+    kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    *,
+    rope_style: RopeStyle,
+    out: Annotated[StorageFloat[Tensor, "L T W"], MLA_WIDTH] | None = None,
+) -> Annotated[StorageFloat[Tensor, "L T W"], MLA_WIDTH]:
+    """Materialize the MLA cache rows of every layer: normed latent, then rotated rope part.
+
+    For every token ``t`` and layer ``l``: ``out[l, t, :C]`` is
+    ``RMSNorm(ckv[t, l, :C])`` and ``out[l, t, C:]`` is ``RoPE(ckv[t, l, C:])``.
+    One Triton launch covers all layers on CUDA.
+
+    Parameters
+    ----------
+    ckv : Tensor, shape ``[T, L, C+R]``, bfloat16 | float16 | float32
+        Each layer's kv_a projection output (its KV rows): the latent ``c_kv``
+        (``C`` values), then the rope part ``k_pe`` (``R``). May be a strided
+        view (its last dim contiguous).
+    kv_norm_weight : Tensor, shape ``[L, C]``, any float dtype, or None
+        Each layer's ``kv_a_layernorm`` weight; ``C`` (kv_lora_rank) is read
+        from here. ``None``: the latent passes bit for bit, and ``C`` is ckv's
+        width minus ``R``.
+    eps : float, or Tensor of shape ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer. Checked but
+        unused when ``kv_norm_weight`` is None.
+    cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
+        Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
+        ``[R/2, R)``. ``R`` (the rotary dim, qk_rope_head_dim) is even and at
+        least 2; every one of the rope part's ``R`` dims rotates.
+    positions : Tensor, shape ``[T]``, int32 | int64
+        Each token's position, on ckv's device. A position outside ``[0, P)``
+        gives NaN in that token's rope part (debug mode raises instead).
+    rope_style : {"gptj", "neox"}
+        Required: ``"gptj"`` rotates interleaved pairs (DeepSeek checkpoints in
+        vLLM and sglang), ``"neox"`` the two halves.
+    out : Tensor, shape ``[L, T, C+R]``, ckv's dtype and device, optional
+        Where to write; may be a ``[:, :T]`` view of a larger slab (last dim
+        contiguous). Allocated when ``None``.
+
+    Returns
+    -------
+    Tensor, shape ``[L, T, C+R]``, ckv's dtype
+        ``out`` itself when given.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype, device or layout misuse, before anything is written.
+    """
+    if torch.compiler.is_compiling():
+        return _mla_library.materialize_mla_kv(
+            ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style=rope_style, out=out
+        )
+    return _mla_impl.materialize_mla_kv(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
+
+
+_impl.declare(
+    materialize_mla_kv,
+    scalar_dims={},
+    device_of="ckv",
+    same_dtype={"out": "ckv"},
+    outputs=("out",),
+    rules=(_mla_impl.ROTARY_RULE,),
+    inner_contiguous=("ckv", "out"),
+)
+
+
+# An MLA pool's shapes: stacked over layers or a sequence of per-layer tensors;
+# slots in a flat dim S, or in N pages of B slots. sglang's [S, 1, C+R] is the
+# paged shape with pages of one slot.
+@static_jaxtyping("T L W C P R S N B")
+def materialize_mla_kv_into_pool(
+    ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
+    kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    cache_loc: Index[Tensor, " T"],
+    kv_pool: Annotated[
+        PoolFloat[Tensor, "L S W"]
+        | PoolFloat[Tensor, "L N B W"]
+        | Sequence[PoolFloat[Tensor, "S W"]]
+        | Sequence[PoolFloat[Tensor, "N B W"]],
+        MLA_WIDTH,
+    ],
+    *,
+    rope_style: RopeStyle,
+    kv_scale: float | ParamFloat[Tensor, " L"] | None = None,
+) -> None:
+    """Materialize the MLA cache rows of every layer straight into an MLA pool.
+
+    Computes what :func:`materialize_mla_kv` computes and writes token ``t``'s
+    row of layer ``l`` to slot ``cache_loc[t]`` of that layer's pool. Rows not
+    named by ``cache_loc`` are never touched. One launch for all layers.
+
+    Parameters
+    ----------
+    ckv, kv_norm_weight, eps, cos_sin_cache, positions
+        As in :func:`materialize_mla_kv`.
+    cache_loc : Tensor, shape ``[T]``, int32 | int64
+        The pool slot of each token. A negative slot skips the token (padding).
+        In production a slot ``>= S`` (``N*B`` for a paged pool) is skipped too;
+        debug mode raises for it and for a slot used twice.
+    kv_pool : Tensor, or a sequence of L per-layer tensors
+        The MLA pool, one row of ``C+R`` per slot: stacked ``[L, S, C+R]`` or
+        ``[L, N, B, C+R]``; per layer ``[S, C+R]`` or ``[N, B, C+R]`` (vLLM's
+        ``[num_blocks, block_size, C+R]``; sglang's ``[S, 1, C+R]`` is pages of
+        one slot). Slot ``s`` is page ``s // B``, offset ``s % B``. ckv's dtype,
+        or ``float8_e4m3fn`` / ``float8_e5m2``. Any page and slot strides (a view
+        into a larger cache), last dim contiguous; per-layer tensors share one
+        dtype and one set of strides. Written in place.
+    rope_style : {"gptj", "neox"}
+        As in :func:`materialize_mla_kv`.
+    kv_scale : float, or Tensor of shape ``[L]``, optional
+        FP8 pools only: the stored value is ``x / scale`` (computed as
+        ``x * (1 / scale)`` in float32) saturated to the format's finite range.
+        A missing scale means 1.0 (values are still saturated). A tensor scale
+        is read in the kernel: no host sync.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype, device or layout misuse, before anything is written.
+    """
+    if torch.compiler.is_compiling():
+        return _mla_library.materialize_mla_kv_into_pool(
+            ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool,
+            rope_style=rope_style, kv_scale=kv_scale,
+        )  # fmt: skip
+    _mla_impl.materialize_mla_kv_into_pool(
+        ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale
+    )
+
+
+_impl.declare(
+    materialize_mla_kv_into_pool,
+    scalar_dims={},
+    device_of="ckv",
+    sequence_len={"kv_pool": "L"},
+    outputs=("kv_pool",),
+    rules=(_mla_impl.ROTARY_RULE,),
+    inner_contiguous=("ckv", "kv_pool"),
+)
