@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["materialize_kv64", "rotation_pairs"]
+__all__ = ["materialize_kv64", "materialize_mla_kv64", "rotation_pairs"]
 
 
 def rotation_pairs(rotary_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
@@ -139,3 +139,51 @@ def materialize_kv64(
     k[..., second] = b * cos + a * sin
     k[:, ~valid] = float("nan")
     return k, v
+
+
+def materialize_mla_kv64(
+    ckv: Tensor,
+    kv_norm_weight: Tensor | None,
+    eps: float | Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    rope_style: str,
+) -> Tensor:
+    """MLA cache rows of every layer, ``[L, T, C+R]`` in float64, from DESIGN.md's "MLA drafts".
+
+    Each row of ``ckv`` (``[T, L, C+R]``) is the latent (``C`` dims) then the rope
+    part (``R``, the cache's width). The latent is RMSNorm'ed in float64 and rounded
+    to ckv's dtype (the unfused path stores ``kv_a_layernorm``'s output), or taken
+    as it is when ``kv_norm_weight`` is None; every dim of the rope part is rotated
+    in float64 and *not* rounded, so a test measures the op's error against the
+    exact value. A position outside ``[0, P)`` gives NaN in that token's rope part.
+    """
+    num_tokens, num_layers, width = ckv.shape
+    rotary_dim = cos_sin_cache.shape[1]
+    latent_dim = width - rotary_dim
+    rows = ckv.permute(1, 0, 2).to(torch.float64)  # [L, T, C+R], exact
+    latent, rope = rows[..., :latent_dim], rows[..., latent_dim:]
+    if kv_norm_weight is not None:
+        if isinstance(eps, Tensor):
+            eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1)
+        else:
+            eps64 = torch.full((num_layers, 1, 1), float(eps), dtype=torch.float64)
+        mean_square = (latent * latent).sum(dim=-1, keepdim=True) / latent_dim
+        weight = kv_norm_weight.to(torch.float64).reshape(num_layers, 1, latent_dim)
+        latent = (latent / torch.sqrt(mean_square + eps64) * weight).to(ckv.dtype).to(torch.float64)
+    pos = positions.to(torch.int64)
+    valid = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    table = cos_sin_cache.to(torch.float64)
+    if cos_sin_cache.shape[0] == 0:
+        table = torch.zeros(1, rotary_dim, dtype=torch.float64)
+    angles = table[torch.where(valid, pos, 0)]  # [T, R]
+    half = rotary_dim // 2
+    cos = angles[:, :half].reshape(1, num_tokens, half)
+    sin = angles[:, half:].reshape(1, num_tokens, half)
+    first, second = rotation_pairs(rotary_dim, rope_style)
+    a, b = rope[..., first], rope[..., second]
+    rotated = rope.clone()
+    rotated[..., first] = a * cos - b * sin
+    rotated[..., second] = b * cos + a * sin
+    rotated[:, ~valid] = float("nan")
+    return torch.cat((latent, rotated), dim=-1)
