@@ -7,7 +7,7 @@ the shapes, the torch ops (`typedkv._mla_library`) call here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ POOL = "materialize_mla_kv_into_pool"
 
 def check_dense(args: tuple[Any, ...]) -> Bound:
     """The production check of `typedkv.materialize_mla_kv`'s arguments (in signature order)."""
-    return signature(DENSE).check(args)
+    return _checked(signature(DENSE).check, args)
 
 
 def materialize_mla_kv(
@@ -47,7 +47,7 @@ def materialize_mla_kv(
     """`typedkv.materialize_mla_kv`, eagerly: checked, then launched (or run by the reference)."""
     args = (ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
     sig = signature(DENSE)
-    plan: _Plan = sig.plan(args, _planner())
+    plan: _Plan = _checked(lambda a: sig.plan(a, _planner()), args)
     if debug_enabled():
         _debug(sig, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
@@ -78,7 +78,7 @@ def check_pool(args: tuple[Any, ...]) -> Bound:
     """The production check of `typedkv.materialize_mla_kv_into_pool`'s arguments (in signature order)."""
     sig = signature(POOL)
     named = dict(zip(sig.parameters, args, strict=True))
-    bound = _checked(sig.check, args, named["kv_pool"])
+    bound = _checked(sig.check, args)
     _pool_layout(named["ckv"], named["kv_pool"], named["kv_scale"])
     return bound
 
@@ -97,9 +97,7 @@ def materialize_mla_kv_into_pool(
     """`typedkv.materialize_mla_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
     args = (ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale)
     sig = signature(POOL)
-    plan: _Plan = _checked(
-        lambda a: sig.plan(a, _planner(lambda bound: _pool_layout(ckv, kv_pool, kv_scale))), args, kv_pool
-    )
+    plan: _Plan = _checked(lambda a: sig.plan(a, _planner(lambda bound: _pool_layout(ckv, kv_pool, kv_scale))), args)
     layers = [kv_pool] if isinstance(kv_pool, Tensor) else kv_pool
     if not isinstance(kv_pool, Tensor):
         _check_apart(kv_pool)
@@ -138,19 +136,28 @@ def materialize_mla_kv_into_pool(
     launch(_launch.mla_varying(ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, dst, table, kv_scale))
 
 
-def _checked(check: Any, args: tuple[Any, ...], kv_pool: object) -> Any:
-    """``check(args)``; a rejected pool that has a head dim is told that an MLA pool has none."""
+def _checked(check: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...]) -> Any:
+    """``check(args)``, its `InputError` told what MLA callers get wrong (args in signature order)."""
     try:
         return check(args)
     except InputError as err:
+        ckv, kv_norm_weight, _, cos_sin_cache, *_ = args
+        kv_pool = args[6] if len(args) == 9 else None
+        message = str(err)
+        if "the size must be C+R = " in message:
+            # Three arguments make the row width: say which gave C and R.
+            rotary_dim = cos_sin_cache.shape[1]
+            if isinstance(kv_norm_weight, Tensor):
+                message += f"; C={kv_norm_weight.shape[1]} comes from kv_norm_weight, R={rotary_dim} from cos_sin_cache"
+            else:
+                message += f"; C={ckv.shape[2] - rotary_dim} is ckv's width less R={rotary_dim} from cos_sin_cache"
         first = kv_pool[0] if isinstance(kv_pool, (list, tuple)) and kv_pool else kv_pool
         heads_dim = 4 if isinstance(kv_pool, Tensor) else 3
-        if str(err).startswith("kv_pool") and isinstance(first, Tensor) and first.dim() == heads_dim + 1:
-            raise InputError(
-                f"{err}: an MLA pool holds one row of C+R per slot, with no head dim "
-                "(sglang's [S, 1, C+R] is pages of one slot)"
-            ) from None
-        raise
+        if message.startswith("kv_pool") and isinstance(first, Tensor) and first.dim() == heads_dim + 1:
+            message += ": an MLA pool holds one row of C+R per slot, with no head dim (sglang's [S, 1, C+R] is pages of one slot)"
+        if message == str(err):
+            raise
+        raise InputError(message) from None
 
 
 def _pool_layout(ckv: Tensor, kv_pool: Tensor | Sequence[Tensor], kv_scale: float | Tensor | None) -> None:
