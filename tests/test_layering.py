@@ -17,14 +17,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "typedkv"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
     ("_demo", "_bench"),
-    ("_materializer",),
-    ("_ops",),  # the public face
-    ("_library",),  # the torch ops
-    ("_impl",),  # the checked implementation
+    ("_materializer", "_mla_materializer"),
+    ("_ops", "_mla"),  # the public face
+    ("_library", "_mla_library"),  # the torch ops
+    ("_impl", "_mla_impl"),  # the checked implementation
     ("_checking",),
     ("_annotations", "_messages"),
     ("_reference", "_launch"),
-    ("_kernel",),
+    ("_kernel", "_mla_kernel"),
+    ("_epilogue",),  # the jit pieces the kernels share
     ("_config", "_errors", "_types"),
 )
 

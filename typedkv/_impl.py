@@ -51,7 +51,7 @@ class _Plan:
     bound: Bound
     empty: bool  # T == 0 or L == 0: nothing to compute
     kernel: bool  # the Triton kernel (else the PyTorch reference)
-    launch: _launch.Launch | None = None  # built at the first launch, when the outputs exist
+    launch: _launch.KernelLaunch | None = None  # built at the first launch, when the outputs exist
     typechecked: bool = False  # debug mode's beartype + jaxtyping pass done for this layout
     geometry: _Geometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
 

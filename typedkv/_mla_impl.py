@@ -8,7 +8,7 @@ the shapes, the torch ops (`typedkv._mla_library`) call here too.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ ROTARY_RULE = ("R % 2 == 0 and 2 <= R", "cos_sin_cache", "the rotary dim R must 
 
 DENSE = "materialize_mla_kv"
 POOL = "materialize_mla_kv_into_pool"
+_R = TypeVar("_R")
 
 
 # --------------------------------------------------------------------- dense
@@ -136,7 +137,7 @@ def materialize_mla_kv_into_pool(
     launch(_launch.mla_varying(ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, dst, table, kv_scale))
 
 
-def _checked(check: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...]) -> Any:
+def _checked(check: Callable[[tuple[Any, ...]], _R], args: tuple[Any, ...]) -> _R:
     """``check(args)``, its `InputError` told what MLA callers get wrong (args in signature order)."""
     try:
         return check(args)

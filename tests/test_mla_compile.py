@@ -1,0 +1,134 @@
+"""torch.compile and the registered MLA ops (``torch.ops.typedkv.materialize_mla_*``), on CPU.
+
+As tests/test_compile.py for the K/V ops: compiled with ``fullgraph=True`` the
+MLA ops are one opaque op each, give the eager bits and write pools in place;
+misuse is rejected while tracing with the eager message; ``opcheck`` passes.
+Also run under ``TRITON_INTERPRET=1`` (tiny shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import typedkv
+from typedkv import _mla_library
+
+pytestmark = [
+    pytest.mark.usefixtures("fresh_compile"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
+    pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled"),
+]
+
+T, L, C, R, P, S = 3, 2, 16, 8, 32, 11
+MLA_OPS = {
+    torch.ops.typedkv.materialize_mla_kv_out.default,
+    torch.ops.typedkv.materialize_mla_kv_into_pool_stacked.default,
+    torch.ops.typedkv.materialize_mla_kv_into_pool_list.default,
+}
+
+g = torch.Generator().manual_seed(0)
+CKV = torch.randn(T, L, C + R, generator=g)
+WEIGHT = torch.rand(L, C, generator=g) + 0.5
+EPS = torch.tensor([1e-6, 1e-2])
+CACHE = torch.randn(P, R, generator=g)
+POSITIONS = torch.tensor([4, 0, 31])
+CACHE_LOC = torch.tensor([7, -1, 2])
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True)
+
+
+def graph_ops(fn: Callable[..., Any], *args: Any) -> list[Any]:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Tensor]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, fullgraph=True, backend=record)(*args)
+    assert len(graphs) == 1
+    return [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+
+
+def test_dense_compiled() -> None:
+    def fn(ckv: Tensor, positions: Tensor) -> Tensor:
+        return typedkv.materialize_mla_kv(ckv, WEIGHT, 1e-6, CACHE, positions, rope_style="gptj") * 2
+
+    assert torch.equal(compiled(fn)(CKV, POSITIONS), fn(CKV, POSITIONS))
+    assert [op for op in graph_ops(fn, CKV, POSITIONS) if op in MLA_OPS] == [
+        torch.ops.typedkv.materialize_mla_kv_out.default
+    ]
+
+
+def test_dense_into_given_out_compiled() -> None:
+    def fn(ckv: Tensor, slab: Tensor) -> Tensor:
+        return typedkv.materialize_mla_kv(ckv, None, EPS, CACHE, POSITIONS, rope_style="neox", out=slab[:, :T])
+
+    slab, want = torch.full((L, 5, C + R), 7.0), torch.full((L, 5, C + R), 7.0)
+    got = compiled(fn)(CKV, slab)
+    fn(CKV, want)
+    assert torch.equal(slab, want) and torch.equal(got, want[:, :T])
+
+
+@pytest.mark.parametrize("layout", ["stacked", "paged", "list", "sglang"])
+def test_pool_compiled(layout: str) -> None:
+    def make() -> Tensor | list[Tensor]:
+        if layout == "stacked":
+            return torch.zeros(L, S, C + R)
+        if layout == "paged":
+            return torch.zeros(L, 3, 4, C + R)
+        if layout == "list":
+            return [torch.zeros(S, C + R) for _ in range(L)]
+        return [torch.zeros(S, 1, C + R) for _ in range(L)]
+
+    def fn(ckv: Tensor, pool: Tensor | list[Tensor]) -> None:
+        typedkv.materialize_mla_kv_into_pool(ckv, WEIGHT, EPS, CACHE, POSITIONS, CACHE_LOC, pool, rope_style="gptj")
+
+    got, want = make(), make()
+    compiled(fn)(CKV, got)
+    fn(CKV, want)
+    for a, b in zip(got if isinstance(got, list) else [got], want if isinstance(want, list) else [want], strict=True):
+        assert torch.equal(a, b) and bool(a.any())
+
+
+def test_misuse_rejected_while_tracing() -> None:
+    wrong_norm = torch.ones(L, C + 2)
+    fp16_pool = torch.zeros(L, S, C + R, dtype=torch.float16)
+
+    def dense() -> object:
+        return typedkv.materialize_mla_kv(CKV, wrong_norm, 1e-6, CACHE, POSITIONS, rope_style="gptj")
+
+    def pool() -> None:
+        typedkv.materialize_mla_kv_into_pool(
+            CKV, WEIGHT, 1e-6, CACHE, POSITIONS, CACHE_LOC, fp16_pool, rope_style="gptj"
+        )
+
+    for call in (dense, pool):
+        with pytest.raises(typedkv.InputError) as eager:
+            call()
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as traced:
+            compiled(call)()
+        assert str(eager.value) in str(traced.value), call.__name__
+
+
+def test_opcheck() -> None:
+    torch.library.opcheck(
+        _mla_library.materialize_mla_kv_out,
+        (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)),
+    )
+    torch.library.opcheck(
+        _mla_library.materialize_mla_kv_into_pool_stacked,
+        (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None),
+    )
+    pools = [torch.zeros(S, C + R) for _ in range(L)]
+    torch.library.opcheck(
+        _mla_library.materialize_mla_kv_into_pool_list,
+        (CKV, WEIGHT, None, EPS, CACHE, POSITIONS, CACHE_LOC, pools, "neox", None, None),
+    )
