@@ -9,6 +9,7 @@ from ._errors import InputError as InputError
 from ._materializer import KVMaterializer as KVMaterializer
 from ._mla import materialize_mla_kv as materialize_mla_kv
 from ._mla import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool
+from ._mla_materializer import MLAKVMaterializer as MLAKVMaterializer
 from ._ops import materialize_kv as materialize_kv
 from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
 from ._types import KVLayout as KVLayout
@@ -20,6 +21,7 @@ __all__ = [
     "InputError",
     "KVLayout",
     "KVMaterializer",
+    "MLAKVMaterializer",
     "RopeStyle",
     "debug_enabled",
     "materialize_kv",

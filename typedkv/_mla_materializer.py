@@ -1,0 +1,337 @@
+"""`MLAKVMaterializer`: an MLA draft's whole cache path, built once from its layers' weights.
+
+As `typedkv.KVMaterializer` for per-head K/V: a call is one GEMM for all layers
+(``hidden @ W_all.T``, the KV rows of each layer's ``kv_a`` projection) into a
+workspace the object keeps, then one fused launch (latent RMSNorm, RoPE of the
+rope part, store to ``[L, T, C+R]`` or to the MLA pool). Nothing in a call
+waits for the device, and a call captured in a CUDA graph writes into rows of
+the graph's own, never into the eager workspace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._checking import Bound, Signature
+from ._errors import InputError
+from ._messages import fmt_dtype
+from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
+from ._mla_impl import ROTARY_RULE
+from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
+
+if TYPE_CHECKING:
+    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    from jaxtyping import Float as ParamFloat
+    from jaxtyping import Float as PoolFloat
+    from jaxtyping import Float as StorageFloat
+    from jaxtyping import Int as Index
+else:
+    from ._types import Index, ParamFloat, PoolFloat, StorageFloat
+
+
+def _weights(
+    kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    kv_a_weight: Annotated[StorageFloat[Tensor, "L W hidden"] | Sequence[StorageFloat[Tensor, "W hidden"]], MLA_WIDTH],
+    kv_a_bias: Annotated[StorageFloat[Tensor, "L W"] | Sequence[StorageFloat[Tensor, " W"]] | None, MLA_WIDTH],
+    eps: float | ParamFloat[Tensor, " L"],
+    rope_style: RopeStyle,
+) -> None:
+    """The constructor's arguments, ordered so that ``C`` and ``R`` are bound before ``kv_a_weight`` needs them.
+
+    Without a norm weight, ``C`` is solved from kv_a_weight's ``C+R`` rows.
+    """
+
+
+_WEIGHTS = Signature(
+    _weights,
+    scalar_dims={},
+    device_of="cos_sin_cache",
+    sequence_len={"kv_norm_weight": "L", "kv_a_weight": "L", "kv_a_bias": "L"},
+    rules=(ROTARY_RULE,),
+)
+
+
+def _projection(
+    kv_a_weight: StorageFloat[Tensor, "N hidden"],
+    hidden: StorageFloat[Tensor, "T hidden"],
+    positions: Index[Tensor, " T"],
+    cache_loc: Index[Tensor, " T"] | None,
+) -> None:
+    """A call's own arguments against the weights (the op then checks the rest)."""
+
+
+_PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_a_weight", same_dtype={"hidden": "kv_a_weight"})
+
+# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
+_STACKED_DIMS = {"kv_a_weight": 3, "kv_norm_weight": 2, "kv_a_bias": 2, "eps": 1}
+
+
+@static_jaxtyping("L W C hidden")
+class MLAKVMaterializer(nn.Module):
+    """The MLA cache path of a draft model's layers: one GEMM for all layers, then one fused launch.
+
+    Built once from the layers' weights; then ``m(hidden, positions)`` gives
+    every layer's cache rows (``RMSNorm(c_kv)`` then ``RoPE(k_pe)``), and
+    ``m.into_pool(...)`` writes them straight into an MLA pool. Inference only:
+    the weights are detached.
+
+    Parameters
+    ----------
+    kv_a_weight : Tensor ``[L, C+R, hidden]``, or a sequence of L tensors ``[C+R, hidden]``
+        Each layer's ``kv_a`` projection (``kv_a_proj_with_mqa``) as ``nn.Linear``
+        weight rows: the latent's ``C`` rows, then the rope part's ``R``.
+        bfloat16 | float16 | float32; ``hidden`` must have this dtype. Per-layer
+        tensors are copied into one stacked weight; a contiguous stacked tensor
+        is used as it is.
+    kv_norm_weight : Tensor ``[L, C]``, a sequence of L tensors ``[C]``, or None
+        Each layer's ``kv_a_layernorm`` weight, any float dtype; ``C``
+        (kv_lora_rank) is read from here. ``None``: the latent passes as the
+        projection gives it, and ``C`` is kv_a_weight's rows less ``R``.
+    eps : float, or Tensor ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer.
+    cos_sin_cache : Tensor ``[P, R]``
+        As in :func:`typedkv.materialize_mla_kv`. Every tensor argument must be on its device.
+    rope_style : {"gptj", "neox"}
+        Required, as in :func:`typedkv.materialize_mla_kv`.
+    kv_a_bias : Tensor ``[L, C+R]``, or a sequence of L tensors ``[C+R]``, optional
+        Each layer's projection bias, kv_a_weight's dtype.
+
+    Raises
+    ------
+    InputError
+        For any shape, dtype or device misuse; a layer that disagrees with the
+        others is named (``kv_a_weight[2]: expected shape ...``).
+
+    Notes
+    -----
+    The GEMM writes into a workspace that grows to the next power of two of
+    ``T`` and is then reused, so an eager call at a fixed ``T`` allocates
+    nothing but its output (none for :meth:`into_pool`) and never waits for the
+    device. A call captured in a CUDA graph writes into rows of its own,
+    allocated from the graph's memory pool. Under ``torch.compile`` the GEMM is
+    an ordinary op of the graph and the workspace is not used.
+    """
+
+    kv_a_weight: Tensor
+    kv_a_bias: Tensor | None
+    kv_norm_weight: Tensor | None
+    cos_sin_cache: Tensor
+    eps: float | Tensor
+
+    @static_jaxtyping("P R")
+    def __init__(
+        self,
+        kv_a_weight: Annotated[
+            StorageFloat[Tensor, "L W hidden"] | Sequence[StorageFloat[Tensor, "W hidden"]], MLA_WIDTH
+        ],
+        kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
+        eps: float | ParamFloat[Tensor, " L"],
+        cos_sin_cache: ParamFloat[Tensor, "P R"],
+        *,
+        rope_style: RopeStyle,
+        kv_a_bias: Annotated[
+            StorageFloat[Tensor, "L W"] | Sequence[StorageFloat[Tensor, " W"]] | None, MLA_WIDTH
+        ] = None,
+    ) -> None:
+        super().__init__()
+        _check_layer_counts(kv_a_weight, kv_norm_weight, kv_a_bias, eps)
+        bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, eps, rope_style))
+        _check_layer_dtypes(kv_a_weight, kv_norm_weight, kv_a_bias)
+        weight = _stacked(kv_a_weight)
+        self.num_layers = weight.shape[0]
+        self.kv_lora_rank = bound.dims["C"]
+        self.rotary_dim = bound.dims["R"]
+        self.hidden_size = bound.dims["hidden"]
+        self.rope_style: RopeStyle = rope_style
+        # All layers' rows as one nn.Linear weight [L*(C+R), hidden]: the GEMM's layer-major output is ckv's layout.
+        self.register_buffer("kv_a_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
+        bias = None if kv_a_bias is None else _stacked(kv_a_bias).flatten()
+        self.register_buffer("kv_a_bias", bias, persistent=False)
+        norm = None if kv_norm_weight is None else _stacked(kv_norm_weight)
+        self.register_buffer("kv_norm_weight", norm, persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
+        if isinstance(eps, Tensor):
+            self.register_buffer("eps", eps.detach(), persistent=False)
+        else:
+            self.eps = eps
+        self._workspace: Tensor | None = None
+
+    @static_jaxtyping("T")
+    def forward(
+        self,
+        hidden: StorageFloat[Tensor, "T hidden"],
+        positions: Index[Tensor, " T"],
+    ) -> Annotated[StorageFloat[Tensor, "L T W"], MLA_WIDTH]:
+        """The cache rows of every layer for ``hidden``.
+
+        Parameters
+        ----------
+        hidden : Tensor, shape ``[T, hidden]``, kv_a_weight's dtype and device
+            The hidden states the layers project from.
+        positions : Tensor, shape ``[T]``, int32 | int64
+            Each token's position, as in :func:`typedkv.materialize_mla_kv`.
+
+        Returns
+        -------
+        Tensor, shape ``[L, T, C+R]``, hidden's dtype
+            Newly allocated.
+
+        Raises
+        ------
+        InputError
+            For any shape, dtype or device misuse.
+        """
+        return materialize_mla_kv(
+            self._project(hidden, positions, None), self.kv_norm_weight, self.eps, self.cos_sin_cache, positions,
+            rope_style=self.rope_style,
+        )  # fmt: skip
+
+    @static_jaxtyping("T S N B")
+    def into_pool(
+        self,
+        hidden: StorageFloat[Tensor, "T hidden"],
+        positions: Index[Tensor, " T"],
+        cache_loc: Index[Tensor, " T"],
+        kv_pool: Annotated[
+            PoolFloat[Tensor, "L S W"]
+            | PoolFloat[Tensor, "L N B W"]
+            | Sequence[PoolFloat[Tensor, "S W"]]
+            | Sequence[PoolFloat[Tensor, "N B W"]],
+            MLA_WIDTH,
+        ],
+        kv_scale: float | ParamFloat[Tensor, " L"] | None = None,
+    ) -> None:
+        """The cache rows of every layer for ``hidden``, written straight into an MLA pool.
+
+        Parameters
+        ----------
+        hidden, positions
+            As in :meth:`forward`.
+        cache_loc, kv_pool, kv_scale
+            As in :func:`typedkv.materialize_mla_kv_into_pool` (stacked, per-layer
+            or paged pools, FP8 with a scale). Written in place, slots named by
+            ``cache_loc`` only.
+
+        Raises
+        ------
+        InputError
+            For any shape, dtype, device or layout misuse.
+        """
+        materialize_mla_kv_into_pool(
+            self._project(hidden, positions, cache_loc), self.kv_norm_weight, self.eps, self.cos_sin_cache,
+            positions, cache_loc, kv_pool, rope_style=self.rope_style, kv_scale=kv_scale,
+        )  # fmt: skip
+
+    if TYPE_CHECKING:
+        # As in KVMaterializer: to a type checker a call is forward itself.
+        __call__ = forward
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_layers={self.num_layers}, kv_lora_rank={self.kv_lora_rank}, rotary_dim={self.rotary_dim}, "
+            f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
+        )
+
+    def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
+        """``[T, L, C+R]``: every layer's kv_a projection of ``hidden``, one GEMM.
+
+        Checks the call's arguments first, so that their messages speak of ``hidden``.
+        """
+        width = self.kv_lora_rank + self.rotary_dim
+        if torch.compiler.is_compiling():
+            # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
+            return F.linear(hidden, self.kv_a_weight, self.kv_a_bias).view(hidden.shape[0], self.num_layers, width)
+        _PROJECTION.plan((self.kv_a_weight, hidden, positions, cache_loc), _accepted)
+        num_tokens = hidden.shape[0]
+        out = self._workspace_rows(num_tokens)
+        if self.kv_a_bias is None:
+            torch.mm(hidden, self.kv_a_weight.t(), out=out)
+        else:
+            torch.addmm(self.kv_a_bias, hidden, self.kv_a_weight.t(), out=out)
+        return out.view(num_tokens, self.num_layers, width)
+
+    def _workspace_rows(self, num_tokens: int) -> Tensor:
+        """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
+
+        As `KVMaterializer`: a CUDA graph writes to the buffer it was captured
+        with on every replay, so a capture never uses the eager workspace (which
+        a later eager call may replace and free); its rows come from the graph's
+        private memory pool.
+        """
+        weight = self.kv_a_weight
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        workspace = self._workspace
+        if (
+            workspace is None
+            or workspace.shape[0] < num_tokens
+            or workspace.dtype != weight.dtype
+            or workspace.device != weight.device
+        ):
+            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
+            # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
+            with torch.inference_mode(False):
+                workspace = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+            self._workspace = workspace
+        return workspace[:num_tokens]
+
+
+def _accepted(bound: Bound) -> bool:
+    return True
+
+
+def _layer_count(value: object, stacked_dims: int) -> int | None:
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.dim() == stacked_dims else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def _check_layer_counts(kv_a_weight: object, kv_norm_weight: object, kv_a_bias: object, eps: object) -> None:
+    """Every per-layer argument has as many layers as kv_a_weight (the signature cannot tell for sequences)."""
+    num_layers = _layer_count(kv_a_weight, _STACKED_DIMS["kv_a_weight"])
+    if num_layers == 0:
+        raise InputError("kv_a_weight: expected at least one layer, got none")
+    if num_layers is None:
+        return  # neither layers nor a sequence: the signature check names the problem
+    for name, value in (("kv_norm_weight", kv_norm_weight), ("kv_a_bias", kv_a_bias), ("eps", eps)):
+        count = _layer_count(value, _STACKED_DIMS[name])
+        if count is not None and count != num_layers:
+            raise InputError(f"{name}: expected L={num_layers} layers (kv_a_weight has {num_layers}), got {count}")
+
+
+def _check_layer_dtypes(
+    kv_a_weight: Tensor | Sequence[Tensor],
+    kv_norm_weight: Tensor | Sequence[Tensor] | None,
+    kv_a_bias: Tensor | Sequence[Tensor] | None,
+) -> None:
+    for name, value in (("kv_a_weight", kv_a_weight), ("kv_norm_weight", kv_norm_weight), ("kv_a_bias", kv_a_bias)):
+        if isinstance(value, (list, tuple)) and value:
+            for i, layer in enumerate(value):
+                if layer.dtype != value[0].dtype:
+                    raise InputError(
+                        f"{name}[{i}]: expected dtype {fmt_dtype(value[0].dtype)} ({name}[0]'s), "
+                        f"got {fmt_dtype(layer.dtype)}: the layers share one dtype"
+                    )
+    if kv_a_bias is not None:
+        weight_dtype, bias_dtype = _stacked_dtype(kv_a_weight), _stacked_dtype(kv_a_bias)
+        if bias_dtype != weight_dtype:
+            raise InputError(
+                f"kv_a_bias: expected dtype {fmt_dtype(weight_dtype)} (kv_a_weight's), got {fmt_dtype(bias_dtype)}: "
+                f"convert it with kv_a_bias.to(torch.{fmt_dtype(weight_dtype)})"
+            )
+
+
+def _stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
+    return value.detach() if isinstance(value, Tensor) else torch.stack([layer.detach() for layer in value])
+
+
+def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
+    return value.dtype if isinstance(value, Tensor) else value[0].dtype
