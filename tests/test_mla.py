@@ -70,6 +70,11 @@ class Inputs:
             rope_style=self.rope_style, kv_scale=kv_scale,
         )  # fmt: skip
 
+    def cpu(self) -> Inputs:
+        eps = self.eps.cpu() if isinstance(self.eps, Tensor) else self.eps
+        weight = None if self.kv_norm_weight is None else self.kv_norm_weight.cpu()
+        return Inputs(self.ckv.cpu(), weight, eps, self.cos_sin_cache.cpu(), self.positions.cpu(), self.rope_style)
+
     def rows_float32(self) -> Tensor:
         """The rows before the store's rounding: what an FP8 pool quantizes."""
         return _reference.mla_rows(
@@ -88,6 +93,7 @@ def make_inputs(
     norm: bool = True,
     per_layer_eps: bool = False,
     num_positions: int = 40,
+    device: str = "cpu",
 ) -> Inputs:
     g = torch.Generator().manual_seed(_seed(num_tokens, num_layers, kv_lora_rank, rotary_dim, dtype, rope_style))
     ckv = (torch.randn(num_tokens, num_layers, kv_lora_rank + rotary_dim, generator=g) * 3).to(dtype)
@@ -95,16 +101,17 @@ def make_inputs(
     angles = torch.rand(num_positions, rotary_dim // 2, generator=g) * 6.2
     eps: float | Tensor = torch.linspace(1e-6, 1e-2, num_layers) if per_layer_eps else 1e-6
     return Inputs(
-        ckv,
-        weight,
-        eps,
-        torch.cat((angles.cos(), angles.sin()), dim=-1),
-        torch.randint(0, num_positions, (num_tokens,), generator=g),
+        ckv.to(device),
+        None if weight is None else weight.to(device),
+        eps.to(device) if isinstance(eps, Tensor) else eps,
+        torch.cat((angles.cos(), angles.sin()), dim=-1).to(device),
+        torch.randint(0, num_positions, (num_tokens,), generator=g).to(device),
         rope_style,
     )
 
 
 def assert_close_to_oracle(out: Tensor, inputs: Inputs) -> None:
+    out, inputs = out.cpu(), inputs.cpu()
     ref = materialize_mla_kv64(
         inputs.ckv, inputs.kv_norm_weight, inputs.eps, inputs.cos_sin_cache, inputs.positions, inputs.rope_style
     )
@@ -272,13 +279,15 @@ def run_pool(
     _, layers, width = inputs.shape
     spec = LAYOUTS[layout]
     dtype = pool_dtype or inputs.ckv.dtype
-    base = torch.full(spec.base(layers, num_slots, width), 0.0).to(dtype)
+    base = torch.full(spec.base(layers, num_slots, width), 0.0, device=inputs.ckv.device).to(dtype)
     _bits(base).fill_(SENTINEL if dtype.itemsize == 1 else int.from_bytes([SENTINEL] * dtype.itemsize, "little") >> 1)
     pool = spec.make(base, layers, num_slots, width)
     expected_base = base.clone()
     expected_pool = spec.make(expected_base, layers, num_slots, width)
     if dtype.itemsize == 1:
-        scale = kv_scale if isinstance(kv_scale, Tensor) else torch.tensor([kv_scale or 1.0] * layers)
+        scale = (
+            kv_scale if isinstance(kv_scale, Tensor) else torch.tensor([kv_scale or 1.0] * layers, device=base.device)
+        )
         limit = torch.finfo(dtype).max
         rows = (inputs.rows_float32() * scale.float().reciprocal().view(-1, 1, 1)).clamp(-limit, limit).to(dtype)
     else:
