@@ -27,7 +27,7 @@ from reference64 import materialize_mla_kv64, rotation_pairs
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _launch, _reference
+from typedkv import RopeStyle, _bench, _launch, _reference
 
 INTERPRETED = _launch.INTERPRETED
 STORAGE = (torch.bfloat16, torch.float16, torch.float32)
@@ -386,3 +386,16 @@ def test_layout_change_between_calls() -> None:
     inputs = make_inputs(4, 2)
     for layout in ("stacked", "vllm", "stacked", "sglang", "vllm"):
         run_pool(inputs, layout, _slots(4, 9, 4), 9)
+
+
+@pytest.mark.parametrize("name", [c.name for c in _bench.GPU_CASES if c.kv_lora_rank and c.pool != "fp8"])
+def test_bench_cases_match_their_eager_baseline(name: str) -> None:
+    """`typedkv bench --only MLA` times what it claims: its typedkv call writes what the eager baseline writes."""
+    case = next(c for c in _bench.GPU_CASES if c.name == name)
+    x = _bench.make_inputs(case, 8, torch.device("cpu"))
+    _bench.typedkv_call(case, x)()
+    target = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])[:, x.slots] if case.pool else x.k_out
+    got = target.clone()
+    _bench.eager_call(case, x)()
+    target = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])[:, x.slots] if case.pool else x.k_out
+    assert torch.equal(got, target)

@@ -4,7 +4,7 @@ Device time is measured by replaying a CUDA graph of many calls (launch gaps
 vanish, as in a captured decode step) over enough rotating input sets that the
 working set exceeds the L2 cache, so every call streams from HBM. Host time per
 call is measured separately at T = 16 with a wall clock over thousands of calls.
-Bytes counted: kv read once, K and V written once.
+Bytes counted: kv read once, K and V written once (MLA: ckv read once, its rows written once).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from . import _launch, _reference
 from ._config import set_debug
+from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
 from ._ops import materialize_kv, materialize_kv_into_pool
 
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
@@ -45,10 +46,16 @@ class Case:
     # [L, N, 2, B, H, D] (NHD) or [L, N, 2, H, B, D] (HND), passed as views.
     page_size: int = 0
     kv_layout: str = "NHD"
+    # MLA (kv_lora_rank > 0): rows of C + R per token and layer (heads and head_dim unused);
+    # a paged MLA pool is [L, N, B, C+R].
+    kv_lora_rank: int = 0
 
 
 MAIN = Case("L5 H8 D128", 5, 8, 128, 128)
 POOL = Case("L5 H8 D128 pool", 5, 8, 128, 128, pool="bf16")
+# DeepSeek-V3's MLA geometry (kv_lora_rank 512, qk_rope_head_dim 64), GPT-J RoPE as vLLM and sglang run it.
+MLA_MAIN = Case("MLA L5 C512 R64", 5, 1, 0, 64, rope_style="gptj", kv_lora_rank=512)
+MLA_POOL = Case("MLA L5 C512 R64 B64", 5, 1, 0, 64, rope_style="gptj", pool="bf16", page_size=64, kv_lora_rank=512)
 GPU_CASES = (
     MAIN,
     Case("L1 H8 D128", 1, 8, 128, 128),
@@ -64,6 +71,11 @@ GPU_CASES = (
     Case("L5 H8 D128 HND B16", 5, 8, 128, 128, pool="bf16", page_size=16, kv_layout="HND"),
     Case("L5 H8 D128 HND B64", 5, 8, 128, 128, pool="bf16", page_size=64, kv_layout="HND"),
     Case("L5 H8 D128 NHD B16 fp8", 5, 8, 128, 128, pool="fp8", page_size=16),
+    MLA_MAIN,
+    Case("MLA L5 C512 R64 no-norm", 5, 1, 0, 64, rope_style="gptj", norm=False, kv_lora_rank=512),
+    Case("MLA L5 C512 R64 pool", 5, 1, 0, 64, rope_style="gptj", pool="bf16", kv_lora_rank=512),
+    MLA_POOL,
+    Case("MLA L5 C512 R64 B64 fp8", 5, 1, 0, 64, rope_style="gptj", pool="fp8", page_size=64, kv_lora_rank=512),
 )
 GPU_TOKENS = (16, 256, 2048, 16384, 65536)
 CPU_CASES = (
@@ -105,6 +117,8 @@ class Inputs:
 
 def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: int = 0) -> Inputs:
     """Fresh random inputs for one call (never zeros: they hide unwritten outputs)."""
+    if case.kv_lora_rank:
+        return _mla_inputs(case, num_tokens, device, num_slots)
     L, H, D, R = case.num_layers, case.num_kv_heads, case.head_dim, case.rotary_dim
     positions_max = 131072
     kv = torch.randn(num_tokens, L, 2 * H * D, device=device, dtype=case.dtype)
@@ -133,15 +147,47 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     return Inputs(kv, weight, eps, cos_sin, positions, k_out, v_out, slots, k_pool, v_pool)
 
 
+def _mla_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: int) -> Inputs:
+    """An MLA case's inputs: ``kv`` is ckv ``[T, L, C+R]``, ``k_out`` the output, ``k_pool`` the MLA pool."""
+    L, C, R = case.num_layers, case.kv_lora_rank, case.rotary_dim
+    positions_max = 131072
+    ckv = torch.randn(num_tokens, L, C + R, device=device, dtype=case.dtype)
+    weight = torch.rand(L, C, device=device) + 0.5 if case.norm else torch.empty(0, device=device)
+    angles = torch.rand(positions_max, R // 2, device=device) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
+    positions = torch.randint(0, positions_max, (num_tokens,), device=device)
+    out = torch.empty(L, num_tokens, C + R, device=device, dtype=case.dtype)
+    unused = torch.empty(0, device=device)
+    slots = torch.empty(0, dtype=torch.int64, device=device)
+    pool = unused
+    if case.pool:
+        num_slots = num_slots or 2 * num_tokens
+        pool_dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
+        if case.page_size:
+            pages = -(-num_slots // case.page_size)
+            num_slots = pages * case.page_size
+            pool = torch.empty(L, pages, case.page_size, C + R, device=device, dtype=pool_dtype)
+        else:
+            pool = torch.empty(L, num_slots, C + R, device=device, dtype=pool_dtype)
+        slots = torch.randperm(num_slots, device=device)[:num_tokens]
+    eps = torch.full((L,), 1e-6, device=device)
+    return Inputs(ckv, weight, eps, cos_sin, positions, out, unused, slots, pool, unused)
+
+
 def bytes_moved(case: Case, num_tokens: int) -> int:
     """kv read once plus K and V (or the pool rows) written once."""
-    elems = num_tokens * case.num_layers * 2 * case.num_kv_heads * case.head_dim
     written = 1 if case.pool == "fp8" else case.dtype.itemsize
+    if case.kv_lora_rank:
+        elems = num_tokens * case.num_layers * (case.kv_lora_rank + case.rotary_dim)
+        return elems * case.dtype.itemsize + elems * written
+    elems = num_tokens * case.num_layers * 2 * case.num_kv_heads * case.head_dim
     return elems * case.dtype.itemsize + elems * written
 
 
 def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
     style: Any = case.rope_style
+    if case.kv_lora_rank:
+        return _mla_call(case, x)
     H = case.num_kv_heads
     if case.pool:
         scale = 0.5 if case.pool == "fp8" else None
@@ -165,9 +211,23 @@ def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
     )
 
 
+def _mla_call(case: Case, x: Inputs) -> Callable[[], None]:
+    style: Any = case.rope_style
+    if case.pool:
+        scale = 0.5 if case.pool == "fp8" else None
+        return lambda: materialize_mla_kv_into_pool(
+            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, rope_style=style, kv_scale=scale
+        )
+    return lambda: _discard(
+        materialize_mla_kv(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, rope_style=style, out=x.k_out)
+    )
+
+
 def eager_call(case: Case, x: Inputs, compiled: bool = False) -> Callable[[], None]:
     """The plain PyTorch path a model would run (the reference), optionally compiled."""
     neox = case.rope_style == "neox"
+    if case.kv_lora_rank:
+        return _mla_eager_call(case, x, compiled)
 
     def run(
         kv: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor
@@ -192,6 +252,26 @@ def eager_call(case: Case, x: Inputs, compiled: bool = False) -> Callable[[], No
         x.v_out.copy_(v)
 
     return dense
+
+
+def _mla_eager_call(case: Case, x: Inputs, compiled: bool) -> Callable[[], None]:
+    """MLA's plain PyTorch path: the reference rows in ckv's dtype, then a copy or one indexed copy per layer."""
+    neox = case.rope_style == "neox"
+
+    def run(ckv: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return _reference.mla_rows(ckv, w if w.numel() else None, eps, cs, pos, neox).to(ckv.dtype)
+
+    fn = torch.compile(run, fullgraph=True) if compiled else run
+    if case.pool:
+        rows = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])  # pages flattened: slot s is row s
+
+        def pool_path() -> None:
+            out = fn(x.kv, x.weight, x.eps, x.cos_sin, x.positions)
+            for layer in range(case.num_layers):
+                rows[layer].index_copy_(0, x.slots, out[layer].to(rows.dtype))
+
+        return pool_path
+    return lambda: _discard(x.k_out.copy_(fn(x.kv, x.weight, x.eps, x.cos_sin, x.positions)))
 
 
 def staging_call(case: Case, x: Inputs) -> Callable[[], None]:
@@ -340,10 +420,10 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
             inputs = [make_inputs(case, num_tokens, device) for _ in range(sets)]
             row = Row(case.name, num_tokens, nbytes / 1e6)
             impls: dict[str, Callable[[Case, Inputs], Callable[[], None]]] = {"typedkv": typedkv_call}
-            if compare and case in (MAIN, POOL):  # the baselines on one dense and one pool case
+            if compare and case in (MAIN, POOL, MLA_MAIN, MLA_POOL):  # the baselines on a dense and a pool case
                 impls["eager"] = eager_call
                 impls["compile"] = lambda c, x: eager_call(c, x, compiled=True)
-                if case.pool:
+                if case.pool and not case.kv_lora_rank:
                     impls["staging"] = staging_call
             for impl, make in impls.items():
                 _log(f"{case.name:>22}  T={num_tokens:<6} {impl} ...")
