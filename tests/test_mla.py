@@ -398,4 +398,6 @@ def test_bench_cases_match_their_eager_baseline(name: str) -> None:
     got = target.clone()
     _bench.eager_call(case, x)()
     target = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])[:, x.slots] if case.pool else x.k_out
-    assert torch.equal(got, target)
+    # The kernel's float32 norm may round one ulp away from PyTorch's (under TRITON_INTERPRET=1).
+    got, want = got.float(), target.float()
+    assert ((got - want).abs() <= torch.finfo(case.dtype).eps * want.abs()).all()
