@@ -288,18 +288,22 @@ def _constexpr_indices(kernel: Any) -> frozenset[int]:
 
 # ---------------------------------------------------------------------- MLA
 
-# A latent row of 512 in registers per token: about 2048 elements per program
-# over 4 warps, the dense kernel's rule for a wide K (not yet swept on MLA).
-_MLA_TILE = 2048
+# A latent row of 512 in registers per token: about MLA_TILE elements per program
+# over MLA_WARPS warps (None: 4 for a tile of >= 1024 elements), the dense
+# kernel's rule for a wide K; benchmarks/mla_sweep.py sweeps both on a GPU.
+MLA_TILE = 2048
+MLA_WARPS: int | None = None
 
 
 @functools.lru_cache(maxsize=64)
-def mla_block_config(kv_lora_rank: int, rotary_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_C, BLOCK_HALF, num_warps)`` of the MLA kernel."""
+def mla_block_config(kv_lora_rank: int, rotary_dim: int, tile: int, warps: int | None) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_C, BLOCK_HALF, num_warps)`` of the MLA kernel for about ``tile`` elements per program."""
     block_c = triton.next_power_of_2(max(kv_lora_rank, 1))
     block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    block_t = max(1, _MLA_TILE // block_c)
-    return block_t, block_c, block_half, 4 if block_t * block_c >= 1024 else 1
+    block_t = max(1, tile // block_c)
+    if warps is None:
+        warps = 4 if block_t * block_c >= 1024 else 1
+    return block_t, block_c, block_half, warps
 
 
 def mla_launch(
@@ -327,7 +331,7 @@ def mla_launch(
     """
     num_tokens, num_layers, _ = ckv.shape
     rotary_dim = cos_sin_cache.shape[1]
-    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim)
+    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim, MLA_TILE, MLA_WARPS)
     ckv_, w, eps_t, eps_f, cs, pos, slots_, dst_, table, scale_t, scale_f = mla_varying(
         ckv, kv_norm_weight, eps, cos_sin_cache, positions, slots, dst, layer_offsets, kv_scale
     )
