@@ -36,6 +36,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ULPS = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 32.0}
 SENTINEL = 0xA5  # a finite value in every pool dtype, never what the op writes here
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# Debug mode (the suite's default: full annotation checks) and production (the cheap check, cached plans).
+MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
 
 Pool = Tensor | Sequence[Tensor]
 
@@ -136,10 +138,13 @@ def assert_close_to_oracle(out: Tensor, inputs: Inputs) -> None:
 # ----------------------------------------------------------------- dense numerics
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", STORAGE)
 @pytest.mark.parametrize("rope_style", STYLES)
 @pytest.mark.parametrize(("kv_lora_rank", "rotary_dim"), [(32, 16), (96, 64), (512, 64)])
-def test_matches_float64(dtype: torch.dtype, rope_style: RopeStyle, kv_lora_rank: int, rotary_dim: int) -> None:
+def test_matches_float64(
+    dtype: torch.dtype, rope_style: RopeStyle, kv_lora_rank: int, rotary_dim: int, mode: str
+) -> None:
     inputs = make_inputs(5, 2, kv_lora_rank, rotary_dim, dtype, rope_style)
     assert_close_to_oracle(inputs.dense(), inputs)
 
@@ -305,9 +310,10 @@ def _slots(num_tokens: int, num_slots: int, seed: int) -> Tensor:
     return torch.randperm(num_slots, generator=g)[:num_tokens]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rope_style", STYLES)
-def test_pool_layouts(layout: str, rope_style: RopeStyle) -> None:
+def test_pool_layouts(layout: str, rope_style: RopeStyle, mode: str) -> None:
     inputs = make_inputs(6, 3, 32, 16, torch.bfloat16, rope_style)
     cache_loc = _slots(6, 13, _seed(layout, rope_style))
     cache_loc[2] = -1
