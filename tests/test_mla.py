@@ -131,6 +131,8 @@ def assert_close_to_oracle(out: Tensor, inputs: Inputs) -> None:
     err = (out.double() - ref).abs()
     assert out.dtype == dtype and out.shape == ref.shape
     assert torch.isnan(out).equal(torch.isnan(ref))
+    if not ref.numel():
+        return
     worst = torch.where(torch.isnan(ref), 0.0, err - bound).max()
     assert worst <= 0, f"an element is off by {worst:.3g} more than its bound"
 

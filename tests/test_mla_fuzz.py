@@ -1,0 +1,221 @@
+"""Property-based fuzzing of the MLA ops against the float64 oracle, as tests/test_fuzz.py does for K/V.
+
+Hypothesis draws whole calls: ``T`` from 0, ``L`` 1-3, ``C`` in {0, 8, 32, 96, 512}
+(0: the row is all rope part), ``R`` even in ``[2, 32]``, ckv in any storage dtype and
+maybe a column window of wider rows, a norm weight or none, eps as a float or an ``[L]``
+tensor, ``P`` from 0, positions outside ``[0, P)``, and either a dense call (with or
+without a given ``out``) or a pool of any layout of tests/test_mla.py (16-bit or FP8
+with a float or ``[L]`` scale) with slots that are negative, past the pool or repeated.
+
+Every call ends one of two ways:
+
+(a) it returns: the rows are the oracle's within the tolerance of tests/test_mla.py
+    (FP8: within one FP8 step of ``saturate(ref / scale)``), the latent bit for bit
+    without a norm; a pool's named rows hold them and every other byte of its
+    allocation is unchanged;
+(b) it raises ``InputError`` naming ``positions`` or ``cache_loc`` (debug mode, for a
+    position outside the cache, a slot past the pool or a repeated slot), and no byte
+    of the pool changed.
+
+In production a bad position gives NaN in the rope part and a slot past the pool is
+skipped; repeated slots race and are drawn in debug mode only. Both modes run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference64 import materialize_mla_kv64
+from test_mla import _BITS, LAYOUTS, PAGE, SENTINEL, STORAGE, STYLES, Inputs, _pages, _pool_rows, assert_close_to_oracle
+from torch import Tensor
+
+import typedkv
+from typedkv import RopeStyle, _launch
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
+EXAMPLES = int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES") or (25 if _launch.INTERPRETED else 60))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_tokens: int
+    num_layers: int
+    kv_lora_rank: int
+    rotary_dim: int
+    dtype: torch.dtype
+    rope_style: RopeStyle
+    norm: bool
+    eps_tensor: bool
+    num_positions: int
+    bad_positions: tuple[int, ...]  # tokens whose position is outside [0, P)
+    wide_rows: bool  # ckv a column window of wider rows
+    layout: str  # "dense", "dense-out" or a pool layout of tests/test_mla.py
+    pool_dtype: torch.dtype | None
+    scale: str  # "none", "float" or "tensor" (FP8 pools)
+    slot_kinds: tuple[str, ...]  # per token: "slot", "skip", "past" or "repeat"
+    seed: int
+
+
+@st.composite
+def specs(draw: st.DrawFn, *, debug: bool) -> Spec:
+    num_tokens = draw(st.integers(0, 7))
+    kv_lora_rank = draw(st.sampled_from((0, 8, 32, 96, 512)))
+    dtype = draw(st.sampled_from(STORAGE))
+    layout = draw(st.sampled_from(("dense", "dense-out", *LAYOUTS)))
+    pool = layout in LAYOUTS
+    pool_dtype = draw(st.sampled_from((dtype, *FP8))) if pool else None
+    fp8 = pool_dtype in FP8
+    kinds = ("slot", "slot", "skip", "past", *(("repeat",) if debug else ()))
+    return Spec(
+        num_tokens=num_tokens,
+        num_layers=draw(st.integers(1, 3)),
+        kv_lora_rank=kv_lora_rank,
+        rotary_dim=2 * draw(st.integers(1, 16)),
+        dtype=dtype,
+        rope_style=draw(st.sampled_from(STYLES)),
+        norm=kv_lora_rank > 0 and draw(st.booleans()),
+        eps_tensor=draw(st.booleans()),
+        num_positions=draw(st.integers(0, 50)),
+        bad_positions=tuple(t for t in range(num_tokens) if draw(st.integers(0, 9)) == 0),
+        wide_rows=draw(st.booleans()),
+        layout=layout,
+        pool_dtype=pool_dtype,
+        scale=draw(st.sampled_from(("none", "float", "tensor"))) if fp8 else "none",
+        slot_kinds=tuple(draw(st.sampled_from(kinds)) for _ in range(num_tokens)) if pool else (),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _inputs(spec: Spec) -> Inputs:
+    g = torch.Generator().manual_seed(spec.seed)
+    T, L, C, R, P = spec.num_tokens, spec.num_layers, spec.kv_lora_rank, spec.rotary_dim, spec.num_positions
+    rows = (torch.randn(T, L, C + R, generator=g) * 2).to(spec.dtype)
+    ckv = rows
+    if spec.wide_rows:
+        ckv = torch.zeros(T, L, C + R + 8, dtype=spec.dtype)[..., 3 : 3 + C + R]
+        ckv.copy_(rows)
+    angles = torch.rand(P, R // 2, generator=g) * 6.2
+    positions = torch.randint(0, max(P, 1), (T,), generator=g)
+    for t in spec.bad_positions:
+        positions[t] = -1 - t if t % 2 else P + t
+    if P == 0:
+        positions[:] = torch.arange(T)  # every position is outside an empty cache
+    weight = torch.rand(L, C, generator=g) + 0.5 if spec.norm else None
+    eps: float | Tensor = torch.rand(L, generator=g) * 1e-2 if spec.eps_tensor else 1e-6
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return Inputs(ckv, weight, eps, cache, positions, spec.rope_style)
+
+
+def _cache_loc(spec: Spec, num_slots: int, g: torch.Generator) -> Tensor:
+    free = torch.randperm(num_slots, generator=g).tolist()
+    used: list[int] = []
+    loc = []
+    for kind in spec.slot_kinds:
+        if kind == "repeat" and used:
+            loc.append(used[0])
+        elif kind in ("slot", "repeat") and free:
+            used.append(free.pop())
+            loc.append(used[-1])
+        elif kind == "past":
+            loc.append(num_slots + len(loc))
+        else:
+            loc.append(-1 - len(loc))
+    return torch.tensor(loc, dtype=torch.int64)
+
+
+def _fp8_close(got: Tensor, ref: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
+    """Each FP8 value within one step of ``saturate(ref / scale)`` (NaN where ref is NaN)."""
+    limit = torch.finfo(dtype).max
+    want = (ref / scale.double().view(-1, 1, 1)).clamp(-limit, limit)
+    step = 2.0 ** -(3 if dtype == torch.float8_e4m3fn else 2)
+    tiny = torch.finfo(dtype).smallest_normal * step
+    got64 = got.double()
+    assert got64.isnan().equal(want.isnan())
+    ok = ((got64 - want).abs() <= step * want.abs() + tiny) | want.isnan()
+    assert bool(ok.all()), f"{int((~ok).sum())} FP8 values more than a step off"
+
+
+def check(spec: Spec, debug: bool) -> None:
+    inputs = _inputs(spec)
+    T, L, C, R = spec.num_tokens, spec.num_layers, spec.kv_lora_rank, spec.rotary_dim
+    width = C + R
+    bad_position = bool(spec.bad_positions) or (spec.num_positions == 0 and T > 0)
+    if spec.layout.startswith("dense"):
+        out = torch.full((L, T + 2, width), 7.0).to(spec.dtype) if spec.layout == "dense-out" else None
+        given_out = None if out is None else out[:, :T]
+        if debug and bad_position:
+            with pytest.raises(typedkv.InputError, match=r"^positions: "):
+                inputs.dense(given_out)
+            assert out is None or bool((out == 7.0).all())
+            return
+        result = inputs.dense(given_out)
+        assert_close_to_oracle(result, inputs)
+        if not spec.norm:
+            assert result[..., :C].equal(inputs.ckv.transpose(0, 1)[..., :C])
+        if out is not None:
+            assert result is given_out and bool((out[:, T:] == 7.0).all())
+        return
+
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    layout = LAYOUTS[spec.layout]
+    num_slots = 9 if layout.page == 1 else _pages(9) * PAGE  # the pool's whole capacity
+    pool_dtype = spec.pool_dtype or spec.dtype
+    base = torch.zeros(layout.base(L, num_slots, width)).to(pool_dtype)
+    if pool_dtype.itemsize == 1:
+        base.view(torch.uint8).fill_(SENTINEL)
+    else:
+        base.fill_(3.0)
+    before = base.clone()
+    pool = layout.make(base, L, num_slots, width)
+    cache_loc = _cache_loc(spec, num_slots, g)
+    scale: float | Tensor | None = {"none": None, "float": 0.5, "tensor": torch.rand(L, generator=g) + 0.05}[spec.scale]
+    repeated = len({s for s in cache_loc.tolist() if s >= 0}) < int((cache_loc >= 0).sum())
+    past = bool((cache_loc >= num_slots).any())
+    if debug and (bad_position or repeated or past):
+        with pytest.raises(typedkv.InputError, match=r"^positions: " if bad_position else r"^cache_loc: "):
+            inputs.into_pool(cache_loc, pool, scale)
+        assert base.view(torch.uint8).equal(before.view(torch.uint8))
+        return
+    inputs.into_pool(cache_loc, pool, scale)
+    keep = (cache_loc >= 0) & (cache_loc < num_slots)
+    written = torch.zeros(layout.base(L, num_slots, width), dtype=torch.bool)
+    marks = layout.make(written, L, num_slots, width)
+    ref = materialize_mla_kv64(
+        inputs.ckv, inputs.kv_norm_weight, inputs.eps, inputs.cos_sin_cache, inputs.positions, spec.rope_style
+    )
+    for layer in range(L):
+        _pool_rows(marks, layer, num_slots)[cache_loc[keep]] = True
+        got = _pool_rows(pool, layer, num_slots)[cache_loc[keep]]
+        if pool_dtype in FP8:
+            layer_scale = scale[layer : layer + 1] if isinstance(scale, Tensor) else torch.tensor([scale or 1.0])
+            _fp8_close(got.float()[None], ref[layer : layer + 1, keep], layer_scale, pool_dtype)
+    if pool_dtype not in FP8:
+        dense = inputs.dense()
+        for layer in range(L):
+            got = _pool_rows(pool, layer, num_slots)[cache_loc[keep]]
+            assert got.view(torch.uint8).equal(dense[layer, keep].contiguous().view(torch.uint8))
+    # Nothing else of the allocation changed.
+    bits = _BITS[pool_dtype.itemsize]
+    assert base.view(bits)[~written].equal(before.view(bits)[~written])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@FUZZ
+@given(data=st.data())
+def test_fuzz(mode: str, data: st.DataObject) -> None:
+    debug = mode == "debug"
+    typedkv.set_debug(debug)
+    check(data.draw(specs(debug=debug)), debug)
