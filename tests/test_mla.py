@@ -73,9 +73,14 @@ class Inputs:
         )  # fmt: skip
 
     def cpu(self) -> Inputs:
-        eps = self.eps.cpu() if isinstance(self.eps, Tensor) else self.eps
-        weight = None if self.kv_norm_weight is None else self.kv_norm_weight.cpu()
-        return Inputs(self.ckv.cpu(), weight, eps, self.cos_sin_cache.cpu(), self.positions.cpu(), self.rope_style)
+        return self.to("cpu")
+
+    def to(self, device: str) -> Inputs:
+        eps = self.eps.to(device) if isinstance(self.eps, Tensor) else self.eps
+        weight = None if self.kv_norm_weight is None else self.kv_norm_weight.to(device)
+        return Inputs(
+            self.ckv.to(device), weight, eps, self.cos_sin_cache.to(device), self.positions.to(device), self.rope_style
+        )
 
     def rows_float32(self) -> Tensor:
         """The rows before the store's rounding: what an FP8 pool quantizes."""

@@ -148,13 +148,19 @@ def _fp8_close(got: Tensor, ref: Tensor, scale: Tensor, dtype: torch.dtype) -> N
     assert bool(ok.all()), f"{int((~ok).sum())} FP8 values more than a step off"
 
 
-def check(spec: Spec, debug: bool) -> None:
-    inputs = _inputs(spec)
+def check(spec: Spec, debug: bool, device: str = "cpu") -> None:
+    """Run ``spec``'s call on ``device``; compare on the CPU."""
+    host = _inputs(spec)
+    inputs = host.to(device)
+    if spec.wide_rows and device != "cpu":  # a copy to the device is contiguous: the window again, there
+        window = torch.zeros(*host.ckv.shape[:2], host.ckv.shape[2] + 8, dtype=spec.dtype, device=device)[..., 3:-5]
+        window.copy_(host.ckv)
+        inputs = Inputs(window, *list(inputs.__dict__.values())[1:])
     T, L, C, R = spec.num_tokens, spec.num_layers, spec.kv_lora_rank, spec.rotary_dim
     width = C + R
     bad_position = bool(spec.bad_positions) or (spec.num_positions == 0 and T > 0)
     if spec.layout.startswith("dense"):
-        out = torch.full((L, T + 2, width), 7.0).to(spec.dtype) if spec.layout == "dense-out" else None
+        out = torch.full((L, T + 2, width), 7.0, device=device).to(spec.dtype) if spec.layout == "dense-out" else None
         given_out = None if out is None else out[:, :T]
         if debug and bad_position:
             with pytest.raises(typedkv.InputError, match=r"^positions: "):
@@ -162,9 +168,9 @@ def check(spec: Spec, debug: bool) -> None:
             assert out is None or bool((out == 7.0).all())
             return
         result = inputs.dense(given_out)
-        assert_close_to_oracle(result, inputs)
+        assert_close_to_oracle(result, host)
         if not spec.norm:
-            assert result[..., :C].equal(inputs.ckv.transpose(0, 1)[..., :C])
+            assert result[..., :C].cpu().equal(host.ckv.transpose(0, 1)[..., :C])
         if out is not None:
             assert result is given_out and bool((out[:, T:] == 7.0).all())
         return
@@ -173,7 +179,7 @@ def check(spec: Spec, debug: bool) -> None:
     layout = LAYOUTS[spec.layout]
     num_slots = 9 if layout.page == 1 else _pages(9) * PAGE  # the pool's whole capacity
     pool_dtype = spec.pool_dtype or spec.dtype
-    base = torch.zeros(layout.base(L, num_slots, width)).to(pool_dtype)
+    base = torch.zeros(layout.base(L, num_slots, width), device=device).to(pool_dtype)
     if pool_dtype.itemsize == 1:
         base.view(torch.uint8).fill_(SENTINEL)
     else:
@@ -181,29 +187,36 @@ def check(spec: Spec, debug: bool) -> None:
     before = base.clone()
     pool = layout.make(base, L, num_slots, width)
     cache_loc = _cache_loc(spec, num_slots, g)
-    scale: float | Tensor | None = {"none": None, "float": 0.5, "tensor": torch.rand(L, generator=g) + 0.05}[spec.scale]
+    host_scale: float | Tensor | None = {"none": None, "float": 0.5, "tensor": torch.rand(L, generator=g) + 0.05}[
+        spec.scale
+    ]
+    scale = host_scale.to(device) if isinstance(host_scale, Tensor) else host_scale
     repeated = len({s for s in cache_loc.tolist() if s >= 0}) < int((cache_loc >= 0).sum())
     past = bool((cache_loc >= num_slots).any())
     if debug and (bad_position or repeated or past):
         with pytest.raises(typedkv.InputError, match=r"^positions: " if bad_position else r"^cache_loc: "):
-            inputs.into_pool(cache_loc, pool, scale)
+            inputs.into_pool(cache_loc.to(device), pool, scale)
         assert base.view(torch.uint8).equal(before.view(torch.uint8))
         return
-    inputs.into_pool(cache_loc, pool, scale)
+    inputs.into_pool(cache_loc.to(device), pool, scale)
+    base, before = base.cpu(), before.cpu()
+    pool = layout.make(base, L, num_slots, width)
     keep = (cache_loc >= 0) & (cache_loc < num_slots)
     written = torch.zeros(layout.base(L, num_slots, width), dtype=torch.bool)
     marks = layout.make(written, L, num_slots, width)
     ref = materialize_mla_kv64(
-        inputs.ckv, inputs.kv_norm_weight, inputs.eps, inputs.cos_sin_cache, inputs.positions, spec.rope_style
+        host.ckv, host.kv_norm_weight, host.eps, host.cos_sin_cache, host.positions, spec.rope_style
     )
     for layer in range(L):
         _pool_rows(marks, layer, num_slots)[cache_loc[keep]] = True
         got = _pool_rows(pool, layer, num_slots)[cache_loc[keep]]
         if pool_dtype in FP8:
-            layer_scale = scale[layer : layer + 1] if isinstance(scale, Tensor) else torch.tensor([scale or 1.0])
+            layer_scale = (
+                host_scale[layer : layer + 1] if isinstance(host_scale, Tensor) else torch.tensor([host_scale or 1.0])
+            )
             _fp8_close(got.float()[None], ref[layer : layer + 1, keep], layer_scale, pool_dtype)
     if pool_dtype not in FP8:
-        dense = inputs.dense()
+        dense = inputs.dense().cpu()
         for layer in range(L):
             got = _pool_rows(pool, layer, num_slots)[cache_loc[keep]]
             assert got.view(torch.uint8).equal(dense[layer, keep].contiguous().view(torch.uint8))
@@ -219,3 +232,13 @@ def test_fuzz(mode: str, data: st.DataObject) -> None:
     debug = mode == "debug"
     typedkv.set_debug(debug)
     check(data.draw(specs(debug=debug)), debug)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@settings(FUZZ, max_examples=int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES") or 200))
+@given(data=st.data())
+def test_fuzz_on_cuda(mode: str, data: st.DataObject) -> None:
+    debug = mode == "debug"
+    typedkv.set_debug(debug)
+    check(data.draw(specs(debug=debug)), debug, "cuda")
