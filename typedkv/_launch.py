@@ -1,7 +1,7 @@
-"""Launching the fused kernel: block sizes, grid, and one launch for all layers.
+"""Launching the fused kernels (K/V and MLA): block sizes, grid, and one launch for all layers.
 
 No math and no argument checking here: the public ops check, this module picks
-the launch configuration and calls the kernel.
+the launch configuration and calls the kernel (`KernelLaunch`, for either).
 
 Host time matters at decode sizes (a few tokens), where a launch through
 ``kernel[grid](...)`` costs more than the kernel runs. After Triton has compiled
