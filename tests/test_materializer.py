@@ -276,7 +276,7 @@ _CONSTRUCTOR_ERRORS = {
         "k_norm_weight: expected L=3 layers (kv_weight has 3), got 4",
     ),
     "eps_count": ({"eps": [1e-6, 1e-6]}, "eps: expected L=3 layers (kv_weight has 3), got 2"),
-    "eps_item": ({"eps": [1e-6, 1e-6, 0]}, "eps[2]: expected a float, got int"),
+    "eps_item": ({"eps": [1e-6, 1e-6, "0"]}, "eps[2]: expected a float or an int, got str"),
     "no_layers": ({"kv_weight": []}, "kv_weight: expected at least one layer, got none"),
     "bias_dtype": (
         {"kv_bias": torch.zeros(L, ROWS, dtype=torch.bfloat16)},

@@ -85,7 +85,7 @@ def check_dense(args: tuple[Any, ...]) -> Bound:
 def materialize_kv(
     kv: Tensor,
     k_norm_weight: Tensor | None,
-    eps: float | Tensor,
+    eps: float | Sequence[float] | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
     num_kv_heads: int,
@@ -103,6 +103,7 @@ def materialize_kv(
         _debug(sig, plan, args)
         _check_positions(positions, cos_sin_cache.shape[0])
     dims = plan.bound.dims
+    eps = layer_eps(eps, kv.device)
     if k_out is None:
         k_out = torch.empty((dims["L"], dims["T"], num_kv_heads, dims["D"]), dtype=kv.dtype, device=kv.device)
     if v_out is None:
@@ -111,9 +112,11 @@ def materialize_kv(
         return k_out, v_out
     neox = rope_style == "neox"
     if not plan.kernel:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-        k_out.copy_(k)
-        v_out.copy_(v)
+        # Inference only, as on the GPU: no autograd history on what is written.
+        with torch.no_grad():
+            k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+            k_out.copy_(k)
+            v_out.copy_(v)
         return k_out, v_out
     if plan.launch is None:
         # Dense outputs are pools of T rows, one token per row, no pages.
@@ -143,7 +146,7 @@ def check_pool(args: tuple[Any, ...]) -> Bound:
 def materialize_kv_into_pool(
     kv: Tensor,
     k_norm_weight: Tensor | None,
-    eps: float | Tensor,
+    eps: float | Sequence[float] | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
     cache_loc: Tensor,
@@ -153,7 +156,7 @@ def materialize_kv_into_pool(
     rope_style: str,
     k_scale: float | Tensor | None,
     v_scale: float | Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
     args = (
@@ -169,6 +172,7 @@ def materialize_kv_into_pool(
     if plan.empty:
         return
     dims = plan.bound.dims
+    eps = layer_eps(eps, kv.device)
     geometry = plan.geometry
     if geometry is None:
         geometry = plan.geometry = _Geometry.of(plan.bound)
@@ -176,11 +180,13 @@ def materialize_kv_into_pool(
         _check_slots(cache_loc, geometry.num_slots)
     neox = rope_style == "neox"
     if not plan.kernel:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-        k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-        page, hnd = geometry.page_size, kv_layout == "HND"
-        _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers, page, hnd)
-        _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers, page, hnd)
+        # Inference only, as on the GPU: no autograd history on what is written.
+        with torch.no_grad():
+            k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
+            k_layers, v_layers = _layers(k_pool), _layers(v_pool)
+            page, hnd = geometry.page_size, kv_layout == "HND"
+            _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers, page, hnd)
+            _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers, page, hnd)
         return
     k_dst: Tensor
     v_dst: Tensor
@@ -267,11 +273,6 @@ def _pool_layout(
                     f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
                     f"{tuple(layer.stride())}: per-layer pools must share one layout"
                 )
-    if dtype != kv.dtype and dtype not in _FP8:
-        raise InputError(
-            f"k_pool: expected dtype {fmt_dtype(kv.dtype)} (kv's), float8_e4m3fn or float8_e5m2, got {fmt_dtype(dtype)}: "
-            "allocate the pool with dtype=kv.dtype or an FP8 dtype"
-        )
     if dtype not in _FP8:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None:
@@ -355,6 +356,31 @@ def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tens
             _TABLES.move_to_end(key)
             if len(_TABLES) > _TABLES_MAX:
                 _TABLES.popitem(last=False)
+        return entry[0]
+
+
+# eps given as a sequence of per-layer numbers -> an [L] float32 tensor on the
+# device, made once per set of values and device and kept for good: a CUDA graph
+# captured with it reads it on every replay (as with _PINNED). One small tensor
+# per distinct set of a model's epsilons.
+_EPS: dict[tuple[tuple[float, ...], torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def layer_eps(eps: float | Sequence[float] | Tensor, device: torch.device) -> float | Tensor:
+    """``eps`` as the kernel and the reference take it: a float, or an ``[L]`` tensor on ``device``.
+
+    A sequence (checked already: numbers, one per layer) becomes a tensor even
+    when its values are equal, so that one layout always launches alike.
+    """
+    if isinstance(eps, (float, int, Tensor)):
+        return eps
+    key = (tuple(map(float, eps)), device)
+    with _LOCK:
+        entry = _EPS.get(key)
+        if entry is None:
+            host = torch.tensor(key[0], dtype=torch.float32, pin_memory=device.type == "cuda")
+            # The pinned source lives as long as the copy: a copy made during capture reads it on every replay.
+            entry = _EPS[key] = (host.to(device, non_blocking=True), host)
         return entry[0]
 
 

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import _impl
+from ._checking import check_numbers
 from ._types import RopeStyle
 
 # Before this version inductor's copy of a shared allocation can be wrong, not just slow.
@@ -46,6 +47,18 @@ _SHARED_COPY_FIXED = (2, 13)
 
 def _split(value: float | Tensor | None) -> tuple[float | None, Tensor | None]:
     return (None, value) if isinstance(value, Tensor) else (value, None)
+
+
+def _split_eps(eps: float | Sequence[float] | Tensor, kv: Tensor) -> tuple[float | None, Tensor | None]:
+    """eps as the schema's ``(value, tensor)`` pair; per-layer numbers as a float32 tensor on kv's device.
+
+    The tensor is a constant of the traced graph. The numbers are checked
+    first, with the eager message (the fake sees only the tensor).
+    """
+    if isinstance(eps, (float, int, Tensor)):
+        return _split(eps)
+    check_numbers("eps", eps)
+    return None, torch.tensor([float(x) for x in eps], dtype=torch.float32, device=getattr(kv, "device", None))
 
 
 def _join(value: float | None, tensor: Tensor | None) -> float | Tensor | None:
@@ -156,7 +169,7 @@ def materialize_kv_into_pool_stacked(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     """`typedkv.materialize_kv_into_pool` with stacked pools (``[L, S, H, D]``, or paged)."""
     _pool(
@@ -182,7 +195,7 @@ def materialize_kv_into_pool_list(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     """`typedkv.materialize_kv_into_pool` with one pool tensor per layer."""
     _pool(
@@ -207,7 +220,7 @@ def _pool(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     _impl.materialize_kv_into_pool(
         kv, k_norm_weight, _eps(eps_value, eps_tensor), cos_sin_cache, positions, cache_loc, k_pool, v_pool,
@@ -234,7 +247,7 @@ def _pool_fake(
     k_scale_tensor: Tensor | None,
     v_scale_value: float | None,
     v_scale_tensor: Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     eps = _join(_static(eps_value), eps_tensor)
     k_scale = _join(_static(k_scale_value), k_scale_tensor)
@@ -257,7 +270,7 @@ def _labelled(name: str, pool: Tensor | Sequence[Tensor]) -> list[tuple[str, Ten
 def materialize_kv(
     kv: Tensor,
     k_norm_weight: Tensor | None,
-    eps: float | Tensor,
+    eps: float | Sequence[float] | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
     *,
@@ -271,7 +284,7 @@ def materialize_kv(
         k_out = _empty_out(kv, k_norm_weight, num_kv_heads)
     if v_out is None:
         v_out = _empty_out(kv, k_norm_weight, num_kv_heads)
-    eps_value, eps_tensor = _split(eps)
+    eps_value, eps_tensor = _split_eps(eps, kv)
     materialize_kv_out(
         kv, k_norm_weight, eps_value, eps_tensor, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out
     )
@@ -281,7 +294,7 @@ def materialize_kv(
 def materialize_kv_into_pool(
     kv: Tensor,
     k_norm_weight: Tensor | None,
-    eps: float | Tensor,
+    eps: float | Sequence[float] | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
     cache_loc: Tensor,
@@ -292,10 +305,10 @@ def materialize_kv_into_pool(
     rope_style: RopeStyle,
     k_scale: float | Tensor | None,
     v_scale: float | Tensor | None,
-    kv_layout: str,
+    kv_layout: str | None,
 ) -> None:
     """`typedkv.materialize_kv_into_pool` while torch.compile traces: one op call."""
-    eps_value, eps_tensor = _split(eps)
+    eps_value, eps_tensor = _split_eps(eps, kv)
     k_scale_value, k_scale_tensor = _split(k_scale)
     v_scale_value, v_scale_tensor = _split(v_scale)
     if isinstance(k_pool, Tensor) != isinstance(v_pool, Tensor):

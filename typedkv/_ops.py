@@ -33,7 +33,7 @@ else:
 def materialize_kv(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     *,
@@ -57,8 +57,9 @@ def materialize_kv(
         The K RMSNorm weight of each layer. ``D`` (head dim) is read from here.
         ``None`` for a draft without a K norm: K is RoPE(k), and ``D`` is kv's
         width divided by ``2*H`` (a width that is not a multiple is rejected).
-    eps : float, or Tensor of shape ``[L]``
-        RMSNorm epsilon, one for all layers or one per layer. Checked but
+    eps : float, a sequence of L numbers, or Tensor of shape ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer (a sequence is
+        copied to the device once per set of values, then reused). Checked but
         unused when ``k_norm_weight`` is None.
     cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
         Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
@@ -99,6 +100,7 @@ _impl.declare(
     materialize_kv,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
+    sequence_len={"eps": "L"},
     same_dtype={"k_out": "kv", "v_out": "kv"},
     outputs=("k_out", "v_out"),
     rules=(_impl.ROTARY_RULE,),
@@ -114,7 +116,7 @@ _impl.declare(
 def materialize_kv_into_pool(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
@@ -135,7 +137,7 @@ def materialize_kv_into_pool(
     rope_style: RopeStyle = "neox",
     k_scale: float | ParamFloat[Tensor, " L"] | None = None,
     v_scale: float | ParamFloat[Tensor, " L"] | None = None,
-    kv_layout: KVLayout = "NHD",
+    kv_layout: KVLayout | None = None,
 ) -> None:
     """Materialize K and V of every layer straight into a paged KV pool.
 
@@ -172,10 +174,12 @@ def materialize_kv_into_pool(
         ``x * (1 / scale)`` in float32) saturated to the format's finite range.
         A missing scale means 1.0 (values are still saturated). A tensor scale
         is read in the kernel: no host sync.
-    kv_layout : {"NHD", "HND"}
+    kv_layout : {"NHD", "HND"}, optional
         Which 5-dim (4-dim per layer) shape a paged pool has: pages of
-        ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). A pool without
-        page dims is NHD.
+        ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). ``None`` (the
+        default) means NHD, unless the pool's head count equals its page size
+        (``H == B``): such a pool reads both ways, and ``None`` is an
+        `InputError` asking for the layout. A pool without page dims is NHD.
 
     Raises
     ------
@@ -197,9 +201,11 @@ _impl.declare(
     materialize_kv_into_pool,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
-    sequence_len={"k_pool": "L", "v_pool": "L"},
+    sequence_len={"k_pool": "L", "v_pool": "L", "eps": "L"},
+    storage_of={"k_pool": "kv", "v_pool": "kv"},
     outputs=("k_pool", "v_pool"),
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_pool", "v_pool"),
     layout_of="kv_layout",
+    default_layout="NHD",
 )
