@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
     ("_demo", "_bench"),
     ("_materializer",),
-    ("_ops",),  # the public face
+    ("_ops", "_rope_tables"),  # the public face
     ("_library",),  # the torch ops
     ("_impl",),  # the checked implementation
     ("_checking",),

@@ -314,7 +314,8 @@ def test_call_errors() -> None:
         ),
         (
             lambda: m(hidden.double(), positions),
-            "hidden: expected dtype float32 on cpu (kv_weight's dtype and device), got dtype float64 on cpu",
+            "hidden: expected dtype float32 on cpu (kv_weight's dtype and device), got dtype float64 on cpu: "
+            "convert it where it is made, hidden.to(kv_weight.dtype)",
         ),
         (lambda: m(hidden, positions[:3]), "positions: expected shape (T=5), got (3,): T=5 comes from hidden"),
         (

@@ -107,7 +107,9 @@ class Signature:
     outputs
         Arguments the function writes; their fixes show how to allocate them.
     rules
-        ``(expression over dims, argument to blame, what the rule says)``.
+        ``(expression over dims, argument to blame, what the rule says)``,
+        optionally followed by ``(condition over dims, fix)`` pairs: the fix of
+        the first condition that holds ends the message.
     sequence_len
         ``{param: dim}``: a sequence argument holds that many tensors.
     inner_contiguous
@@ -133,7 +135,7 @@ class Signature:
         same_dtype: Mapping[str, str] = {},
         storage_of: Mapping[str, str] = {},
         outputs: Sequence[str] = (),
-        rules: Sequence[tuple[str, str, str]] = (),
+        rules: Sequence[tuple[Any, ...]] = (),
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
         layout_of: str | None = None,
@@ -165,7 +167,7 @@ class Signature:
         self._same_dtype = {by_name[p].name: (by_name[o].index, o) for p, o in same_dtype.items()}
         self._storage_of = {by_name[p].name: (by_name[o].index, o) for p, o in storage_of.items()}
         self._outputs = frozenset(outputs)
-        self._rules = [(compile(expr, expr, "eval"), expr, blame, what) for expr, blame, what in rules]
+        self._rules = [(compile(expr, expr, "eval"), expr, blame, what, fixes) for expr, blame, what, *fixes in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
@@ -242,10 +244,11 @@ class Signature:
             # solved from them here: the inputs' dims are all known before an
             # output is checked against them.
             deferred = self._resolve(deferred, bound)
-        for code, expr, blame, what in self._rules:
+        for code, expr, blame, what, fixes in self._rules:
             if not eval(code, {}, dims):
                 shown = ", ".join(f"{n}={dims[n]}" for n in sorted(set(NAME.findall(expr))) if n in dims)
-                raise InputError(f"{blame}: {what}, got {shown}")
+                fix = next((f": {text}" for condition, text in fixes if eval(condition, {}, dims)), "")
+                raise InputError(f"{blame}: {what}, got {shown}{fix}")
         return bound
 
     def _resolve(

@@ -25,7 +25,16 @@ from ._config import debug_enabled
 from ._errors import InputError
 from ._messages import fmt_dtype
 
-ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
+ROTARY_RULE = (
+    "R % 2 == 0 and 2 <= R <= D",
+    "cos_sin_cache",
+    "the rotary dim R must be even and 2 <= R <= D",
+    # Hugging Face keeps cos and sin as two [P, D] tables with duplicated halves: side by side they are 2*D wide.
+    (
+        "R == 2 * D",
+        "Hugging Face cos and sin tables side by side? build the cache with typedkv.cos_sin_cache_from_hf(cos, sin)",
+    ),
+)
 """``Signature`` rule shared by every function that takes a cos/sin cache."""
 
 DENSE = "materialize_kv"

@@ -225,6 +225,13 @@ class Messages:
         )
         if name in self._outputs:
             msg += f": allocate it as {self.alloc(spec, bound)}, or pass {name}=None"
+        else:
+            # An input is converted once, where it is made: a copy per call would cost a kernel.
+            target = ", ".join(
+                ([f"{other}.device"] if value.device != bound.device else [])
+                + ([f"{other}.dtype"] if value.dtype != want else [])
+            )
+            msg += f": convert it where it is made, {label}.to({target})"
         return msg
 
 
