@@ -195,7 +195,7 @@ def eager_call(case: Case, x: Inputs, compiled: bool = False) -> Callable[[], No
 
 
 def staging_call(case: Case, x: Inputs) -> Callable[[], None]:
-    """materialize_kv into a staging buffer, then one indexed copy per layer (the seed engine's path)."""
+    """materialize_kv into a staging buffer, then one indexed copy per layer (the path of sglang's fused_kv_materialize helper)."""
 
     def run() -> None:
         k, v = materialize_kv(
@@ -275,7 +275,7 @@ def host_time_us(fn: Callable[[], None], calls: int = 3000) -> float:
     return elapsed / calls * 1e6
 
 
-def seed_style_wrapper(
+def sglang_style_wrapper(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,
     eps: torch.Tensor,
@@ -285,7 +285,7 @@ def seed_style_wrapper(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
 ) -> None:
-    """A wrapper in the style typedkv replaces: hand-written if-checks, then ``kernel[grid](...)``."""
+    """A wrapper written like sglang's fused_kv_materialize one: hand-written if-checks, then ``kernel[grid](...)``."""
     if kv.dim() != 3:
         raise ValueError(f"kv must be 3-D, got {tuple(kv.shape)}")
     total_ctx, n_layers, width = kv.shape
@@ -362,15 +362,15 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
 
 
 def host_overhead(device: torch.device) -> dict[str, float]:
-    """Host microseconds per call at T = 16 (decode): typedkv vs a seed-style wrapper and a bare launch."""
+    """Host microseconds per call at T = 16 (decode): typedkv vs an sglang-style wrapper and a bare launch."""
     x = make_inputs(MAIN, 16, device)
     H = MAIN.num_kv_heads
 
     def production() -> None:
         materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out)
 
-    def seed() -> None:
-        seed_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
+    def sglang_style() -> None:
+        sglang_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
 
     grid, params, num_warps = _launch.launch_params(
         x.kv, x.weight, x.eps, x.cos_sin, x.positions, None,
@@ -384,7 +384,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     def bare() -> None:
         kernel[grid](*params, num_warps=num_warps)
 
-    out = {"bare_launch_us": host_time_us(bare), "seed_style_wrapper_us": host_time_us(seed)}
+    out = {"bare_launch_us": host_time_us(bare), "sglang_style_wrapper_us": host_time_us(sglang_style)}
     out["typedkv_production_us"] = host_time_us(production)
     set_debug(True)
     try:
@@ -392,7 +392,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     finally:
         set_debug(False)
     out = {k: round(v, 2) for k, v in out.items()}
-    out["production_vs_seed"] = round(out["typedkv_production_us"] / out["seed_style_wrapper_us"], 3)
+    out["production_vs_sglang_style"] = round(out["typedkv_production_us"] / out["sglang_style_wrapper_us"], 3)
     out["debug_vs_bare"] = round(out["typedkv_debug_us"] / out["bare_launch_us"], 3)
     return out
 

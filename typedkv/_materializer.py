@@ -92,7 +92,7 @@ class KVMaterializer(nn.Module):
         Each layer's K RMSNorm weight, any float dtype. ``D`` (head dim) is read
         from here; ``None`` for a draft without a K norm (K is RoPE(k), ``D`` is
         kv_weight's rows divided by ``2*H``).
-    eps : float, Tensor ``[L]``, or a sequence of L floats
+    eps : float, a sequence of L numbers, or Tensor ``[L]``
         RMSNorm epsilon, one for all layers or one per layer; unused without a norm weight.
     cos_sin_cache : Tensor ``[P, R]``
         As in :func:`typedkv.materialize_kv`. Every tensor argument must be on its device.

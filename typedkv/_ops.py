@@ -174,7 +174,7 @@ def materialize_kv_into_pool(
         ``x * (1 / scale)`` in float32) saturated to the format's finite range.
         A missing scale means 1.0 (values are still saturated). A tensor scale
         is read in the kernel: no host sync.
-    kv_layout : {"NHD", "HND"}, optional
+    kv_layout : "NHD", "HND" or None, default None
         Which 5-dim (4-dim per layer) shape a paged pool has: pages of
         ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). ``None`` (the
         default) means NHD, unless the pool's head count equals its page size
