@@ -18,9 +18,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
     ("_demo", "_bench"),
     ("_materializer",),
-    ("_ops", "_rope_tables"),  # the public face
-    ("_library",),  # the torch ops
+    ("_api", "_rope_tables"),  # the public face
+    ("_torch_ops",),  # the torch ops
     ("_impl",),  # the checked implementation
+    ("_device_tables", "_value_checks"),
     ("_checking",),
     ("_annotations", "_messages"),
     ("_reference", "_launch"),
@@ -73,7 +74,7 @@ def test_imports_point_down_the_layers() -> None:
 
 
 def test_the_checker_sees_imports() -> None:
-    """The reader itself: _ops imports _library and _impl; _impl imports _launch."""
+    """The reader itself: _api imports _torch_ops and _impl; _impl imports _launch."""
     graph = _graph()
-    assert {"_library", "_impl"} <= graph["_ops"]
-    assert "_launch" in graph["_impl"] and "_ops" not in graph["_library"]
+    assert {"_torch_ops", "_impl"} <= graph["_api"]
+    assert "_launch" in graph["_impl"] and "_api" not in graph["_torch_ops"]

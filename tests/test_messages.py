@@ -306,7 +306,8 @@ DENSE = [
     ),
     _case(
         lambda: {"cos_sin_cache": torch.rand(P, 2 * D)},
-        "cos_sin_cache: the rotary dim R must be even and 2 <= R <= D, got D=16, R=32",
+        "cos_sin_cache: the rotary dim R must be even and 2 <= R <= D, got D=16, R=32: Hugging Face cos and sin "
+        "tables side by side? build the cache with typedkv.cos_sin_cache_from_hf(cos, sin)",
         "rotary-dim-above-D",
     ),
     _case(

@@ -3,12 +3,12 @@
 The public surface is exactly what this module re-exports.
 """
 
+from ._api import materialize_kv as materialize_kv
+from ._api import materialize_kv_into_pool as materialize_kv_into_pool
 from ._config import debug_enabled as debug_enabled
 from ._config import set_debug as set_debug
 from ._errors import InputError as InputError
 from ._materializer import KVMaterializer as KVMaterializer
-from ._ops import materialize_kv as materialize_kv
-from ._ops import materialize_kv_into_pool as materialize_kv_into_pool
 from ._rope_tables import cos_sin_cache as cos_sin_cache
 from ._rope_tables import cos_sin_cache_from_hf as cos_sin_cache_from_hf
 from ._types import Index as Index

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from . import _launch, _reference
+from ._api import materialize_kv, materialize_kv_into_pool
 from ._config import set_debug
-from ._ops import materialize_kv, materialize_kv_into_pool
 
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
 

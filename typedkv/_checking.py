@@ -153,7 +153,7 @@ class Signature:
         for p in params:
             p.sequence_len = sequence_len.get(p.name)
         by_name = {p.name: p for p in params}
-        self._by_name = by_name
+        self.params = params  # every parameter, read from its annotation (the torch ops' schemas come from these)
         self._scalars = [p for p in params if not p.arrays and not p.sequences]
         tensors = [p for p in params if p.arrays or p.sequences]
         self._inputs = [p for p in tensors if p.name not in outputs]
@@ -166,7 +166,7 @@ class Signature:
         self._device_of = device_of
         self._same_dtype = {by_name[p].name: (by_name[o].index, o) for p, o in same_dtype.items()}
         self._storage_of = {by_name[p].name: (by_name[o].index, o) for p, o in storage_of.items()}
-        self._outputs = frozenset(outputs)
+        self.outputs = self._outputs = frozenset(outputs)
         self._rules = [(compile(expr, expr, "eval"), expr, blame, what, fixes) for expr, blame, what, *fixes in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
         self._layout_of = layout_of

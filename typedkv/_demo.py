@@ -8,9 +8,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ._api import materialize_kv
 from ._errors import InputError
 from ._launch import INTERPRETED
-from ._ops import materialize_kv
 from ._rope_tables import cos_sin_cache as cos_sin_cache_table
 
 

@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._api import materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature, check_numbers
 from ._errors import InputError
 from ._impl import ROTARY_RULE
 from ._messages import fmt_dtype
-from ._ops import materialize_kv, materialize_kv_into_pool
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
-    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
     from jaxtyping import Float as ParamFloat
     from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat

@@ -1,10 +1,12 @@
-"""The public ops: shapes declared once in the annotations; calls handed on.
+"""The public ops: shapes declared once in the annotations; calls handed on by name.
 
-This module is the public face. Eager calls go to the checked implementation
-(`_impl`: check, then launch the kernel or run the reference); calls traced by
-torch.compile go to the torch ops (`_library`). Each function's `Signature` --
-the annotations read once, with the relations they cannot spell -- is declared
-right after it.
+This module is the public face. A function's body hands its arguments on as
+they are, by name (``locals()``, the parameters and nothing else): eager calls
+to the checked implementation (`typedkv._impl`, as its typed call bundle: check,
+then launch the kernel or run the reference), calls traced by torch.compile to
+the function's torch ops (`typedkv._torch_ops`, whose schemas come from the same
+annotations). Each function's `Signature` -- the annotations read once, with the
+relations they cannot spell -- is declared right after it, then its torch ops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import torch
 from torch import Tensor
 
-from . import _impl, _library
+from . import _impl, _torch_ops
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -87,16 +89,11 @@ def materialize_kv(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _library.materialize_kv(
-            kv, k_norm_weight, eps, cos_sin_cache, positions,
-            num_kv_heads=num_kv_heads, rope_style=rope_style, k_out=k_out, v_out=v_out,
-        )  # fmt: skip
-    return _impl.materialize_kv(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out
-    )
+        return _DENSE_OPS(locals())  # type: ignore[no-any-return]
+    return _impl.materialize_kv(_impl.DenseCall(**locals()))
 
 
-_impl.declare(
+_impl.DENSE.declare(
     materialize_kv,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
@@ -105,6 +102,9 @@ _impl.declare(
     outputs=("k_out", "v_out"),
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_out", "v_out"),
+)
+_DENSE_OPS = _torch_ops.TorchOps(
+    _impl.DENSE, ("materialize_kv_out",), allocate=_torch_ops.allocate_outputs, returns=("k_out", "v_out")
 )
 
 
@@ -187,17 +187,11 @@ def materialize_kv_into_pool(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _library.materialize_kv_into_pool(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-            num_kv_heads=num_kv_heads, rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-        )  # fmt: skip
-    _impl.materialize_kv_into_pool(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
-    )  # fmt: skip
+        return _POOL_OPS(locals())  # type: ignore[no-any-return]
+    return _impl.materialize_kv_into_pool(_impl.PoolCall(**locals()))
 
 
-_impl.declare(
+_impl.POOL.declare(
     materialize_kv_into_pool,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
@@ -208,4 +202,9 @@ _impl.declare(
     inner_contiguous=("kv", "k_pool", "v_pool"),
     layout_of="kv_layout",
     default_layout="NHD",
+)
+_POOL_OPS = _torch_ops.TorchOps(
+    _impl.POOL,
+    ("materialize_kv_into_pool_stacked", "materialize_kv_into_pool_list"),
+    check_kinds=_impl.check_pool_kinds,
 )
