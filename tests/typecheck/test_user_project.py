@@ -3,14 +3,14 @@
 A project directory and a virtual environment side by side in a temporary directory, both outside
 the checkout (a configuration of the checkout's must not be what makes it work). The project holds
 the page's pyproject.toml (its ``toml`` block), the torch stubs in ``.pyrefly/site`` and
-``user_project/draft_model.py``: the page's example, then misuse marked ``# E: code``. typedkv
-goes into the environment the two ways a user installs it: built from the checkout (``pip
-install``), then editable (``pip install -e``). Each way:
+``user_project/drafts.py``: the page's example, then misuse marked ``# E: code``. typedkv goes
+into the environment the two ways a user installs it: built from the checkout (``pip install``),
+then editable (``pip install -e``). Each way:
 
 - pyrefly flags exactly the marked lines, with shape messages (`marks.pyrefly_report`), run the two
   ways the page gives: ``pyrefly check`` with no file names, and ``pyrefly check -c pyproject.toml
-  draft_model.py``;
-- ``mypy --strict draft_model.py`` finds typedkv and reports nothing (shapes are invisible to it).
+  drafts.py``;
+- ``mypy --strict drafts.py`` finds typedkv and reports nothing (shapes are invisible to it).
 
 The environment reuses this one's packages (torch, jaxtyping, pyrefly-shape-extensions) through a
 path file, so nothing is downloaded; typedkv itself is a real install of the checkout into it.
@@ -30,7 +30,7 @@ import pytest
 from marks import differences, pyrefly_report
 
 ROOT = Path(__file__).resolve().parents[2]
-DRAFT = Path(__file__).resolve().parent / "user_project" / "draft_model.py"
+DRAFT = Path(__file__).resolve().parent / "user_project" / "drafts.py"
 PAGE = ROOT / "docs" / "static-checking.md"
 STUBS = ROOT / ".pyrefly" / "site"
 PYREFLY = Path(sys.executable).parent / "pyrefly"
