@@ -21,6 +21,7 @@ import importlib.util
 import os
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, NamedTuple
@@ -311,7 +312,18 @@ def test_sglang_refuses_gptj(sglang: ModuleType) -> None:
     FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
 
 
+@pytest.fixture
+def exact_gemm() -> Iterator[None]:
+    """cuBLAS may add bf16/fp16 partial sums in their own precision (split-K): off, so the exact GEMM stays exact."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    yield
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
 @pytest.mark.gpu
+@pytest.mark.usefixtures("exact_gemm")
 @pytest.mark.parametrize("rotary_dim", [128, 64])
 @pytest.mark.parametrize("T", [1, 16, 257])
 def test_gpu_materialize_matches_sglang(sglang: ModuleType, rotary_dim: int, T: int) -> None:
@@ -319,9 +331,46 @@ def test_gpu_materialize_matches_sglang(sglang: ModuleType, rotary_dim: int, T: 
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("exact_gemm")
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_gpu_into_pool_matches_sglang_set_kv_buffer(sglang: ModuleType, pool_dtype: torch.dtype) -> None:
     check_into_pool(sglang, 64, torch.bfloat16, pool_dtype, GPU_SHAPE, 300)
+
+
+@pytest.mark.gpu
+@pytest.mark.production
+def test_gpu_into_pool_replays_in_a_cuda_graph_without_a_sync() -> None:
+    """The fast path in sglang's setting: no host sync, captured once, replayed into the pool (FP8, tensor scales)."""
+    dtype, T = torch.bfloat16, 64
+    rotary = Rotary(64, 4096)
+    layers = make_layers(GPU_SHAPE, dtype=dtype, rotary=rotary)
+    for i, layer in enumerate(layers):
+        layer.self_attn.attn.k_scale = torch.tensor(0.5 + i, device=DEVICE)
+        layer.self_attn.attn.v_scale = torch.tensor(2.0, device=DEVICE)
+    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE, max_position_hint=4096)
+    ctx_hidden, positions = _inputs(T, GPU_SHAPE.hidden, dtype)
+    cache_loc = torch.arange(T, device=DEVICE) * 3
+    eager, graphed = make_pool(3 * T, torch.float8_e4m3fn), make_pool(3 * T, torch.float8_e4m3fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        helper.materialize_into_pool(ctx_hidden, positions, cache_loc, graphed)  # warm-up: checks, compiles
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        helper.materialize_into_pool(ctx_hidden, positions, cache_loc, eager)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for buffer in (*graphed.k_buffer, *graphed.v_buffer):
+        buffer.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        helper.materialize_into_pool(ctx_hidden, positions, cache_loc, graphed)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip((*graphed.k_buffer, *graphed.v_buffer), (*eager.k_buffer, *eager.v_buffer), strict=True):
+        assert torch.equal(got, want)
+    assert eager.k_buffer[0][cache_loc].any()
 
 
 # --------------------------------------------------------------------------- against the float64 oracle
