@@ -18,6 +18,7 @@ rounding typedkv adds (see `k_tolerance`). The cases sglang's worker refuses
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import zipfile
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from reference64 import materialize_kv64
+from test_docs import check_callable, check_docstring, code_blocks, titled_blocks
 from torch import Tensor
 
 import typedkv
@@ -665,3 +667,53 @@ def test_token_counts_must_agree() -> None:
 
 def test_importing_the_adapter_needs_no_sglang() -> None:
     assert "sglang" not in sys.modules
+
+
+# --------------------------------------------------------------------------- the docs page
+
+
+def test_the_swap_in_the_docs_imports_the_helper() -> None:
+    (swap,) = [b for b in code_blocks("sglang.md") if b.startswith("from typedkv")]
+    namespace: dict[str, Any] = {}
+    exec(compile(swap, str(ROOT / "docs" / "sglang.md"), "exec"), namespace)
+    assert namespace["FusedKVMaterializeHelper"] is FusedKVMaterializeHelper
+
+
+def test_the_fast_path_in_the_docs() -> None:
+    """docs/sglang.md's worker method: the plain append goes straight into the pool, writing what
+    materialize() + set_kv_buffer write; the prefix-valid append hands each layer to set_kv_buffer_prefix_valid."""
+    block = titled_blocks("sglang.md")["dflash_worker_v2.py: _append_target_hidden_fused"]
+    namespace: dict[str, Any] = {}
+    exec(compile(block, str(ROOT / "docs" / "sglang.md"), "exec"), namespace)
+    append = namespace["_append_target_hidden_fused"]
+    dtype = torch.float16
+    rotary = Rotary(64, 256)
+    layers = make_layers(SMALL_SHAPE, dtype=dtype, rotary=rotary)
+    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE, max_position_hint=256)
+    ctx_hidden, positions = _inputs(5, SMALL_SHAPE.hidden, dtype)
+    positions %= 256
+    cache_loc = torch.tensor([7, 2, 9, 0, 4], device=DEVICE)
+    pool, want = make_pool(12, dtype), make_pool(12, dtype)
+    prefix_calls: list[tuple[int, tuple[int, ...]]] = []
+    pool.set_kv_buffer_prefix_valid = lambda attn, loc_2d, lens, k, v, ks, vs: prefix_calls.append(
+        (attn.layer_id, tuple(k.shape))
+    )
+    worker = SimpleNamespace(
+        draft_model_runner=SimpleNamespace(token_to_kv_pool=pool),
+        draft_model=SimpleNamespace(layers=layers),
+        _fused_kv_helper=helper,
+    )
+    append(worker, ctx_hidden, positions, cache_loc)
+    helper.materialize(ctx_hidden, positions, lambda i, k, v: set_kv_buffer(want, layers[i], cache_loc, k, v))
+    for got_buffer, want_buffer in zip((*pool.k_buffer, *pool.v_buffer), (*want.k_buffer, *want.v_buffer), strict=True):
+        assert torch.equal(got_buffer, want_buffer)
+    append(worker, ctx_hidden, positions, cache_loc, cache_loc.reshape(1, 5), torch.tensor([5], device=DEVICE))
+    assert prefix_calls == [(i, (5, NUM_KV_HEADS, HEAD_DIM)) for i in range(NUM_LAYERS)]
+
+
+def test_the_helper_has_numpy_docstrings() -> None:
+    cls = FusedKVMaterializeHelper
+    problems = check_docstring(f"{cls.__name__}.__init__", inspect.getdoc(cls) or "", inspect.signature(cls.__init__))
+    for method in ("materialize", "materialize_into_pool"):
+        problems += check_callable(f"{cls.__name__}.{method}", getattr(cls, method))
+    assert not problems, "\n".join(problems)

@@ -147,13 +147,14 @@ class FusedKVMaterializeHelper:
 
         Parameters
         ----------
-        ctx_hidden : Tensor, shape ``[T, hidden]``
+        ctx_hidden : Tensor, shape ``[T, hidden]``, float dtype
             Moved to the helper's device and cast to the weights' dtype if needed.
-        positions : Tensor, ``T`` elements, any integer dtype
+        positions : Tensor, shape ``[T]`` (or any shape of ``T`` elements), any integer dtype
             Each token's position; reshaped to ``[T]`` and cast to int64 on the
             device if needed.
         write_layer_kv : callable ``(int, Tensor [T, H, D], Tensor [T, H, D]) -> None``
-            Called once per layer.
+            Called once per layer with its index, K and V, in the weights' dtype
+            (float16, bfloat16 or float32).
 
         Raises
         ------
@@ -191,7 +192,7 @@ class FusedKVMaterializeHelper:
         ----------
         ctx_hidden, positions
             As in `materialize`.
-        cache_loc : Tensor, ``T`` elements, int32 | int64
+        cache_loc : Tensor, shape ``[T]`` (or any shape of ``T`` elements), int32 | int64
             Each token's pool slot (sglang's ``out_cache_loc``); a negative slot
             skips the token.
         token_to_kv_pool : sglang ``MHATokenToKVPool``
