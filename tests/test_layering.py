@@ -20,7 +20,7 @@ ADAPTERS = "integrations"
 # Each core module may import only modules of later layers (or of its own layer, with no circle).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
-    ("_demo", "_bench"),
+    ("_demo", "_bench", "_bench_e2e"),
     ("_materializer",),
     ("_ops",),  # the public face
     ("_library",),  # the torch ops

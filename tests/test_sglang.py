@@ -21,8 +21,9 @@ import importlib.util
 import inspect
 import os
 import sys
+import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ from test_docs import check_callable, check_docstring, code_blocks, titled_block
 from torch import Tensor
 
 import typedkv
+from typedkv._bench_e2e import Draft, e2e_table, load_sglang, run_e2e
 from typedkv.integrations.sglang import FusedKVMaterializeHelper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -717,3 +719,35 @@ def test_the_helper_has_numpy_docstrings() -> None:
     for method in ("materialize", "materialize_into_pool"):
         problems += check_callable(f"{cls.__name__}.{method}", getattr(cls, method))
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- the bench's end-to-end section
+
+
+def _once_us(calls: Sequence[Callable[[], None]]) -> float:
+    """A stand-in for the bench's CUDA-graph timer on CPU: each call once, wall clock."""
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - start) * 1e6 / len(calls)
+
+
+TINY = Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32, max_position=64)
+
+
+def test_e2e_bench_without_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TYPEDKV_SGLANG_WHEEL", raising=False)
+    module, reason = load_sglang((tmp_path,))
+    assert module is None and reason.startswith("no sglang 0.5.23 wheel")
+    result = run_e2e(_once_us, DEVICE, (1, 5), TINY)
+    assert [row["tokens"] for row in result["rows"]] == [1, 5]
+    assert all(set(row["us"]) == {"mm", "typedkv", "typedkv_pool"} for row in result["rows"])
+    assert "typedkv_pool / mm" in e2e_table(result)
+
+
+def test_e2e_bench_with_sglang(sglang: ModuleType) -> None:
+    result = run_e2e(_once_us, DEVICE, (3,), TINY, sglang=sglang)
+    (row,) = result["rows"]
+    assert set(row["us"]) == {"mm", "typedkv", "typedkv_pool", "sglang", "sglang_pool"}
+    assert set(row["ratio"]) == {"typedkv_pool / mm", "sglang / typedkv", "sglang_pool / typedkv_pool"}
+    assert all(us > 0 for us in row["us"].values())
