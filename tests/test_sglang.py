@@ -300,8 +300,10 @@ def test_into_pool_matches_sglang_set_kv_buffer(
 def test_empty_call_is_a_no_op(sglang: ModuleType) -> None:
     _, theirs, ours = _helpers(sglang, 128, torch.bfloat16, CPU_SHAPE)
     ctx_hidden, positions = _inputs(0, CPU_SHAPE.hidden, torch.bfloat16)
+    unread = torch.zeros(3, dtype=torch.int64, device=DEVICE)  # with T == 0 positions are not even looked at
     for helper in (theirs, ours):
-        helper.materialize(ctx_hidden, positions, lambda i, k, v: pytest.fail("write_layer_kv called for T == 0"))
+        for pos in (positions, unread):
+            helper.materialize(ctx_hidden, pos, lambda i, k, v: pytest.fail("write_layer_kv called for T == 0"))
     pool = make_pool(8, torch.bfloat16)
     ours.materialize_into_pool(ctx_hidden, positions, torch.empty(0, dtype=torch.int64, device=DEVICE), pool)
     assert not any(b.any() for b in (*pool.k_buffer, *pool.v_buffer))
@@ -636,6 +638,11 @@ POOL_REFUSALS = {
         _pool(dtype=torch.bfloat16),
         "token_to_kv_pool.dtype: expected torch.float16 (the weights' dtype), torch.float8_e4m3fn or "
         "torch.float8_e5m2, got torch.bfloat16",
+    ),
+    "other V head dim": (
+        _pool(v_head_dim=64),
+        "token_to_kv_pool.v_head_dim: expected 128 (the draft layers'), got 64: "
+        "the pool must hold the draft layers' K and V heads",
     ),
     "layer outside the pool": (
         _pool(start_layer=1),

@@ -10,7 +10,7 @@ straight into sglang's token pool in one launch.
 sglang is not imported: its objects are read by the attributes sglang 0.5.23
 gives them (a layer's ``self_attn.qkv_proj.weight``, ``self_attn.k_norm``, the
 rotary module's ``cos_sin_cache``; a pool's ``k_buffer`` / ``v_buffer`` lists).
-What typedkv cannot serve is an `typedkv.InputError` naming the attribute, raised
+What typedkv cannot serve is a `typedkv.InputError` naming the attribute, raised
 where sglang's worker already catches errors and falls back to its per-layer path.
 """
 
@@ -161,9 +161,9 @@ class FusedKVMaterializeHelper:
         typedkv.InputError
             For a positions count other than ``T``, or any shape misuse.
         """
-        ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
         if ctx_hidden.shape[0] == 0:
-            return
+            return  # before any argument handling, as sglang's helper
+        ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
         if self.max_position_hint is None:
             # As sglang's helper: the table must cover this call's largest position (one device sync).
             self._ensure_rope_cache(int(positions.max().item()))
@@ -370,6 +370,13 @@ class FusedKVMaterializeHelper:
                 f"token_to_kv_pool.kv_cache_layout: expected 'nhd' or 'hnd', got {layout_name!r}: "
                 "use materialize() with the pool's set_kv_buffer"
             )
+        for attr, want in (("head_num", self.num_kv_heads), ("head_dim", self.head_dim), ("v_head_dim", self.head_dim)):
+            value = getattr(pool, attr, want)
+            if value != want:
+                raise typedkv.InputError(
+                    f"token_to_kv_pool.{attr}: expected {want} (the draft layers'), got {value}: "
+                    "the pool must hold the draft layers' K and V heads"
+                )
         dtype, store_dtype = pool.dtype, pool.store_dtype
         fp8 = dtype in _FP8
         if dtype != self._kv_weight.dtype and not fp8:
