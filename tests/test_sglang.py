@@ -562,9 +562,14 @@ REFUSALS = {
         "layers[2].self_attn.qkv_proj.bias: expected shape (3072,) and dtype torch.float16 (one per weight row), "
         "got shape (2048,), dtype torch.float16",
     ),
-    "bias on one layer only": (
+    "bias on layer 0 only": (
         _set("self_attn.qkv_proj.bias", torch.zeros(3072, dtype=torch.float16), layer=0),
-        "layers[1].self_attn.qkv_proj.bias: expected a bias (layer 0 has one), got None: "
+        "layers[1].self_attn.qkv_proj.bias: expected a bias (as layer 0), got None: "
+        "every draft layer has a bias or none does",
+    ),
+    "bias on a later layer only": (
+        _set("self_attn.qkv_proj.bias", torch.zeros(3072, dtype=torch.float16), layer=3),
+        "layers[3].self_attn.qkv_proj.bias: expected None (as layer 0), got a bias: "
         "every draft layer has a bias or none does",
     ),
     "other kv heads": (

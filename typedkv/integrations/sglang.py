@@ -114,12 +114,13 @@ class FusedKVMaterializeHelper:
             biases.append(bias)
             norms.append(norm)
             eps.append(layer_eps)
-        if any(b is not None for b in biases) and any(b is None for b in biases):
-            i = next(i for i, b in enumerate(biases) if b is None)
-            raise typedkv.InputError(
-                f"layers[{i}].self_attn.qkv_proj.bias: expected a bias (layer 0 has one), got None: "
-                "every draft layer has a bias or none does"
-            )
+        for i, bias in enumerate(biases):
+            if (bias is None) != (biases[0] is None):
+                want, got = ("None", "a bias") if biases[0] is None else ("a bias", "None")
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.qkv_proj.bias: expected {want} (as layer 0), got {got}: "
+                    "every draft layer has a bias or none does"
+                )
         # Stacked here, once: KVMaterializer takes a contiguous stacked weight as it is.
         self._kv_weight = torch.stack(weights).to(self.device).contiguous()
         self._kv_bias = None if biases[0] is None else torch.stack([b for b in biases if b is not None]).to(self.device)
