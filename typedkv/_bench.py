@@ -488,7 +488,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     """Run the benchmark for the best available device; print the table, write JSON and PNG.
 
-    ``only``: run the GPU cases whose name contains this text (all when empty).
+    ``only``: run the GPU cases whose name contains this text (all when empty); the
+    end-to-end section (`typedkv._bench_e2e`) runs when it is empty or ``"e2e"``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
@@ -499,9 +500,16 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     else:
         meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
         result = run_cpu(CPU_TOKENS, CPU_CASES)
+    if torch.cuda.is_available() and only in ("", "e2e"):
+        from ._bench_e2e import e2e_table, section
+
+        _log("end to end: hidden states to K/V ...")
+        result["e2e"] = section(gpu_time_us, torch.device("cuda"), quick)
     result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     print(table(result))
+    if "e2e" in result:
+        print("\n" + e2e_table(result["e2e"]))
     if plot(result, out_dir / "bench.png"):
         print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
     else:
