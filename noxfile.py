@@ -41,7 +41,9 @@ def _pyrefly_stubs(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """CPU suite twice: the PyTorch reference path, then the Triton kernel under its interpreter."""
     _pyrefly_stubs(session)
-    session.run(PY, "-m", "pytest", "-m", "not gpu", *session.posargs)
+    # The user-project check installs typedkv twice into an environment of its own:
+    # `nox -s typecheck` runs it, with the other static checks.
+    session.run(PY, "-m", "pytest", "-m", "not gpu", "--ignore=tests/typecheck/test_user_project.py", *session.posargs)
     # The static cases in tests/typecheck do not touch the kernel: run once.
     session.run(
         PY, "-m", "pytest", "-m", "not gpu", "--ignore=tests/typecheck", *session.posargs,
@@ -61,11 +63,48 @@ def tp(session: nox.Session) -> None:
     session.run(PY, "-m", "pytest", "-m", "gpu", "tests/test_tp.py", *session.posargs)
 
 
+# sglang's DFlash helper, compared against by tests/test_sglang.py: one wheel, fetched without its
+# dependencies (only one file of it is loaded, by path). .whl/ carries it to machines without network.
+SGLANG_PIN = "sglang==0.5.23"
+SGLANG_DIRS = (ROOT / ".whl", ROOT / ".sglang")
+
+
+def _sglang_wheel(session: nox.Session) -> Path:
+    """The pinned sglang wheel: found in .whl/ or .sglang/, else downloaded into .sglang/; fails without one."""
+    version = SGLANG_PIN.split("==")[1]
+    for folder in SGLANG_DIRS:
+        found = sorted(folder.glob(f"sglang-{version}-*.whl"))
+        if found:
+            return found[0]
+    # The wheel is tagged cp311 / manylinux_2_34: ask for that one whatever this interpreter is.
+    session.run(
+        PY, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+        "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_34_x86_64",
+        "--dest", str(SGLANG_DIRS[1]), SGLANG_PIN,
+    )  # fmt: skip
+    found = sorted(SGLANG_DIRS[1].glob(f"sglang-{version}-*.whl"))
+    if not found:
+        session.error(f"no {SGLANG_PIN} wheel in .whl/ or .sglang/, and none could be downloaded")
+    return found[0]
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """typedkv's sglang adapter against sglang's own DFlash helper from the pinned wheel, on CPU (both
+    Triton kernels under the interpreter); a missing wheel fails the session instead of skipping."""
+    session.log(f"sglang wheel: {_sglang_wheel(session)}")
+    session.run(
+        PY, "-m", "pytest", "-m", "not gpu", "tests/test_sglang.py", *session.posargs,
+        env={"TRITON_INTERPRET": "1", "TYPEDKV_REQUIRE_SGLANG": "1"},
+    )  # fmt: skip
+
+
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package and the tests, stubs/ checked against the installed
     Triton, pyrefly's shape checker over the shape-correct corpus and the example, and
-    the static cases of tests/typecheck (the misuse mypy and pyrefly must flag)."""
+    the static cases of tests/typecheck (the misuse mypy and pyrefly must flag), the
+    static-checking page's recipe from a project outside the checkout included."""
     _pyrefly_stubs(session)
     session.run(PY, "-m", "mypy")
     session.run(

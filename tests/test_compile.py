@@ -21,7 +21,7 @@ from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
 import typedkv
-from typedkv import _library
+from typedkv import _api, _torch_ops
 
 # Noise from torch itself: inductor's imports, and the note that caches are off (see conftest's fresh_compile).
 pytestmark = [
@@ -226,7 +226,7 @@ def test_shared_allocation_warns(layout: str) -> None:
     _, k_pool, v_pool = shared()
     with pytest.warns(UserWarning, match=re.escape(first)):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(kv, k_pool, v_pool)
-    if _library._torch_version() < (2, 13):
+    if _torch_ops._torch_version() < (2, 13):
         return
     torch._dynamo.reset()
     memory, k_pool, v_pool = shared()
@@ -364,23 +364,39 @@ def test_debug_mode_checks_values_when_the_graph_runs() -> None:
 # ----------------------------------------------------------------- opcheck
 
 
+# The schemas, as torch sees them: derived from the public signatures (typedkv._torch_ops), printed here.
+SCHEMAS = """
+typedkv::materialize_kv_out(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a8!) k_out, Tensor(a9!) v_out) -> ()
+typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!)[] k_pool, Tensor(a8!)[] v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+"""
+
+
+def test_schemas() -> None:
+    """Every torch op's schema, derived from its public signature, is the one printed above."""
+    ops = [*_api._DENSE_OPS.ops, *_api._POOL_OPS.ops]
+    assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
+
+
 def test_opcheck() -> None:
     """torch.library.opcheck: schema (mutations as declared), fake tensors, autograd registration, AOT dispatch."""
     x = make_inputs()
+    (dense,) = _api._DENSE_OPS.ops
+    stacked, listed = _api._POOL_OPS.ops
     common = (x.kv, x.k_norm_weight)
     rest = (x.cos_sin_cache, x.positions)
     torch.library.opcheck(
-        _library.materialize_kv_out,
+        dense,
         (*common, 1e-6, None, *rest, H, "neox", torch.empty(L, 3, H, D), torch.empty(L, 3, H, D)),
     )
     torch.library.opcheck(
-        _library.materialize_kv_into_pool_stacked,
+        stacked,
         (*common, None, x.eps, *rest, x.cache_loc, torch.zeros(L, S, H, D), torch.zeros(L, S, H, D), H, "gptj",
          None, None, None, None, "NHD"),
     )  # fmt: skip
     # FP8 pools stay out: opcheck compares results with allclose, which CPU lacks for FP8.
     pools = [torch.zeros(S, H, D) for _ in range(2 * L)]
     torch.library.opcheck(
-        _library.materialize_kv_into_pool_list,
+        listed,
         (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, "NHD"),
     )

@@ -239,10 +239,10 @@ def _internal_debug_annotation() -> tuple[str, tuple[str, int] | None]:
     exec(compile(SETUP, f"{CATALOGUE}:Setup", "exec"), namespace)
     ns = namespace
     good = (ns["kv"], ns["k_norm_weight"], ns["eps"], ns["cos_sin_cache"], ns["positions"], ns["H"], "neox", None, None)
-    bound = _impl.check_dense(good)
+    bound = _impl.check_dense(_impl.DenseCall(*good))
     bad = (*good[:4], ns["positions"].float(), *good[5:])  # float positions
     try:
-        _impl.signature(_impl.DENSE).debug_check(bad, bound)
+        _impl.DENSE.signature.debug_check(bad, bound)
     except typedkv.InputError as err:
         return str(err), _raise_site(err.__traceback__)
     raise AssertionError("the debug pass accepted float positions")

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
 import typedkv
-import typedkv._library
+import typedkv._torch_ops
 
 L, H, D, HIDDEN, P, S = 4, 2, 128, 256, 4096, 512
 DTYPE = torch.bfloat16
@@ -126,7 +126,7 @@ def test_compiled_pool_cuda(layout: str) -> None:
 
 
 @pytest.mark.skipif(
-    typedkv._library._torch_version() < (2, 13),
+    typedkv._torch_ops._torch_version() < (2, 13),
     reason="pytorch/pytorch#139628: before torch 2.13 inductor's copy of pools sharing an allocation reads "
     "out of bounds (typedkv warns while tracing; tests/test_compile.py checks the warning)",
 )

@@ -276,7 +276,7 @@ _CONSTRUCTOR_ERRORS = {
         "k_norm_weight: expected L=3 layers (kv_weight has 3), got 4",
     ),
     "eps_count": ({"eps": [1e-6, 1e-6]}, "eps: expected L=3 layers (kv_weight has 3), got 2"),
-    "eps_item": ({"eps": [1e-6, 1e-6, 0]}, "eps[2]: expected a float, got int"),
+    "eps_item": ({"eps": [1e-6, 1e-6, "0"]}, "eps[2]: expected a float or an int, got str"),
     "no_layers": ({"kv_weight": []}, "kv_weight: expected at least one layer, got none"),
     "bias_dtype": (
         {"kv_bias": torch.zeros(L, ROWS, dtype=torch.bfloat16)},
@@ -314,7 +314,8 @@ def test_call_errors() -> None:
         ),
         (
             lambda: m(hidden.double(), positions),
-            "hidden: expected dtype float32 on cpu (kv_weight's dtype and device), got dtype float64 on cpu",
+            "hidden: expected dtype float32 on cpu (kv_weight's dtype and device), got dtype float64 on cpu: "
+            "convert it where it is made, hidden.to(kv_weight.dtype)",
         ),
         (lambda: m(hidden, positions[:3]), "positions: expected shape (T=5), got (3,): T=5 comes from hidden"),
         (

@@ -267,13 +267,25 @@ DENSE = [
         "k_norm_weight-list",
     ),
     # eps
-    _case(lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor or a float, got str", "eps-str"),
-    _case(lambda: {"eps": True}, "eps: expected a torch.Tensor or a float, got bool", "eps-bool"),
-    _case(lambda: {"eps": None}, "eps: expected a torch.Tensor or a float, got NoneType", "eps-None"),
-    _case(lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor or a float, got str", "eps-str"),
+    _case(
+        lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor, a sequence of L numbers or a float, got str", "eps-str"
+    ),
+    _case(
+        lambda: {"eps": True}, "eps: expected a torch.Tensor, a sequence of L numbers or a float, got bool", "eps-bool"
+    ),
+    _case(
+        lambda: {"eps": None},
+        "eps: expected a torch.Tensor, a sequence of L numbers or a float, got NoneType: torch.nn.RMSNorm built without "
+        "eps keeps None and uses torch.finfo(x.dtype).eps: pass that number (torch.finfo(kv.dtype).eps), or the model's "
+        "configured epsilon (Hugging Face RMSNorm modules keep it as .variance_epsilon)",
+        "eps-None",
+    ),
+    _case(
+        lambda: {"eps": "1e-6"}, "eps: expected a torch.Tensor, a sequence of L numbers or a float, got str", "eps-str"
+    ),
     _case(
         lambda: {"eps": np.float32(1e-6)},
-        "eps: expected a torch.Tensor or a float, got numpy.float32: pass float(eps)",
+        "eps: expected a torch.Tensor, a sequence of L numbers or a float, got numpy.float32: pass float(eps)",
         "eps-np-float32",
     ),
     _case(
@@ -294,7 +306,8 @@ DENSE = [
     ),
     _case(
         lambda: {"cos_sin_cache": torch.rand(P, 2 * D)},
-        "cos_sin_cache: the rotary dim R must be even and 2 <= R <= D, got D=16, R=32",
+        "cos_sin_cache: the rotary dim R must be even and 2 <= R <= D, got D=16, R=32: Hugging Face cos and sin "
+        "tables side by side? build the cache with typedkv.cos_sin_cache_from_hf(cos, sin)",
         "rotary-dim-above-D",
     ),
     _case(
@@ -539,19 +552,19 @@ POOL = [
     ),
     _case(
         lambda: {"k_pool": list(_pool(torch.float32)), "v_pool": list(_pool(torch.float32))},
-        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float32: allocate the pool"
+        "k_pool[0]: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float32: allocate the pool"
         " with dtype=kv.dtype or an FP8 dtype",
         "per-layer-pool-float32-for-bfloat16-kv",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.float64), "v_pool": _pool(torch.float64)},
-        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got float64: "
-        "allocate it with one of these dtypes",
+        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float64: allocate the pool"
+        " with dtype=kv.dtype or an FP8 dtype",
         "pool-float64",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.uint8), "v_pool": _pool(torch.uint8)},
-        "k_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: an FP8 "
+        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got uint8: an FP8 "
         "cache kept as bytes can be passed as k_pool.view(torch.float8_e4m3fn)",
         "pool-uint8",
     ),
@@ -570,7 +583,8 @@ POOL = [
             "k_pool": [_pool(shape=(S, H, D)), _pool(torch.float16, (S, H, D)), _pool(shape=(S, H, D))],
             "v_pool": list(_pool()),
         },
-        "k_pool[1]: expected dtype bfloat16 (k_pool[0]'s), got float16: every K and V pool tensor shares one dtype",
+        "k_pool[1]: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float16: allocate the pool "
+        "with dtype=kv.dtype or an FP8 dtype",
         "k_pool-layers-dtypes-differ",
     ),
     _case(

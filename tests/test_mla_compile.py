@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _mla_library
+from typedkv import _mla
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_compile"),
@@ -118,17 +118,25 @@ def test_misuse_rejected_while_tracing() -> None:
         assert str(eager.value) in str(traced.value), call.__name__
 
 
+def test_schemas() -> None:
+    """The ops' schemas, derived from the annotations: what torch.compile and CUDA graphs see."""
+    schemas = {str(op._opoverload._schema) for ops in (_mla._DENSE_OPS, _mla._POOL_OPS) for op in ops.ops}
+    common = "Tensor ckv, Tensor? kv_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions"
+    assert schemas == {
+        f"typedkv::materialize_mla_kv_out({common}, str rope_style, Tensor(a7!) out) -> ()",
+        f"typedkv::materialize_mla_kv_into_pool_stacked({common}, Tensor cache_loc, Tensor(a7!) kv_pool, "
+        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor) -> ()",
+        f"typedkv::materialize_mla_kv_into_pool_list({common}, Tensor cache_loc, Tensor(a7!)[] kv_pool, "
+        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor) -> ()",
+    }
+
+
 def test_opcheck() -> None:
+    (dense,) = _mla._DENSE_OPS.ops
+    stacked, listed = _mla._POOL_OPS.ops
+    torch.library.opcheck(dense, (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)))
     torch.library.opcheck(
-        _mla_library.materialize_mla_kv_out,
-        (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)),
-    )
-    torch.library.opcheck(
-        _mla_library.materialize_mla_kv_into_pool_stacked,
-        (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None),
+        stacked, (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None)
     )
     pools = [torch.zeros(S, C + R) for _ in range(L)]
-    torch.library.opcheck(
-        _mla_library.materialize_mla_kv_into_pool_list,
-        (CKV, WEIGHT, None, EPS, CACHE, POSITIONS, CACHE_LOC, pools, "neox", None, None),
-    )
+    torch.library.opcheck(listed, (CKV, WEIGHT, None, EPS, CACHE, POSITIONS, CACHE_LOC, pools, "neox", None, None))

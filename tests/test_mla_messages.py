@@ -96,6 +96,8 @@ DENSE_CASES: list[tuple[dict[str, Any], str]] = [
         "positions: expected dtype int32 or int64, got float32: pass positions.long()",
     ),
     ({"eps": torch.ones(L + 1)}, "eps: expected shape (L=3), got (4,): L=3 comes from ckv"),
+    ({"eps": [1e-6] * (L + 1)}, "eps: expected L=3 per-layer numbers, got 4"),
+    ({"eps": [1e-6, "1e-6", 1e-6]}, "eps[1]: expected a float or an int, got str"),
     ({"rope_style": "rope"}, "rope_style: expected 'neox' or 'gptj', got 'rope'"),
     (
         {"ckv": torch.randn(T, L, C + R, dtype=torch.float64)},
@@ -144,7 +146,7 @@ POOL_CASES: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"kv_pool": torch.zeros(L, S, C + R, dtype=torch.uint8)},
-        "kv_pool: expected dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2, got uint8: "
+        "kv_pool: expected dtype bfloat16 (ckv's), float8_e4m3fn or float8_e5m2, got uint8: "
         "an FP8 cache kept as bytes can be passed as kv_pool.view(torch.float8_e4m3fn)",
     ),
     (

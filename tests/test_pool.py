@@ -21,6 +21,7 @@ per launch).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class Inputs:
         *,
         k_scale: Any = None,
         v_scale: Any = None,
-        kv_layout: Any = "NHD",
+        kv_layout: Any = None,
     ) -> None:
         typedkv.materialize_kv_into_pool(
             self.kv,
@@ -1067,6 +1068,70 @@ def test_paged_misuse_rejected_before_writing(case: str, mode: str) -> None:
         inp.into_pool(torch.tensor([0, 5, -1, 11, 3]), k_pool, v_pool, **extra)
     assert str(info.value) == message
     _assert_unchanged([k_pool, v_pool], before)
+
+
+@pytest.mark.parametrize("mode", ["production", "debug"])
+@pytest.mark.parametrize("layout", list(PAGED_LAYOUTS))
+def test_heads_equal_to_page_size_need_kv_layout(layout: str, mode: str) -> None:
+    """H == B: a paged pool reads as NHD and as HND. Without kv_layout: InputError, nothing written; with it: its rows."""
+    typedkv.set_debug(mode == "debug")
+    spec = PAGED_LAYOUTS[layout]
+    inp = make_inputs(6, 2, PAGE, 16, 16, torch.bfloat16, seed=_seed("heads-equal-page", layout))
+    cache_loc = slots_for(6, 11, seed=_seed("heads-equal-page", layout, "slots"))
+    bases = spec.alloc(2, 11, PAGE, 16, torch.bfloat16)
+    for base in bases:
+        base.view(torch.uint8).fill_(SENTINEL)
+    k_pool, v_pool = spec.view(bases, PAGE, 16)
+    before = _snapshot(bases)
+    label = "k_pool" if isinstance(k_pool, Tensor) else "k_pool[0]"
+    shape = tuple((k_pool if isinstance(k_pool, Tensor) else k_pool[0]).shape)
+    with pytest.raises(typedkv.InputError) as info:
+        inp.into_pool(cache_loc, k_pool, v_pool)
+    dims = "[L, N, B, H, D]" if label == "k_pool" else "[N, B, H, D]"
+    hnd = "[L, N, H, B, D]" if label == "k_pool" else "[N, H, B, D]"
+    assert str(info.value) == (
+        f"kv_layout: expected 'NHD' or 'HND' for {label} of shape {shape}, got None: with H=4 heads and pages of 4 "
+        f"slots it reads as kv_layout='NHD' {dims} or kv_layout='HND' {hnd}; pass the layout the cache was "
+        "allocated with"
+    )
+    _assert_unchanged(bases, before)
+    run_pool(inp, cache_loc, spec, torch.bfloat16, 11).check()
+
+
+@pytest.mark.parametrize("mode", ["production", "debug"])
+@pytest.mark.parametrize("layout", list(PAGED_LAYOUTS))
+def test_paged_pool_without_kv_layout(layout: str, mode: str) -> None:
+    """kv_layout omitted, H != B: an NHD pool is written as NHD; an HND pool is refused, naming kv_layout='HND'."""
+    typedkv.set_debug(mode == "debug")
+    spec = PAGED_LAYOUTS[layout]
+    inp = make_inputs(6, 2, 2, 16, 16, torch.bfloat16, seed=_seed("no-kv-layout", layout))
+    cache_loc = slots_for(6, 11, seed=_seed("no-kv-layout", layout, "slots"))
+    if spec.kv_layout == "NHD":
+        run_pool(inp, cache_loc, dataclasses.replace(spec, kv_layout=None), torch.bfloat16, 11).check()  # type: ignore[arg-type]
+        return
+    bases = spec.alloc(2, 11, 2, 16, torch.bfloat16)
+    k_pool, v_pool = spec.view(bases, 2, 16)
+    before = _snapshot(bases)
+    with pytest.raises(typedkv.InputError, match=r"that is an HND pool \[(L, )?N, H, B, D\]: pass kv_layout='HND'$"):
+        inp.into_pool(cache_loc, k_pool, v_pool)
+    _assert_unchanged(bases, before)
+
+
+@pytest.mark.parametrize("layout", ["paged_nhd_combined", "flashinfer_nhd", "vllm_flash_attn"])
+def test_combined_cache_passed_whole_gets_its_halves(layout: str) -> None:
+    """A combined K/V cache passed as the pool: the message names the views of its halves."""
+    spec = PAGED_LAYOUTS[layout]
+    inp = make_inputs(6, 2, 2, 16, 16, torch.bfloat16, seed=_seed("combined-whole", layout))
+    bases = spec.alloc(2, 11, 2, 16, torch.bfloat16)
+    whole: Pool = bases[0] if len(bases) == 1 else bases
+    halves = {
+        "paged_nhd_combined": "k_pool=cache[:, :, 0] and v_pool=cache[:, :, 1]",
+        "flashinfer_nhd": "k_pool=[c[:, 0] for c in caches] and v_pool=[c[:, 1] for c in caches]",
+        "vllm_flash_attn": "k_pool=[c[0] for c in caches] and v_pool=[c[1] for c in caches]",
+    }[layout]
+    with pytest.raises(typedkv.InputError) as info:
+        inp.into_pool(torch.arange(6), whole, whole)
+    assert str(info.value).endswith(f"? pass its halves, {halves} (views: written in place)"), str(info.value)
 
 
 @pytest.mark.parametrize("layout", ["paged_hnd", "flashinfer_nhd"])

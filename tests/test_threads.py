@@ -4,7 +4,7 @@ What is covered
 ---------------
 The ops keep process-wide state between calls: the checked plan of each layout
 (``Signature.plan``), the launch built for each plan, and, for per-layer pools, a
-device table of layer offsets per set of pool addresses (``typedkv._impl._TABLES``: 16
+device table of layer offsets per set of pool addresses (``typedkv._device_tables._TABLES``: 16
 entries, least recently used evicted). An engine may call from several threads (a
 scheduler and a draft model, one thread per device). Here `THREADS` threads, released
 together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
@@ -48,7 +48,7 @@ from test_pool import LAYOUTS as POOL_LAYOUTS
 from torch import Tensor
 
 import typedkv
-from typedkv import _impl, _launch
+from typedkv import _device_tables, _launch
 
 THREADS, CALLS = (6, 10) if _launch.INTERPRETED else (8, 20)
 # Distinct layouts the threads draw from. On CUDA each one is compiled once (the
@@ -190,7 +190,7 @@ def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: 
     palette = layouts(num_layouts, small=_launch.INTERPRETED)
     scripts = [script(i, calls, palette) for i in range(threads)]
     fresh = sum(_per_layer(step.spec) and not step.keep_pools for steps in scripts for step in steps)
-    assert fresh > _impl._TABLES_MAX, "the scripts must overflow the layer-table cache"
+    assert fresh > _device_tables._TABLES_MAX, "the scripts must overflow the layer-table cache"
     alone = [play(steps, device) for steps in scripts]
     _assert_same(play_together(scripts, device), alone)
 
@@ -228,13 +228,13 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
     forced here: the other thread runs, really in another thread, exactly at that point.
     """
     k_layers, v_layers = _per_layer_pools()
-    _impl._layer_table(k_layers, v_layers)
-    others = [_per_layer_pools() for _ in range(_impl._TABLES_MAX + 1)]  # alive: distinct addresses
+    _device_tables.layer_table(k_layers, v_layers)
+    others = [_per_layer_pools() for _ in range(_device_tables._TABLES_MAX + 1)]  # alive: distinct addresses
     caller = threading.current_thread()
 
     def other_thread() -> None:
         for k_other, v_other in others:
-            _impl._layer_table(k_other, v_other)
+            _device_tables.layer_table(k_other, v_other)
 
     class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]]):
         def get(self, key: tuple[object, ...], default: Any = None) -> Any:
@@ -245,6 +245,6 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
                 thread.join(timeout=2)  # a lock in _layer_table would hold it back: then go on
             return hit
 
-    monkeypatch.setattr(_impl, "_TABLES", SwitchAfterLookup(_impl._TABLES))
-    table = _impl._layer_table(k_layers, v_layers)
+    monkeypatch.setattr(_device_tables, "_TABLES", SwitchAfterLookup(_device_tables._TABLES))
+    table = _device_tables.layer_table(k_layers, v_layers)
     assert table.tolist() == [[0, 64], [0, 64]]

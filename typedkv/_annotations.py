@@ -52,6 +52,8 @@ class Param:
     arrays: tuple[ArraySpec, ...] = ()  # the shapes a tensor may have (a union: one per rank and layout)
     sequences: tuple[ArraySpec, ...] = ()  # likewise for a sequence of tensors, one per `sequence_len`
     scalars: tuple[type, ...] = ()
+    # A sequence of numbers, one per `sequence_len` (eps: one per layer): the types of its items.
+    scalar_items: tuple[type, ...] = ()
     literals: tuple[Any, ...] = ()
     sequence_len: str | None = None
 
@@ -126,14 +128,20 @@ def parse_param(name: str, index: int, hint: Any) -> Param:
             param.arrays += (parse_array(member, layout),)
         elif is_array_hint(item):
             param.sequences += (parse_array(item, item_layout),)
+        elif item in (int, float):
+            param.scalar_items = _numbers(item)
         elif origin is typing.Literal:
             param.literals = typing.get_args(member)
         elif member in (int, float, bool, str):
-            # An int is a float where one is asked for (PEP 484's numeric tower, as mypy has it).
-            param.scalars += (member, int) if member is float else (member,)
+            param.scalars += _numbers(member)
         else:
             raise TypeError(f"typedkv: cannot check annotation {member!r} of {name}")
     return param
+
+
+def _numbers(kind: type) -> tuple[type, ...]:
+    # An int is a float where one is asked for (PEP 484's numeric tower, as mypy has it).
+    return (float, int) if kind is float else (kind,)
 
 
 def symbolic(p: Param) -> bool:

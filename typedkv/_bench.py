@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from . import _launch, _reference
+from ._api import materialize_kv, materialize_kv_into_pool
 from ._config import set_debug
 from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
-from ._ops import materialize_kv, materialize_kv_into_pool
 
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
 
@@ -275,7 +275,7 @@ def _mla_eager_call(case: Case, x: Inputs, compiled: bool) -> Callable[[], None]
 
 
 def staging_call(case: Case, x: Inputs) -> Callable[[], None]:
-    """materialize_kv into a staging buffer, then one indexed copy per layer (the seed engine's path)."""
+    """materialize_kv into a staging buffer, then one indexed copy per layer (the path of sglang's fused_kv_materialize helper)."""
 
     def run() -> None:
         k, v = materialize_kv(
@@ -355,7 +355,7 @@ def host_time_us(fn: Callable[[], None], calls: int = 3000) -> float:
     return elapsed / calls * 1e6
 
 
-def seed_style_wrapper(
+def sglang_style_wrapper(
     kv: torch.Tensor,
     k_norm_weight: torch.Tensor,
     eps: torch.Tensor,
@@ -365,7 +365,7 @@ def seed_style_wrapper(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
 ) -> None:
-    """A wrapper in the style typedkv replaces: hand-written if-checks, then ``kernel[grid](...)``."""
+    """A wrapper written like sglang's fused_kv_materialize one: hand-written if-checks, then ``kernel[grid](...)``."""
     if kv.dim() != 3:
         raise ValueError(f"kv must be 3-D, got {tuple(kv.shape)}")
     total_ctx, n_layers, width = kv.shape
@@ -442,15 +442,15 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
 
 
 def host_overhead(device: torch.device) -> dict[str, float]:
-    """Host microseconds per call at T = 16 (decode): typedkv vs a seed-style wrapper and a bare launch."""
+    """Host microseconds per call at T = 16 (decode): typedkv vs an sglang-style wrapper and a bare launch."""
     x = make_inputs(MAIN, 16, device)
     H = MAIN.num_kv_heads
 
     def production() -> None:
         materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out)
 
-    def seed() -> None:
-        seed_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
+    def sglang_style() -> None:
+        sglang_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
 
     grid, params, num_warps = _launch.launch_params(
         x.kv, x.weight, x.eps, x.cos_sin, x.positions, None,
@@ -464,7 +464,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     def bare() -> None:
         kernel[grid](*params, num_warps=num_warps)
 
-    out = {"bare_launch_us": host_time_us(bare), "seed_style_wrapper_us": host_time_us(seed)}
+    out = {"bare_launch_us": host_time_us(bare), "sglang_style_wrapper_us": host_time_us(sglang_style)}
     out["typedkv_production_us"] = host_time_us(production)
     set_debug(True)
     try:
@@ -472,7 +472,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     finally:
         set_debug(False)
     out = {k: round(v, 2) for k, v in out.items()}
-    out["production_vs_seed"] = round(out["typedkv_production_us"] / out["seed_style_wrapper_us"], 3)
+    out["production_vs_sglang_style"] = round(out["typedkv_production_us"] / out["sglang_style_wrapper_us"], 3)
     out["debug_vs_bare"] = round(out["typedkv_debug_us"] / out["bare_launch_us"], 3)
     return out
 
@@ -568,7 +568,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     """Run the benchmark for the best available device; print the table, write JSON and PNG.
 
-    ``only``: run the GPU cases whose name contains this text (all when empty).
+    ``only``: run the GPU cases whose name contains this text (all when empty); the
+    end-to-end section (`typedkv._bench_e2e`) runs when it is empty or ``"e2e"``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
@@ -579,9 +580,16 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     else:
         meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
         result = run_cpu(CPU_TOKENS, CPU_CASES)
+    if torch.cuda.is_available() and only in ("", "e2e"):
+        from ._bench_e2e import e2e_table, section
+
+        _log("end to end: hidden states to K/V ...")
+        result["e2e"] = section(gpu_time_us, torch.device("cuda"), quick)
     result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     print(table(result))
+    if "e2e" in result:
+        print("\n" + e2e_table(result["e2e"]))
     if plot(result, out_dir / "bench.png"):
         print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
     else:

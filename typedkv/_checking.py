@@ -75,6 +75,14 @@ def _meta(x: Any) -> Any:
     return (type(x), id(x))  # rejected by the check anyway
 
 
+def check_numbers(name: str, value: Sequence[Any], kinds: tuple[type, ...] = (float, int)) -> None:
+    """Every item of ``value`` a number of ``kinds`` (never a bool, which Python counts as an int)."""
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, kinds):
+            words = or_list([f"{'an' if k is int else 'a'} {k.__name__}" for k in kinds])
+            raise InputError(f"{name}[{i}]: expected {words}, got {type_name(item)}")
+
+
 _PLANS_MAX = 4096
 # As mypy: an int is accepted where a float is annotated.
 _BEARTYPE = BeartypeConf(is_pep484_tower=True)
@@ -93,10 +101,15 @@ class Signature:
         The argument whose device every tensor argument must share.
     same_dtype
         ``{param: other}``: ``param`` must have ``other``'s dtype.
+    storage_of
+        ``{param: other}``: ``param`` (a pool) has ``other``'s dtype or one
+        of its annotation's FP8 dtypes.
     outputs
         Arguments the function writes; their fixes show how to allocate them.
     rules
-        ``(expression over dims, argument to blame, what the rule says)``.
+        ``(expression over dims, argument to blame, what the rule says)``,
+        optionally followed by ``(condition over dims, fix)`` pairs: the fix of
+        the first condition that holds ends the message.
     sequence_len
         ``{param: dim}``: a sequence argument holds that many tensors.
     inner_contiguous
@@ -104,6 +117,9 @@ class Signature:
     layout_of
         The ``Literal`` argument that picks, among an argument's shapes of one
         rank, the one tagged with its value (`PageLayout`).
+    default_layout
+        The layout a ``None`` layout argument stands for, when the tensor fits
+        only one of its rank's shapes.
 
     Inputs bind the dims first, then the outputs are checked against them: a
     symbolic dim with one unknown (``2*H*D`` with no ``D`` given) is solved
@@ -117,11 +133,13 @@ class Signature:
         scalar_dims: Mapping[str, str],
         device_of: str,
         same_dtype: Mapping[str, str] = {},
+        storage_of: Mapping[str, str] = {},
         outputs: Sequence[str] = (),
-        rules: Sequence[tuple[str, str, str]] = (),
+        rules: Sequence[tuple[Any, ...]] = (),
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
         layout_of: str | None = None,
+        default_layout: str | None = None,
     ) -> None:
         # Derived dims ("KV = 2*H*D") are read in place of their names, so both
         # modes check the expression itself and messages quote it.
@@ -135,7 +153,7 @@ class Signature:
         for p in params:
             p.sequence_len = sequence_len.get(p.name)
         by_name = {p.name: p for p in params}
-        self._by_name = by_name
+        self.params = params  # every parameter, read from its annotation (the torch ops' schemas come from these)
         self._scalars = [p for p in params if not p.arrays and not p.sequences]
         tensors = [p for p in params if p.arrays or p.sequences]
         self._inputs = [p for p in tensors if p.name not in outputs]
@@ -147,11 +165,13 @@ class Signature:
         self._device_index = by_name[device_of].index
         self._device_of = device_of
         self._same_dtype = {by_name[p].name: (by_name[o].index, o) for p, o in same_dtype.items()}
-        self._outputs = frozenset(outputs)
-        self._rules = [(compile(expr, expr, "eval"), expr, blame, what) for expr, blame, what in rules]
+        self._storage_of = {by_name[p].name: (by_name[o].index, o) for p, o in storage_of.items()}
+        self.outputs = self._outputs = frozenset(outputs)
+        self._rules = [(compile(expr, expr, "eval"), expr, blame, what, fixes) for expr, blame, what, *fixes in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
+        self._default_layout = default_layout
         self._say = Messages(device_of, self._outputs, self._same_dtype, self._scalar_dims)
         self._plans: dict[tuple[Any, ...], Any] = {}
 
@@ -212,6 +232,8 @@ class Signature:
                     self._check_tensor(p.name, p.name, spec, value, bound, args, deferred)
                 elif p.sequences and isinstance(value, (list, tuple)):
                     self._check_sequence(p, value, bound, args, deferred)
+                elif p.scalar_items and isinstance(value, (list, tuple)):
+                    self._check_numbers(p, value, bound)
                 elif p.scalars and isinstance(value, p.scalars) and not isinstance(value, bool):
                     continue
                 else:
@@ -222,10 +244,11 @@ class Signature:
             # solved from them here: the inputs' dims are all known before an
             # output is checked against them.
             deferred = self._resolve(deferred, bound)
-        for code, expr, blame, what in self._rules:
+        for code, expr, blame, what, fixes in self._rules:
             if not eval(code, {}, dims):
                 shown = ", ".join(f"{n}={dims[n]}" for n in sorted(set(NAME.findall(expr))) if n in dims)
-                raise InputError(f"{blame}: {what}, got {shown}")
+                fix = next((f": {text}" for condition, text in fixes if eval(condition, {}, dims)), "")
+                raise InputError(f"{blame}: {what}, got {shown}{fix}")
         return bound
 
     def _resolve(
@@ -285,32 +308,75 @@ class Signature:
         bound: Bound,
         args: Sequence[Any],
     ) -> ArraySpec:
-        """The shape of ``specs`` that ``value`` is checked against: by rank, then by the layout argument."""
+        """The shape of ``specs`` that ``value`` is checked against: by rank, then by the layout argument.
+
+        With the layout argument None, a rank that several layouts share takes
+        the default layout, unless the tensor fits more than one of them with
+        the dims bound so far (an HND pool whose head count equals its page
+        size): then only the caller can say which it is.
+        """
         if len(specs) == 1:
             return specs[0]
-        layout = None if self._layout_index is None else args[self._layout_index]
+        given = None if self._layout_index is None else args[self._layout_index]
+        same_rank = [s for s in specs if len(s.dims) == value.dim()]
+        if given is None and len({s.layout for s in same_rank}) > 1:
+            fitting = [s for s in same_rank if self._fits(s, value.shape, bound.dims)]
+            if len(fitting) > 1:
+                raise InputError(self._say.ambiguous_layout(self._layout_of, label, fitting, value, bound.dims))
+        layout = self._default_layout if given is None else given
+        chosen = [s for s in same_rank if s.layout in (None, layout)]
+        if len(chosen) == 1:
+            spec = chosen[0]
+            if not self._fits(spec, value.shape, bound.dims):
+                # A pool of the other layout passed without saying so: name the argument that fixes it.
+                for other in same_rank:
+                    if other.layout not in (None, layout) and self._fits(other, value.shape, bound.dims):
+                        raise InputError(
+                            self._say.other_layout(self._layout_of, label, spec, other, layout, value, bound.dims)
+                        )
+            return spec
         allowed = [s for s in specs if s.layout in (None, layout)]
-        fitting = [s for s in allowed if len(s.dims) == value.dim()]
-        if len(fitting) == 1:
-            return fitting[0]
         shapes = " or ".join(self._say.expected(s, bound.dims) for s in allowed)
         msg = f"{label}: expected shape {shapes}"
         if self._layout_of is not None:
             msg += f" for {self._layout_of}={layout!r}"
         msg += f", got {tuple(value.shape)}"
-        others = sorted({s.layout for s in specs if len(s.dims) == value.dim() and s.layout not in (None, layout)})
+        others = sorted({s.layout for s in same_rank if s.layout not in (None, layout)})
         if others:
             msg += f": {self._layout_of}={others[0]!r} takes a tensor of {value.dim()} dims"
+        else:
+            msg += self._say.combined_fix(p.name, label, self._combined_half(specs, value, bound.dims))
         raise InputError(msg)
 
+    @staticmethod
+    def _fits(spec: ArraySpec, shape: Sequence[int], dims: Mapping[str, int]) -> bool:
+        """Whether ``shape`` agrees with ``spec`` on its rank, fixed sizes and the dims bound so far."""
+        if len(shape) != len(spec.dims):
+            return False
+        seen: dict[str, int] = {}
+        for d, size in zip(spec.dims, shape, strict=True):
+            if d.fixed is not None and d.fixed != size:
+                return False
+            if d.name is not None and dims.get(d.name, seen.setdefault(d.name, size)) != size:
+                return False
+        return True
+
+    def _combined_half(self, specs: Sequence[ArraySpec], value: torch.Tensor, dims: Mapping[str, int]) -> int | None:
+        """The dim of size 2 whose removal makes ``value`` fit a shape: a combined K/V cache passed whole."""
+        shape = tuple(value.shape)
+        for i, size in enumerate(shape):
+            if size == 2 and any(self._fits(s, shape[:i] + shape[i + 1 :], dims) for s in specs):
+                return i
+        return None
+
     def _check_scalar(self, p: Param, value: Any) -> None:
+        if value is None and p.optional:
+            return
         if p.literals:
             if value in p.literals and isinstance(value, str):
                 return
             options = or_list([repr(v) for v in p.literals])
             raise InputError(f"{p.name}: expected {options}, got {value!r}")
-        if value is None and p.optional:
-            return
         # bool is an int to Python, never a head count or an eps to us.
         if isinstance(value, bool) or not isinstance(value, p.scalars):
             raise InputError(
@@ -318,6 +384,14 @@ class Signature:
             )
         if isinstance(value, int) and value < 1 and any(p.name == a for _, _, a in self._scalar_dims):
             raise InputError(f"{p.name}: expected a positive int, got {value}")
+
+    def _check_numbers(self, p: Param, value: Sequence[Any], bound: Bound) -> None:
+        """A sequence of numbers, one per `sequence_len` (eps of each layer)."""
+        assert p.sequence_len is not None
+        check_numbers(p.name, value, p.scalar_items)
+        want = bound.dims.get(p.sequence_len)
+        if want is not None and len(value) != want:
+            raise InputError(f"{p.name}: expected {p.sequence_len}={want} per-layer numbers, got {len(value)}")
 
     def _check_sequence(
         self,
@@ -353,10 +427,17 @@ class Signature:
         deferred: list[tuple[str, str, ArraySpec, torch.Size]],
     ) -> None:
         like = self._same_dtype.get(name)
+        storage = self._storage_of.get(name)
         if like is not None:
             # An output must be exactly kv's dtype: say so, not the whole family.
             if value.dtype != args[like[0]].dtype:
                 raise InputError(self._say.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound))
+        elif storage is not None:
+            # A pool holds kv's dtype or an FP8 one: say which, not the whole family.
+            want = args[storage[0]].dtype
+            fp8 = [d for d in spec.dtype_names if getattr(torch, d).itemsize == 1]
+            if value.dtype != want and fmt_dtype(value.dtype) not in fp8:
+                raise InputError(self._say.storage_message(label, value.dtype, want, storage[1], fp8))
         elif value.dtype not in spec.dtypes:
             raise InputError(
                 f"{label}: expected dtype {or_list(spec.dtype_names)}, got {fmt_dtype(value.dtype)}"

@@ -9,7 +9,10 @@ from pathlib import Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``typedkv`` and ``python -m typedkv``."""
+    import typedkv
+
     parser = argparse.ArgumentParser(prog="typedkv", description="Fused, typed KV materialization.")
+    parser.add_argument("--version", action="version", version=f"typedkv {typedkv.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
         "demo",

@@ -8,9 +8,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ._api import materialize_kv
 from ._errors import InputError
 from ._launch import INTERPRETED
-from ._ops import materialize_kv
+from ._rope_tables import cos_sin_cache as cos_sin_cache_table
 
 
 def unfused_kv(
@@ -57,9 +58,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(num_tokens, num_layers, 2 * num_kv_heads * head_dim, generator=gen).to(device, torch.bfloat16)
     k_norm_weight = (torch.rand(num_layers, head_dim, generator=gen) + 0.5).to(device)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
-    cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=1).to(device)
+    cos_sin_cache = cos_sin_cache_table(max_pos, head_dim, base=1e6, device=device)
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(device)
 
     k, v = materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=num_kv_heads)

@@ -1,20 +1,19 @@
-"""The checked implementation of the ops: check the arguments, then launch or run the reference.
+"""The checked implementation of the ops: check a call, then launch the kernel or run the reference.
 
-The public functions (`typedkv._ops`) declare the shapes and hand eager calls
-here; the torch ops (`typedkv._library`) call here too: their fake
-implementations run the production check, their real ones the whole op. Imports
-point one way -- public face, torch ops, this module, checking, launch, kernel --
-so the public face registers each function's `Signature` here (`declare`)
-instead of this module importing it.
+A call arrives as one typed bundle (`DenseCall`, `PoolCall`: the public
+function's arguments, by name), from the public face (`typedkv._api`) when
+eager, or from the torch ops (`typedkv._torch_ops`) when a compiled graph runs;
+the torch ops' fake implementations run the production check alone
+(`check_dense`, `check_pool`). Imports point one way -- public face, torch ops,
+this module, checking, launch, kernel -- so the public face declares each
+function's `Signature` here (`DENSE.declare`) instead of this module importing it.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -22,26 +21,54 @@ from torch import Tensor
 from . import _launch, _reference
 from ._checking import Bound, Signature
 from ._config import debug_enabled
+from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
 from ._messages import fmt_dtype
+from ._value_checks import check_positions, check_slots
 
-ROTARY_RULE = ("R % 2 == 0 and 2 <= R <= D", "cos_sin_cache", "the rotary dim R must be even and 2 <= R <= D")
+ROTARY_RULE = (
+    "R % 2 == 0 and 2 <= R <= D",
+    "cos_sin_cache",
+    "the rotary dim R must be even and 2 <= R <= D",
+    # Hugging Face keeps cos and sin as two [P, D] tables with duplicated halves: side by side they are 2*D wide.
+    (
+        "R == 2 * D",
+        "Hugging Face cos and sin tables side by side? build the cache with typedkv.cos_sin_cache_from_hf(cos, sin)",
+    ),
+)
 """``Signature`` rule shared by every function that takes a cos/sin cache."""
 
-DENSE = "materialize_kv"
-POOL = "materialize_kv_into_pool"
-_SIGNATURES: dict[str, Signature] = {}
+
+class DenseCall(NamedTuple):
+    """A `typedkv.materialize_kv` call's arguments, in its signature's order."""
+
+    kv: Tensor
+    k_norm_weight: Tensor | None
+    eps: float | Sequence[float] | Tensor
+    cos_sin_cache: Tensor
+    positions: Tensor
+    num_kv_heads: int
+    rope_style: str
+    k_out: Tensor | None
+    v_out: Tensor | None
 
 
-def declare(fn: Callable[..., Any], **relations: Any) -> Signature:
-    """Read ``fn``'s annotations into the `Signature` its calls are checked with (``relations`` as there)."""
-    signature = Signature(fn, **relations)
-    _SIGNATURES[fn.__name__] = signature
-    return signature
+class PoolCall(NamedTuple):
+    """A `typedkv.materialize_kv_into_pool` call's arguments, in its signature's order."""
 
-
-def signature(name: str) -> Signature:
-    return _SIGNATURES[name]
+    kv: Tensor
+    k_norm_weight: Tensor | None
+    eps: float | Sequence[float] | Tensor
+    cos_sin_cache: Tensor
+    positions: Tensor
+    cache_loc: Tensor
+    k_pool: Tensor | Sequence[Tensor]
+    v_pool: Tensor | Sequence[Tensor]
+    num_kv_heads: int
+    rope_style: str
+    k_scale: float | Tensor | None
+    v_scale: float | Tensor | None
+    kv_layout: str | None
 
 
 @dataclass
@@ -66,7 +93,7 @@ def _planner(check_relations: Callable[[Bound], None] | None = None) -> Callable
     return build
 
 
-def _debug(sig: Signature, plan: _Plan, args: tuple[object, ...]) -> None:
+def _debug(sig: Signature, plan: _Plan, args: tuple[Any, ...]) -> None:
     # The annotations' verdict depends on the layout only: one full beartype +
     # jaxtyping pass per layout; the value checks run on every call.
     if not plan.typechecked:
@@ -77,110 +104,99 @@ def _debug(sig: Signature, plan: _Plan, args: tuple[object, ...]) -> None:
 # --------------------------------------------------------------------- dense
 
 
-def check_dense(args: tuple[Any, ...]) -> Bound:
-    """The production check of `typedkv.materialize_kv`'s arguments (in signature order)."""
-    return signature(DENSE).check(args)
+def check_dense(call: DenseCall) -> Bound:
+    """The production check of a `typedkv.materialize_kv` call."""
+    return DENSE.signature.check(call)
 
 
-def materialize_kv(
-    kv: Tensor,
-    k_norm_weight: Tensor | None,
-    eps: float | Tensor,
-    cos_sin_cache: Tensor,
-    positions: Tensor,
-    num_kv_heads: int,
-    rope_style: str,
-    k_out: Tensor | None,
-    v_out: Tensor | None,
-) -> tuple[Tensor, Tensor]:
+def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
     """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
-    args = (kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
-    sig = signature(DENSE)
-    plan: _Plan = sig.plan(args, _planner())
+    sig = DENSE.signature
+    plan: _Plan = sig.plan(call, _planner())
+    kv, k_out, v_out = call.kv, call.k_out, call.v_out
     if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
     if debug_enabled():
-        _debug(sig, plan, args)
-        _check_positions(positions, cos_sin_cache.shape[0])
+        _debug(sig, plan, call)
+        check_positions(call.positions, call.cos_sin_cache.shape[0])
     dims = plan.bound.dims
+    shape = (dims["L"], dims["T"], dims["H"], dims["D"])
     if k_out is None:
-        k_out = torch.empty((dims["L"], dims["T"], num_kv_heads, dims["D"]), dtype=kv.dtype, device=kv.device)
+        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     if v_out is None:
-        v_out = torch.empty((dims["L"], dims["T"], num_kv_heads, dims["D"]), dtype=kv.dtype, device=kv.device)
+        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     if plan.empty:
         return k_out, v_out
-    neox = rope_style == "neox"
+    eps = layer_eps(call.eps, kv.device)
+    neox = call.rope_style == "neox"
     if not plan.kernel:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-        k_out.copy_(k)
-        v_out.copy_(v)
+        # Inference only, as on the GPU: no autograd history on what is written.
+        with torch.no_grad():
+            k, v = _reference.rmsnorm_rope(
+                kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
+            )
+            k_out.copy_(k)
+            v_out.copy_(v)
         return k_out, v_out
     if plan.launch is None:
         # Dense outputs are pools of T rows, one token per row, no pages.
         plan.launch = _launch.Launch(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, None,
+            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
             v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-            None, num_kv_heads=num_kv_heads, head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
+            None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
             k_scale=None, v_scale=None,
         )  # fmt: skip
-    plan.launch(_launch.varying(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, None))
+    plan.launch(
+        _launch.varying(
+            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None, None, None
+        )
+    )
     return k_out, v_out
 
 
 # ---------------------------------------------------------------------- pool
 
 
-def check_pool(args: tuple[Any, ...]) -> Bound:
-    """The production check of `typedkv.materialize_kv_into_pool`'s arguments (in signature order)."""
-    sig = signature(POOL)
-    bound = sig.check(args)
-    named = dict(zip(sig.parameters, args, strict=True))
-    _pool_layout(named["kv"], named["k_pool"], named["v_pool"], named["k_scale"], named["v_scale"], bound)
+def check_pool(call: PoolCall) -> Bound:
+    """The production check of a `typedkv.materialize_kv_into_pool` call."""
+    bound = POOL.signature.check(call)
+    _pool_layout(call, bound)
     return bound
 
 
-def materialize_kv_into_pool(
-    kv: Tensor,
-    k_norm_weight: Tensor | None,
-    eps: float | Tensor,
-    cos_sin_cache: Tensor,
-    positions: Tensor,
-    cache_loc: Tensor,
-    k_pool: Tensor | Sequence[Tensor],
-    v_pool: Tensor | Sequence[Tensor],
-    num_kv_heads: int,
-    rope_style: str,
-    k_scale: float | Tensor | None,
-    v_scale: float | Tensor | None,
-    kv_layout: str,
-) -> None:
+def materialize_kv_into_pool(call: PoolCall) -> None:
     """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
-    args = (
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
-    )  # fmt: skip
-    sig = signature(POOL)
-    plan: _Plan = sig.plan(args, _planner(lambda bound: _pool_layout(kv, k_pool, v_pool, k_scale, v_scale, bound)))
+    sig = POOL.signature
+    plan: _Plan = sig.plan(call, _planner(lambda bound: _pool_layout(call, bound)))
+    k_pool, v_pool = call.k_pool, call.v_pool
     _check_apart(k_pool, v_pool)
     if debug_enabled():
-        _debug(sig, plan, args)
-        _check_positions(positions, cos_sin_cache.shape[0])
+        _debug(sig, plan, call)
+        check_positions(call.positions, call.cos_sin_cache.shape[0])
     if plan.empty:
         return
     dims = plan.bound.dims
+    kv = call.kv
+    eps = layer_eps(call.eps, kv.device)
     geometry = plan.geometry
     if geometry is None:
         geometry = plan.geometry = _Geometry.of(plan.bound)
     if debug_enabled():
-        _check_slots(cache_loc, geometry.num_slots)
-    neox = rope_style == "neox"
+        check_slots(call.cache_loc, geometry.num_slots)
+    neox = call.rope_style == "neox"
     if not plan.kernel:
-        k, v = _reference.rmsnorm_rope(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, neox)
-        k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-        page, hnd = geometry.page_size, kv_layout == "HND"
-        _reference.write_pool(_reference.quantize(k, k_scale, k_layers[0].dtype), cache_loc, k_layers, page, hnd)
-        _reference.write_pool(_reference.quantize(v, v_scale, v_layers[0].dtype), cache_loc, v_layers, page, hnd)
+        # Inference only, as on the GPU: no autograd history on what is written.
+        with torch.no_grad():
+            k, v = _reference.rmsnorm_rope(
+                kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
+            )
+            k_layers, v_layers = _layers(k_pool), _layers(v_pool)
+            page, hnd = geometry.page_size, plan.bound.specs["k_pool"].layout == "HND"
+            for values, scale, layers in ((k, call.k_scale, k_layers), (v, call.v_scale, v_layers)):
+                _reference.write_pool(
+                    _reference.quantize(values, scale, layers[0].dtype), call.cache_loc, layers, page, hnd
+                )
         return
     k_dst: Tensor
     v_dst: Tensor
@@ -190,18 +206,28 @@ def materialize_kv_into_pool(
         # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
         # layer 0's address plus an offset table for the others.
         k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-        k_dst, v_dst, table = k_list[0], v_list[0], _layer_table(k_list, v_list)
+        k_dst, v_dst, table = k_list[0], v_list[0], layer_table(k_list, v_list)
     if plan.launch is None:
         plan.launch = _launch.Launch(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
-            table, num_kv_heads=num_kv_heads, head_dim=dims["D"], page_size=geometry.page_size,
-            num_rows=geometry.num_slots, neox=neox, k_scale=k_scale, v_scale=v_scale,
+            table, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=geometry.page_size,
+            num_rows=geometry.num_slots, neox=neox, k_scale=call.k_scale, v_scale=call.v_scale,
         )  # fmt: skip
     plan.launch(
         _launch.varying(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, table, k_scale, v_scale
+            kv,
+            call.k_norm_weight,
+            eps,
+            call.cos_sin_cache,
+            call.positions,
+            call.cache_loc,
+            k_dst,
+            v_dst,
+            table,
+            call.k_scale,
+            call.v_scale,
         )
     )
 
@@ -230,15 +256,9 @@ class _Geometry:
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _pool_layout(
-    kv: Tensor,
-    k_pool: Tensor | Sequence[Tensor],
-    v_pool: Tensor | Sequence[Tensor],
-    k_scale: float | Tensor | None,
-    v_scale: float | Tensor | None,
-    bound: Bound,
-) -> None:
+def _pool_layout(call: PoolCall, bound: Bound) -> None:
     """The relations between pools, kv and scales that shapes cannot say."""
+    k_pool, v_pool = call.k_pool, call.v_pool
     check_pool_kinds(k_pool, v_pool)
     stacked = isinstance(k_pool, Tensor)
     # A stacked pool is one tensor; a list is checked layer by layer.
@@ -267,13 +287,8 @@ def _pool_layout(
                     f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
                     f"{tuple(layer.stride())}: per-layer pools must share one layout"
                 )
-    if dtype != kv.dtype and dtype not in _FP8:
-        raise InputError(
-            f"k_pool: expected dtype {fmt_dtype(kv.dtype)} (kv's), float8_e4m3fn or float8_e5m2, got {fmt_dtype(dtype)}: "
-            "allocate the pool with dtype=kv.dtype or an FP8 dtype"
-        )
     if dtype not in _FP8:
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        for name, scale in (("k_scale", call.k_scale), ("v_scale", call.v_scale)):
             if scale is not None:
                 raise InputError(
                     f"{name}: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
@@ -320,75 +335,23 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
     return a.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
-# Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device.
-# Built once per set of pool addresses (a pinned host copy, no sync) and reused;
-# the last _TABLES_MAX sets are kept. A table a CUDA graph was captured with is
-# read on every replay, so it moves to _PINNED and is never freed: otherwise its
-# memory could go to another tensor (or another table) and the graph would write
-# through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
-# pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
-_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]] = OrderedDict()
-_TABLES_MAX = 16
-_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
-_LOCK = threading.Lock()
+@dataclass
+class Implementation:
+    """One public function's checked implementation: its call type, its production check, the whole op.
+
+    Its `Signature` is read from the public function's annotations and declared
+    here by the public face (`declare`), which imports this module, not the reverse.
+    """
+
+    call: Callable[..., Any]  # the call's NamedTuple type
+    check: Callable[[Any], Bound]
+    run: Callable[[Any], Any]
+
+    def declare(self, fn: Callable[..., Any], **relations: Any) -> Signature:
+        """Read ``fn``'s annotations into the `Signature` its calls are checked with (``relations`` as there)."""
+        self.signature = Signature(fn, **relations)
+        return self.signature
 
 
-def _layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tensor:
-    # Offsets are in elements: the same addresses in another dtype need another table.
-    device = k_layers[0].device
-    key = (k_layers[0].element_size(), device, *(t.data_ptr() for t in (*k_layers, *v_layers)))
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    with _LOCK:
-        entry = _PINNED.get(key) or _TABLES.get(key)
-        if entry is None:
-            size = k_layers[0].element_size()
-            rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
-            host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-            # The pinned source lives as long as the table: a copy made during
-            # capture is a graph node that reads it again on every replay.
-            entry = (host.to(device, non_blocking=True), host)
-        if capturing:
-            _TABLES.pop(key, None)
-            _PINNED[key] = entry
-        elif key not in _PINNED:
-            _TABLES[key] = entry
-            _TABLES.move_to_end(key)
-            if len(_TABLES) > _TABLES_MAX:
-                _TABLES.popitem(last=False)
-        return entry[0]
-
-
-def _check_positions(positions: Tensor, num_positions: int) -> None:
-    """Debug mode: every position in [0, P). One device sync."""
-    if positions.numel() == 0:
-        return
-    # Both extremes land in one buffer: one reduction, one copy to the host.
-    extremes = torch.empty(2, dtype=positions.dtype, device=positions.device)
-    torch.aminmax(positions, out=(extremes[0], extremes[1]))
-    lo, hi = extremes.tolist()
-    if lo < 0 or hi >= num_positions:
-        t = int(((positions < 0) | (positions >= num_positions)).nonzero()[0, 0])
-        got = int(positions[t])
-        fix = "positions are never negative" if got < 0 else "extend cos_sin_cache to cover every position"
-        raise InputError(f"positions: expected values in [0, P={num_positions}), got {got} at token {t}: {fix}")
-
-
-def _check_slots(cache_loc: Tensor, num_slots: int) -> None:
-    """Debug mode: every slot below S (N*B for a paged pool), no slot used twice. One device sync."""
-    if cache_loc.numel() == 0:
-        return
-    ordered = torch.sort(cache_loc).values
-    repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
-    hi, dup = torch.stack((ordered[-1].long(), repeated.long())).tolist()
-    if hi >= num_slots:
-        t = int((cache_loc >= num_slots).nonzero()[0, 0])
-        raise InputError(
-            f"cache_loc: expected slots below S={num_slots} (or negative to skip), got {int(cache_loc[t])} at token {t}"
-        )
-    if dup:
-        slot = int(ordered[1:][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)][0])
-        tokens = (cache_loc == slot).nonzero().flatten().tolist()
-        raise InputError(
-            f"cache_loc: expected distinct slots, got slot {slot} for tokens {tokens}: "
-            "two tokens written to one slot race"
-        )
+DENSE = Implementation(DenseCall, check_dense, materialize_kv)
+POOL = Implementation(PoolCall, check_pool, materialize_kv_into_pool)

@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checking import Bound, Signature
+from ._api import materialize_kv, materialize_kv_into_pool
+from ._checking import Bound, Signature, check_numbers
 from ._errors import InputError
 from ._impl import ROTARY_RULE
 from ._messages import fmt_dtype
-from ._ops import materialize_kv, materialize_kv_into_pool
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
-    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
     from jaxtyping import Float as ParamFloat
     from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
@@ -92,7 +92,7 @@ class KVMaterializer(nn.Module):
         Each layer's K RMSNorm weight, any float dtype. ``D`` (head dim) is read
         from here; ``None`` for a draft without a K norm (K is RoPE(k), ``D`` is
         kv_weight's rows divided by ``2*H``).
-    eps : float, Tensor ``[L]``, or a sequence of L floats
+    eps : float, a sequence of L numbers, or Tensor ``[L]``
         RMSNorm epsilon, one for all layers or one per layer; unused without a norm weight.
     cos_sin_cache : Tensor ``[P, R]``
         As in :func:`typedkv.materialize_kv`. Every tensor argument must be on its device.
@@ -134,7 +134,7 @@ class KVMaterializer(nn.Module):
             StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH
         ],
         k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
-        eps: float | ParamFloat[Tensor, " L"] | Sequence[float],
+        eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
         cos_sin_cache: ParamFloat[Tensor, "P R"],
         *,
         num_kv_heads: int,
@@ -172,6 +172,8 @@ class KVMaterializer(nn.Module):
         self,
         hidden: StorageFloat[Tensor, "T hidden"],
         positions: Index[Tensor, " T"],
+        k_out: StorageFloat[Tensor, "L T H D"] | None = None,
+        v_out: StorageFloat[Tensor, "L T H D"] | None = None,
     ) -> tuple[StorageFloat[Tensor, "L T H D"], StorageFloat[Tensor, "L T H D"]]:
         """K and V of every layer for ``hidden``.
 
@@ -181,11 +183,13 @@ class KVMaterializer(nn.Module):
             The hidden states the layers project K/V from.
         positions : Tensor, shape ``[T]``, int32 | int64
             Each token's position, as in :func:`typedkv.materialize_kv`.
+        k_out, v_out : Tensor, shape ``[L, T, H, D]``, hidden's dtype and device, optional
+            Where to write, as in :func:`typedkv.materialize_kv`. Allocated when ``None``.
 
         Returns
         -------
         k, v : Tensor, shape ``[L, T, H, D]``, hidden's dtype
-            Newly allocated.
+            ``k_out`` and ``v_out`` themselves when given, else newly allocated.
 
         Raises
         ------
@@ -194,7 +198,7 @@ class KVMaterializer(nn.Module):
         """
         return materialize_kv(
             self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
-            num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
+            num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
         )  # fmt: skip
 
     @static_jaxtyping("T S N B")
@@ -218,7 +222,7 @@ class KVMaterializer(nn.Module):
         *,
         k_scale: float | ParamFloat[Tensor, " L"] | None = None,
         v_scale: float | ParamFloat[Tensor, " L"] | None = None,
-        kv_layout: KVLayout = "NHD",
+        kv_layout: KVLayout | None = None,
     ) -> None:
         """K and V of every layer for ``hidden``, written straight into a paged pool.
 
@@ -265,11 +269,19 @@ class KVMaterializer(nn.Module):
         _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
         num_tokens = hidden.shape[0]
         out = self._workspace_rows(num_tokens)
+        if hidden.requires_grad and torch.is_grad_enabled():
+            # Inference only: the GEMM into the workspace records no autograd history (nor could it, with out=).
+            with torch.no_grad():
+                self._gemm(hidden, out)
+        else:
+            self._gemm(hidden, out)
+        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+
+    def _gemm(self, hidden: Tensor, out: Tensor) -> None:
         if self.kv_bias is None:
             torch.mm(hidden, self.kv_weight.t(), out=out)
         else:
             torch.addmm(self.kv_bias, hidden, self.kv_weight.t(), out=out)
-        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     def _workspace_rows(self, num_tokens: int) -> Tensor:
         """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
@@ -324,14 +336,12 @@ def _check_layer_counts(kv_weight: object, k_norm_weight: object, kv_bias: objec
 
 
 def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
-    """A sequence of per-layer floats as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
+    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
     if not isinstance(eps, (list, tuple)):
         return eps
-    for i, value in enumerate(eps):
-        if isinstance(value, bool) or not isinstance(value, float):
-            raise InputError(f"eps[{i}]: expected a float, got {type(value).__qualname__}")
+    check_numbers("eps", eps)
     device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
-    return torch.tensor(eps, dtype=torch.float32, device=device)
+    return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
 
 
 def _check_layer_dtypes(

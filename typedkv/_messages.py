@@ -56,6 +56,8 @@ class Messages:
             kinds.append("a torch.Tensor")
         if p.sequences:
             kinds.append(f"a sequence of {p.sequence_len} torch.Tensors")
+        if p.scalar_items:
+            kinds.append(f"a sequence of {p.sequence_len} numbers")
         words = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
         kinds += [words[s] for s in p.scalars if not (s is int and float in p.scalars)]
         if p.optional:
@@ -65,13 +67,19 @@ class Messages:
     def dtype_fix(self, name: str, label: str, spec: ArraySpec, got: torch.dtype) -> str:
         if spec.dtype_names[0].startswith("int"):
             return f": pass {label}.long()"
-        if got == torch.uint8 and torch.float8_e4m3fn in spec.dtypes:
-            # Engines often keep an FP8 cache as raw bytes.
-            return f": an FP8 cache kept as bytes can be passed as {label}.view(torch.float8_e4m3fn)"
         if name in self._outputs:
             # Converting an output would write into a copy.
             return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
         return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
+
+    def storage_message(self, label: str, got: torch.dtype, want: torch.dtype, other: str, fp8: Sequence[str]) -> str:
+        """A pool of neither ``other``'s dtype nor an FP8 one."""
+        kinds = or_list([f"{fmt_dtype(want)} ({other}'s)", *fp8])
+        msg = f"{label}: expected dtype {kinds}, got {fmt_dtype(got)}"
+        if got == torch.uint8:
+            # Engines often keep an FP8 cache as raw bytes.
+            return msg + f": an FP8 cache kept as bytes can be passed as {label}.view(torch.float8_e4m3fn)"
+        return msg + f": allocate the pool with dtype={other}.dtype or an FP8 dtype"
 
     def expected(self, spec: ArraySpec, dims: Mapping[str, int]) -> str:
         parts = []
@@ -152,6 +160,55 @@ class Messages:
                     fix += f"; {size} would fit {arg}={size // per_unit}"
         return fix
 
+    def ambiguous_layout(
+        self,
+        layout_of: str | None,
+        label: str,
+        fitting: Sequence[ArraySpec],
+        value: torch.Tensor,
+        dims: Mapping[str, int],
+    ) -> str:
+        """A paged pool that reads as several layouts (its head count equals its page size)."""
+        readings = " or ".join(f"{layout_of}={s.layout!r} {self.brackets(s)}" for s in fitting)
+        return (
+            f"{layout_of}: expected {or_list([repr(s.layout) for s in fitting])} for {label} of shape "
+            f"{tuple(value.shape)}, got None: with H={dims['H']} heads and pages of {dims['H']} slots it reads as "
+            f"{readings}; pass the layout the cache was allocated with"
+        )
+
+    def other_layout(
+        self,
+        layout_of: str | None,
+        label: str,
+        spec: ArraySpec,
+        other: ArraySpec,
+        layout: str | None,
+        value: torch.Tensor,
+        dims: Mapping[str, int],
+    ) -> str:
+        """A pool that fits another layout than the one asked for."""
+        return (
+            f"{label}: expected shape {self.expected(spec, dims)} for {layout_of}={layout!r}, got "
+            f"{tuple(value.shape)}: that is an {other.layout} pool {self.brackets(other)}: pass "
+            f"{layout_of}={other.layout!r}"
+        )
+
+    def combined_fix(self, name: str, label: str, half_dim: int | None) -> str:
+        """For a combined K/V cache passed whole: pass its halves, as views (K/V pools only: an MLA pool has none)."""
+        if half_dim is None or name[:2] not in ("k_", "v_"):
+            return ""
+        k_name, v_name = ("k" + name[1:], "v" + name[1:]) if name[0] in "kv" else (name, name)
+        index = "".join(":, " for _ in range(half_dim))
+        if label == name:
+            halves = f"{k_name}=cache[{index}0] and {v_name}=cache[{index}1]"
+        else:
+            halves = f"{k_name}=[c[{index}0] for c in caches] and {v_name}=[c[{index}1] for c in caches]"
+        return f": a combined K/V cache (K and V along dim {half_dim})? pass its halves, {halves} (views: written in place)"
+
+    @staticmethod
+    def brackets(spec: ArraySpec) -> str:
+        return "[" + ", ".join(d.text for d in spec.dims) + "]"
+
     def like_message(
         self,
         name: str,
@@ -168,6 +225,13 @@ class Messages:
         )
         if name in self._outputs:
             msg += f": allocate it as {self.alloc(spec, bound)}, or pass {name}=None"
+        else:
+            # An input is converted once, where it is made: a copy per call would cost a kernel.
+            target = ", ".join(
+                ([f"{other}.device"] if value.device != bound.device else [])
+                + ([f"{other}.dtype"] if value.dtype != want else [])
+            )
+            msg += f": convert it where it is made, {label}.to({target})"
         return msg
 
 
@@ -187,8 +251,18 @@ def type_name(value: object) -> str:
     )
 
 
+# Fixes for a None where an argument has no None: why a user might hold one, and what to pass.
+NONE_FIXES = {
+    "eps": "torch.nn.RMSNorm built without eps keeps None and uses torch.finfo(x.dtype).eps: pass that number "
+    "(torch.finfo(kv.dtype).eps), or the model's configured epsilon (Hugging Face RMSNorm modules keep it "
+    "as .variance_epsilon)",
+}
+
+
 def scalar_fix(p: Param, value: object) -> str:
-    """For a numpy (or other array-library) scalar where a Python number is expected: how to convert."""
+    """How to pass a number: for a numpy (or other array-library) scalar, a float count, or a None."""
+    if value is None and p.name in NONE_FIXES:
+        return f": {NONE_FIXES[p.name]}"
     if isinstance(value, float) and int in p.scalars and float not in p.scalars:
         return ": a count is an int (// divides to an int, / to a float)"
     if isinstance(value, torch.Tensor) or not hasattr(value, "item") or not p.scalars:

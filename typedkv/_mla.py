@@ -3,24 +3,25 @@
 A draft of an MLA target (DeepSeek-V3, Kimi-K2) caches one row per token and
 layer: the latent ``c_kv`` (``C`` = kv_lora_rank), RMSNorm'ed with the layer's
 ``kv_a_layernorm``, then the rope part ``k_pe`` (``R``), rotated by RoPE. As in
-`typedkv._ops`: eager calls go to the checked implementation (`_mla_impl`),
-calls traced by torch.compile to the torch ops (`_mla_library`); each
-function's `Signature` is declared right after it.
+`typedkv._api`: a function hands its arguments on by name, eager calls to the
+checked implementation (`_mla_impl`), calls traced by torch.compile to its torch
+ops (`typedkv._torch_ops`, schemas from the same annotations); each function's
+`Signature` is declared right after it, then its torch ops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from torch import Tensor
 
-from . import _impl, _mla_impl, _mla_library
+from . import _mla_impl, _torch_ops
 from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
-    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
     from jaxtyping import Float as ParamFloat
     from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
@@ -33,7 +34,7 @@ else:
 def materialize_mla_kv(
     ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
     kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     *,
@@ -56,8 +57,9 @@ def materialize_mla_kv(
         Each layer's ``kv_a_layernorm`` weight; ``C`` (kv_lora_rank) is read
         from here. ``None``: the latent passes bit for bit, and ``C`` is ckv's
         width minus ``R``.
-    eps : float, or Tensor of shape ``[L]``
-        RMSNorm epsilon, one for all layers or one per layer. Checked but
+    eps : float, a sequence of L numbers, or Tensor of shape ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer (a sequence is
+        copied to the device once per set of values, then reused). Checked but
         unused when ``kv_norm_weight`` is None.
     cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
         Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
@@ -84,21 +86,40 @@ def materialize_mla_kv(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _mla_library.materialize_mla_kv(
-            ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style=rope_style, out=out
-        )
-    return _mla_impl.materialize_mla_kv(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
+        (written,) = _DENSE_OPS(locals())
+        return written  # type: ignore[no-any-return]
+    return _mla_impl.materialize_mla_kv(_mla_impl.DenseCall(**locals()))
 
 
-_impl.declare(
+_mla_impl.DENSE.declare(
     materialize_mla_kv,
     scalar_dims={},
     device_of="ckv",
+    sequence_len={"eps": "L"},
     same_dtype={"out": "ckv"},
     outputs=("out",),
     rules=(_mla_impl.ROTARY_RULE,),
     inner_contiguous=("ckv", "out"),
 )
+
+
+def _allocate_out(arguments: dict[str, Any]) -> None:
+    """Traced calls: an ``[L, T, C+R]`` output when the caller left it None, as the eager op allocates.
+
+    A ckv that cannot size it gets a placeholder: the op's fake implementation
+    rejects ckv first, with the eager message.
+    """
+    if arguments["out"] is None:
+        ckv = arguments["ckv"]
+        ok = isinstance(ckv, Tensor) and ckv.dim() == 3
+        arguments["out"] = (
+            torch.empty((ckv.shape[1], ckv.shape[0], ckv.shape[2]), dtype=ckv.dtype, device=ckv.device)
+            if ok
+            else torch.empty(0)
+        )
+
+
+_DENSE_OPS = _torch_ops.TorchOps(_mla_impl.DENSE, ("materialize_mla_kv_out",), allocate=_allocate_out, returns=("out",))
 
 
 # An MLA pool's shapes: stacked over layers or a sequence of per-layer tensors;
@@ -108,7 +129,7 @@ _impl.declare(
 def materialize_mla_kv_into_pool(
     ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
     kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
@@ -159,21 +180,20 @@ def materialize_mla_kv_into_pool(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _mla_library.materialize_mla_kv_into_pool(
-            ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool,
-            rope_style=rope_style, kv_scale=kv_scale,
-        )  # fmt: skip
-    _mla_impl.materialize_mla_kv_into_pool(
-        ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale
-    )
+        return _POOL_OPS(locals())  # type: ignore[no-any-return]
+    return _mla_impl.materialize_mla_kv_into_pool(_mla_impl.PoolCall(**locals()))
 
 
-_impl.declare(
+_mla_impl.POOL.declare(
     materialize_mla_kv_into_pool,
     scalar_dims={},
     device_of="ckv",
-    sequence_len={"kv_pool": "L"},
+    sequence_len={"kv_pool": "L", "eps": "L"},
+    storage_of={"kv_pool": "ckv"},
     outputs=("kv_pool",),
     rules=(_mla_impl.ROTARY_RULE,),
     inner_contiguous=("ckv", "kv_pool"),
+)
+_POOL_OPS = _torch_ops.TorchOps(
+    _mla_impl.POOL, ("materialize_mla_kv_into_pool_stacked", "materialize_mla_kv_into_pool_list")
 )

@@ -11,13 +11,13 @@ the graph's own, never into the eager workspace.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checking import Bound, Signature
+from ._checking import Bound, Signature, check_numbers
 from ._errors import InputError
 from ._messages import fmt_dtype
 from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
@@ -25,7 +25,7 @@ from ._mla_impl import ROTARY_RULE
 from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
-    # As in `typedkv._ops`: jaxtyping's own names, imported here, for pyrefly.
+    # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
     from jaxtyping import Float as ParamFloat
     from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
@@ -93,7 +93,7 @@ class MLAKVMaterializer(nn.Module):
         Each layer's ``kv_a_layernorm`` weight, any float dtype; ``C``
         (kv_lora_rank) is read from here. ``None``: the latent passes as the
         projection gives it, and ``C`` is kv_a_weight's rows less ``R``.
-    eps : float, or Tensor ``[L]``
+    eps : float, a sequence of L numbers, or Tensor ``[L]``
         RMSNorm epsilon, one for all layers or one per layer.
     cos_sin_cache : Tensor ``[P, R]``
         As in :func:`typedkv.materialize_mla_kv`. Every tensor argument must be on its device.
@@ -131,7 +131,7 @@ class MLAKVMaterializer(nn.Module):
             StorageFloat[Tensor, "L W hidden"] | Sequence[StorageFloat[Tensor, "W hidden"]], MLA_WIDTH
         ],
         kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
-        eps: float | ParamFloat[Tensor, " L"],
+        eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
         cos_sin_cache: ParamFloat[Tensor, "P R"],
         *,
         rope_style: RopeStyle,
@@ -141,7 +141,8 @@ class MLAKVMaterializer(nn.Module):
     ) -> None:
         super().__init__()
         _check_layer_counts(kv_a_weight, kv_norm_weight, kv_a_bias, eps)
-        bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, eps, rope_style))
+        layer_eps = _eps_of_layers(eps, cos_sin_cache)
+        bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
         _check_layer_dtypes(kv_a_weight, kv_norm_weight, kv_a_bias)
         weight = _stacked(kv_a_weight)
         self.num_layers = weight.shape[0]
@@ -156,10 +157,10 @@ class MLAKVMaterializer(nn.Module):
         norm = None if kv_norm_weight is None else _stacked(kv_norm_weight)
         self.register_buffer("kv_norm_weight", norm, persistent=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
-        if isinstance(eps, Tensor):
-            self.register_buffer("eps", eps.detach(), persistent=False)
+        if isinstance(layer_eps, Tensor):
+            self.register_buffer("eps", layer_eps.detach(), persistent=False)
         else:
-            self.eps = eps
+            self.eps = cast(float, layer_eps)
         self._workspace: Tensor | None = None
 
     @static_jaxtyping("T")
@@ -167,6 +168,7 @@ class MLAKVMaterializer(nn.Module):
         self,
         hidden: StorageFloat[Tensor, "T hidden"],
         positions: Index[Tensor, " T"],
+        out: Annotated[StorageFloat[Tensor, "L T W"], MLA_WIDTH] | None = None,
     ) -> Annotated[StorageFloat[Tensor, "L T W"], MLA_WIDTH]:
         """The cache rows of every layer for ``hidden``.
 
@@ -176,11 +178,13 @@ class MLAKVMaterializer(nn.Module):
             The hidden states the layers project from.
         positions : Tensor, shape ``[T]``, int32 | int64
             Each token's position, as in :func:`typedkv.materialize_mla_kv`.
+        out : Tensor, shape ``[L, T, C+R]``, hidden's dtype and device, optional
+            Where to write, as in :func:`typedkv.materialize_mla_kv`. Allocated when ``None``.
 
         Returns
         -------
         Tensor, shape ``[L, T, C+R]``, hidden's dtype
-            Newly allocated.
+            ``out`` itself when given, else newly allocated.
 
         Raises
         ------
@@ -189,7 +193,7 @@ class MLAKVMaterializer(nn.Module):
         """
         return materialize_mla_kv(
             self._project(hidden, positions, None), self.kv_norm_weight, self.eps, self.cos_sin_cache, positions,
-            rope_style=self.rope_style,
+            rope_style=self.rope_style, out=out,
         )  # fmt: skip
 
     @static_jaxtyping("T S N B")
@@ -249,12 +253,20 @@ class MLAKVMaterializer(nn.Module):
             return F.linear(hidden, self.kv_a_weight, self.kv_a_bias).view(hidden.shape[0], self.num_layers, width)
         _PROJECTION.plan((self.kv_a_weight, hidden, positions, cache_loc), _accepted)
         num_tokens = hidden.shape[0]
-        out = self._workspace_rows(num_tokens)
-        if self.kv_a_bias is None:
-            torch.mm(hidden, self.kv_a_weight.t(), out=out)
+        rows = self._workspace_rows(num_tokens)
+        if hidden.requires_grad and torch.is_grad_enabled():
+            # Inference only: the GEMM into the workspace records no autograd history (nor could it, with out=).
+            with torch.no_grad():
+                self._gemm(hidden, rows)
         else:
-            torch.addmm(self.kv_a_bias, hidden, self.kv_a_weight.t(), out=out)
-        return out.view(num_tokens, self.num_layers, width)
+            self._gemm(hidden, rows)
+        return rows.view(num_tokens, self.num_layers, width)
+
+    def _gemm(self, hidden: Tensor, rows: Tensor) -> None:
+        if self.kv_a_bias is None:
+            torch.mm(hidden, self.kv_a_weight.t(), out=rows)
+        else:
+            torch.addmm(self.kv_a_bias, hidden, self.kv_a_weight.t(), out=rows)
 
     def _workspace_rows(self, num_tokens: int) -> Tensor:
         """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
@@ -305,6 +317,15 @@ def _check_layer_counts(kv_a_weight: object, kv_norm_weight: object, kv_a_bias: 
         count = _layer_count(value, _STACKED_DIMS[name])
         if count is not None and count != num_layers:
             raise InputError(f"{name}: expected L={num_layers} layers (kv_a_weight has {num_layers}), got {count}")
+
+
+def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
+    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
+    if not isinstance(eps, (list, tuple)):
+        return eps
+    check_numbers("eps", eps)
+    device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
+    return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
 
 
 def _check_layer_dtypes(

@@ -10,7 +10,7 @@ Three readers see the same annotations (docs/static-checking.md):
 - pyrefly's tensor-shape checker reads the shape strings of definitions decorated
   with `static_jaxtyping`, but only under jaxtyping's own names (``Float``,
   ``Int``) imported in the module that uses them: each public module imports the
-  families as those names when type checking (see `typedkv._ops`).
+  families as those names when type checking (see `typedkv._api`).
 """
 
 from __future__ import annotations

@@ -66,6 +66,9 @@ def _plain_type(text: str) -> str:
     """A docstring type as griffe should show it: as written, without markup."""
     # It is shown as code already: markup inside it would show literally.
     text = text.replace("`", "")
+    if text.startswith("{"):
+        # A set of choices ({"neox", "gptj"}): griffe takes the first as the default, split at ", ".
+        return text
     # griffe re-renders a type that parses as Python: "Tensor, shape [T], int32 | int64" would
     # come out as a tuple. No-break spaces (which look the same) keep it from parsing.
     if " " in text:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -9,6 +10,8 @@ _MARK = re.compile(r"#\s*E:\s*(?P<codes>[a-z][a-z-]*(?:\s+[a-z][a-z-]*)*)\s*$")
 
 # {file: {line: sorted error codes}}
 Report = dict[Path, dict[int, list[str]]]
+
+_SHAPE_CODES = frozenset({"bad-argument-type", "bad-return"})
 
 
 def expected(path: Path) -> dict[int, list[str]]:
@@ -36,3 +39,28 @@ def differences(path: Path, got: dict[int, list[str]], checker: str, output: str
             )
     ours = "\n".join(t for t in output.splitlines() if path.name in t)
     return f"{path.name}: {checker}'s errors differ from the '# E:' marks:\n" + "\n".join(problems) + "\n" + ours
+
+
+def pyrefly_report(json_output: str, root: Path) -> tuple[Report, str]:
+    """pyrefly's errors from its ``--output-format json`` output, paths resolved against ``root``,
+    and one line per error for failure messages.
+
+    A ``bad-argument-type`` or ``bad-return`` counts only if pyrefly's message speaks
+    of tensor shapes (``Tensor[[...]]``); otherwise its code reads ``code(not a shape)``:
+    a misuse flagged for another reason would hide a shape the checker no longer reads.
+    """
+    errors: Report = {}
+    lines = []
+    for error in json.loads(json_output)["errors"]:
+        if error["severity"] != "error":
+            continue
+        path = (root / error["path"]).resolve()
+        code = error["name"]
+        if code in _SHAPE_CODES and "Tensor[[" not in error["description"]:
+            code += "(not a shape)"
+        errors.setdefault(path, {}).setdefault(error["line"], []).append(code)
+        lines.append(f"{path.name}:{error['line']}: [{error['name']}] {error['description']}")
+    for by_line in errors.values():
+        for codes in by_line.values():
+            codes.sort()
+    return errors, "\n".join(lines)

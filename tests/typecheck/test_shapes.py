@@ -1,11 +1,9 @@
 """The static shape corpus: pyrefly must flag every marked shape misuse, at its line, and nothing else.
 
 ``shapes/reject_*.py`` mark each line pyrefly must flag with ``# E: code ...``
-(exactly those codes); ``shapes/accept_shapes.py`` must check clean. A
-``bad-argument-type`` or ``bad-return`` counts only if pyrefly's message speaks of
-tensor shapes: a misuse flagged for another reason would hide a shape the
-checker no longer reads. (mypy --strict must accept the whole corpus:
-test_typecheck.py.)
+(exactly those codes, shape messages only: `marks.pyrefly_report`);
+``shapes/accept_shapes.py`` must check clean. (mypy --strict must accept the
+whole corpus: test_typecheck.py.)
 
 pyrefly runs with the project's ``[tool.pyrefly]`` configuration, which finds
 pyrefly-torch-stubs in ``.pyrefly/site`` (installed there by ``nox -s tests`` and
@@ -14,22 +12,19 @@ pyrefly-torch-stubs in ``.pyrefly/site`` (installed there by ``nox -s tests`` an
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
 import pytest
-from marks import Report, differences, expected
+from marks import Report, differences, expected, pyrefly_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = Path(__file__).resolve().parent / "shapes"
 SHAPE_FILES = sorted(SHAPES.glob("*.py"))
 STUBS = ROOT / ".pyrefly" / "site"
-_SHAPE_CODES = frozenset({"bad-argument-type", "bad-return"})
 
 
 def _pyrefly() -> str:
@@ -40,7 +35,7 @@ def _pyrefly() -> str:
 
 
 @pytest.fixture(scope="module")
-def report() -> Iterator[tuple[Report, str]]:
+def report() -> tuple[Report, str]:
     """pyrefly's errors in the corpus (``{file: {line: codes}}``) and its output, for failure messages."""
     if not (STUBS / "torch-stubs").is_dir():
         pytest.fail(f"pyrefly-torch-stubs is not in {STUBS}: run `nox -s typecheck` once (it installs them there)")
@@ -50,21 +45,7 @@ def report() -> Iterator[tuple[Report, str]]:
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode in (0, 1), f"pyrefly failed to run (status {run.returncode}):\n{run.stderr}"
-    errors: Report = {}
-    lines = []
-    for error in json.loads(run.stdout)["errors"]:
-        if error["severity"] != "error":
-            continue
-        path = (ROOT / error["path"]).resolve()
-        code = error["name"]
-        if code in _SHAPE_CODES and "Tensor[[" not in error["description"]:
-            code += "(not a shape)"
-        errors.setdefault(path, {}).setdefault(error["line"], []).append(code)
-        lines.append(f"{path.name}:{error['line']}: [{error['name']}] {error['description']}")
-    for by_line in errors.values():
-        for codes in by_line.values():
-            codes.sort()
-    yield errors, "\n".join(lines)
+    return pyrefly_report(run.stdout, ROOT)
 
 
 def test_corpus_exists() -> None:

@@ -38,9 +38,10 @@ k, v, extra = typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, pos
 # k_out / v_out are keyword-only (mypy binds the extra positional to num_kv_heads).
 typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, k_out, num_kv_heads=H)  # E: misc arg-type
 
-# materialize_kv_into_pool writes in place and returns None. (mypy's func-returns-value
-# lint is not emitted for decorated functions, and the public ops carry the
-# static_jaxtyping declaration: a bare `written = ...` assignment passes.)
+# materialize_kv_into_pool writes in place and returns None. A bare `written = ...` passes:
+# mypy's func-returns-value is not emitted for a decorated function, whatever the decorator
+# (python/mypy#14179), and the public ops carry the static_jaxtyping declaration pyrefly
+# needs. Once a mypy release emits it, the first line below gains func-returns-value.
 pooled: Tensor = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: assignment
 shape = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H).shape  # E: attr-defined
 

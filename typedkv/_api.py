@@ -1,10 +1,12 @@
-"""The public ops: shapes declared once in the annotations; calls handed on.
+"""The public ops: shapes declared once in the annotations; calls handed on by name.
 
-This module is the public face. Eager calls go to the checked implementation
-(`_impl`: check, then launch the kernel or run the reference); calls traced by
-torch.compile go to the torch ops (`_library`). Each function's `Signature` --
-the annotations read once, with the relations they cannot spell -- is declared
-right after it.
+This module is the public face. A function's body hands its arguments on as
+they are, by name (``locals()``, the parameters and nothing else): eager calls
+to the checked implementation (`typedkv._impl`, as its typed call bundle: check,
+then launch the kernel or run the reference), calls traced by torch.compile to
+the function's torch ops (`typedkv._torch_ops`, whose schemas come from the same
+annotations). Each function's `Signature` -- the annotations read once, with the
+relations they cannot spell -- is declared right after it, then its torch ops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import torch
 from torch import Tensor
 
-from . import _impl, _library
+from . import _impl, _torch_ops
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ else:
 def materialize_kv(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     *,
@@ -57,8 +59,9 @@ def materialize_kv(
         The K RMSNorm weight of each layer. ``D`` (head dim) is read from here.
         ``None`` for a draft without a K norm: K is RoPE(k), and ``D`` is kv's
         width divided by ``2*H`` (a width that is not a multiple is rejected).
-    eps : float, or Tensor of shape ``[L]``
-        RMSNorm epsilon, one for all layers or one per layer. Checked but
+    eps : float, a sequence of L numbers, or Tensor of shape ``[L]``
+        RMSNorm epsilon, one for all layers or one per layer (a sequence is
+        copied to the device once per set of values, then reused). Checked but
         unused when ``k_norm_weight`` is None.
     cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
         Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
@@ -86,23 +89,22 @@ def materialize_kv(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _library.materialize_kv(
-            kv, k_norm_weight, eps, cos_sin_cache, positions,
-            num_kv_heads=num_kv_heads, rope_style=rope_style, k_out=k_out, v_out=v_out,
-        )  # fmt: skip
-    return _impl.materialize_kv(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out
-    )
+        return _DENSE_OPS(locals())  # type: ignore[no-any-return]
+    return _impl.materialize_kv(_impl.DenseCall(**locals()))
 
 
-_impl.declare(
+_impl.DENSE.declare(
     materialize_kv,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
+    sequence_len={"eps": "L"},
     same_dtype={"k_out": "kv", "v_out": "kv"},
     outputs=("k_out", "v_out"),
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_out", "v_out"),
+)
+_DENSE_OPS = _torch_ops.TorchOps(
+    _impl.DENSE, ("materialize_kv_out",), allocate=_torch_ops.allocate_outputs, returns=("k_out", "v_out")
 )
 
 
@@ -114,7 +116,7 @@ _impl.declare(
 def materialize_kv_into_pool(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
+    eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
     cos_sin_cache: ParamFloat[Tensor, "P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
@@ -135,7 +137,7 @@ def materialize_kv_into_pool(
     rope_style: RopeStyle = "neox",
     k_scale: float | ParamFloat[Tensor, " L"] | None = None,
     v_scale: float | ParamFloat[Tensor, " L"] | None = None,
-    kv_layout: KVLayout = "NHD",
+    kv_layout: KVLayout | None = None,
 ) -> None:
     """Materialize K and V of every layer straight into a paged KV pool.
 
@@ -172,10 +174,12 @@ def materialize_kv_into_pool(
         ``x * (1 / scale)`` in float32) saturated to the format's finite range.
         A missing scale means 1.0 (values are still saturated). A tensor scale
         is read in the kernel: no host sync.
-    kv_layout : {"NHD", "HND"}
+    kv_layout : "NHD", "HND" or None, default None
         Which 5-dim (4-dim per layer) shape a paged pool has: pages of
-        ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). A pool without
-        page dims is NHD.
+        ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). ``None`` (the
+        default) means NHD, unless the pool's head count equals its page size
+        (``H == B``): such a pool reads both ways, and ``None`` is an
+        `InputError` asking for the layout. A pool without page dims is NHD.
 
     Raises
     ------
@@ -183,23 +187,24 @@ def materialize_kv_into_pool(
         For any shape, dtype, device or layout misuse, before anything is written.
     """
     if torch.compiler.is_compiling():
-        return _library.materialize_kv_into_pool(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-            num_kv_heads=num_kv_heads, rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-        )  # fmt: skip
-    _impl.materialize_kv_into_pool(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
-    )  # fmt: skip
+        return _POOL_OPS(locals())  # type: ignore[no-any-return]
+    return _impl.materialize_kv_into_pool(_impl.PoolCall(**locals()))
 
 
-_impl.declare(
+_impl.POOL.declare(
     materialize_kv_into_pool,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
-    sequence_len={"k_pool": "L", "v_pool": "L"},
+    sequence_len={"k_pool": "L", "v_pool": "L", "eps": "L"},
+    storage_of={"k_pool": "kv", "v_pool": "kv"},
     outputs=("k_pool", "v_pool"),
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_pool", "v_pool"),
     layout_of="kv_layout",
+    default_layout="NHD",
+)
+_POOL_OPS = _torch_ops.TorchOps(
+    _impl.POOL,
+    ("materialize_kv_into_pool_stacked", "materialize_kv_into_pool_list"),
+    check_kinds=_impl.check_pool_kinds,
 )

@@ -1,0 +1,211 @@
+"""``typedkv bench``'s end-to-end section: a draft's whole K/V path, from hidden states to the cache.
+
+A Qwen3-style DFlash draft (5 layers, 8 KV heads, head dim 128, hidden 4096,
+32 query heads, bfloat16), timed per call at each T:
+
+- ``mm``: the projection GEMM alone (``torch.mm`` into a reused buffer), the floor;
+- ``typedkv``: a `KVMaterializer` call, ``[L, T, H, D]`` K and V;
+- ``typedkv_pool``: `KVMaterializer.into_pool` into sglang-style per-layer pools
+  (K and V of a layer the two halves of one allocation), one launch;
+- ``sglang``: sglang's ``FusedKVMaterializeHelper.materialize`` with a no-op
+  callback (GEMM plus its kernel into dense buffers), and ``sglang_pool`` with
+  the per-layer index writes its DFlash worker does through ``set_kv_buffer`` --
+  when sglang's ``fused_kv_materialize.py`` can be loaded (from the pinned wheel
+  in ``.whl/`` or ``.sglang/``, or ``TYPEDKV_SGLANG_WHEEL``).
+
+The timer is the caller's (`typedkv._bench.gpu_time_us`: CUDA-graph replay), so
+this module needs nothing of the rest of the bench.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+
+from ._materializer import KVMaterializer
+
+TOKENS = (1, 16, 64, 256, 2048, 16384)
+SGLANG_FILE = "sglang/kernels/ops/speculative/fused_kv_materialize.py"
+SGLANG_WHEEL = "sglang-0.5.23-*.whl"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The benchmarked draft's shape."""
+
+    num_layers: int = 5
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    hidden: int = 4096
+    num_heads: int = 32  # query heads: their rows come first in the fused QKV weight
+    dtype: torch.dtype = torch.bfloat16
+    max_position: int = 32768
+
+
+Timer = Callable[[Sequence[Callable[[], None]]], float]
+
+
+def load_sglang(search: Sequence[Path] = (Path(".whl"), Path(".sglang"))) -> tuple[ModuleType | None, str]:
+    """sglang's fused_kv_materialize module, loaded by path from the wheel; None and the reason when it cannot be."""
+    named = os.environ.get("TYPEDKV_SGLANG_WHEEL")
+    wheels = [Path(named)] if named else [w for folder in search for w in sorted(folder.glob(SGLANG_WHEEL))]
+    if not wheels or not wheels[0].is_file():
+        return None, "no sglang 0.5.23 wheel in .whl/ or .sglang/ (or TYPEDKV_SGLANG_WHEEL)"
+    path = Path(tempfile.mkdtemp(prefix="typedkv-sglang-")) / "fused_kv_materialize.py"
+    with zipfile.ZipFile(wheels[0]) as archive:
+        path.write_bytes(archive.read(SGLANG_FILE))
+    spec = importlib.util.spec_from_file_location("sglang_fused_kv_materialize", path)
+    if spec is None or spec.loader is None:
+        return None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, str(wheels[0])
+
+
+def _layers(draft: Draft, device: torch.device) -> tuple[list[SimpleNamespace], SimpleNamespace]:
+    """sglang-shaped draft layers (the attributes its helper reads) and their rotary module."""
+    half = draft.head_dim // 2
+    inv_freq = 1.0 / 1e6 ** (torch.arange(half, dtype=torch.float32, device=device) / half)
+    angles = torch.outer(torch.arange(draft.max_position, dtype=torch.float32, device=device), inv_freq)
+    rotary = SimpleNamespace(
+        rotary_dim=draft.head_dim, is_neox_style=True, cos_sin_cache=torch.cat((angles.cos(), angles.sin()), dim=-1)
+    )
+    q_size, kv_size = draft.num_heads * draft.head_dim, draft.num_kv_heads * draft.head_dim
+    layers = []
+    for i in range(draft.num_layers):
+        weight = torch.randn(q_size + 2 * kv_size, draft.hidden, device=device, dtype=draft.dtype) / draft.hidden**0.5
+        attn = SimpleNamespace(
+            num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, q_size=q_size, kv_size=kv_size,
+            qkv_proj=SimpleNamespace(weight=weight), rotary_emb=rotary,
+            k_norm=SimpleNamespace(weight=torch.rand(draft.head_dim, device=device, dtype=draft.dtype) + 0.5,
+                                   variance_epsilon=1e-6),
+            attn=SimpleNamespace(layer_id=i),
+        )  # fmt: skip
+        layers.append(SimpleNamespace(self_attn=attn))
+    return layers, rotary
+
+
+def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
+    """The bench's end-to-end section: sglang's helper included when its file can be loaded."""
+    sglang, where = load_sglang()
+    result = run_e2e(timer, device, TOKENS[:4] if quick else TOKENS, sglang=sglang)
+    return {"sglang": where if sglang is not None else f"without sglang: {where}", **result}
+
+
+def run_e2e(
+    timer: Timer,
+    device: torch.device,
+    tokens: Sequence[int] = TOKENS,
+    draft: Draft | None = None,
+    sglang: ModuleType | None = None,
+) -> dict[str, Any]:
+    """Time every implementation at each T; per row microseconds and ratios between them."""
+    draft = draft or Draft()
+    layers, rotary = _layers(draft, device)
+    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
+    rows = slice(draft.num_heads * D, draft.num_heads * D + 2 * H * D)
+    weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
+    norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    materializer = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=H)
+    flat = weight.reshape(L * 2 * H * D, draft.hidden)
+    theirs = None
+    if sglang is not None:
+        theirs = sglang.FusedKVMaterializeHelper(layers, rotary, H, D, device, max_position_hint=draft.max_position)
+    out: list[dict[str, Any]] = []
+    for num_tokens in tokens:
+        # Rotating input sets for small T, so a replay does not serve them from L2 (the weights, 84 MB, never fit).
+        inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= 256 else 1)]
+        gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
+        calls = _calls(inputs, flat, gemm_out, materializer, theirs)
+        us = {impl: round(timer(fns), 2) for impl, fns in calls.items()}
+        ratio = {"typedkv_pool / mm": round(us["typedkv_pool"] / us["mm"], 3)}
+        if theirs is not None:
+            ratio["sglang / typedkv"] = round(us["sglang"] / us["typedkv"], 3)
+            ratio["sglang_pool / typedkv_pool"] = round(us["sglang_pool"] / us["typedkv_pool"], 3)
+        out.append({"tokens": num_tokens, "us": us, "ratio": ratio})
+    return {"draft": {k: str(v) for k, v in vars(draft).items()}, "rows": out}
+
+
+def _calls(
+    inputs: Sequence[_Inputs], flat: torch.Tensor, gemm_out: torch.Tensor, materializer: KVMaterializer, theirs: Any
+) -> dict[str, list[Callable[[], None]]]:
+    """Each implementation's call on each input set."""
+
+    def each(make: Callable[[_Inputs], Callable[[], None]]) -> list[Callable[[], None]]:
+        return [make(x) for x in inputs]
+
+    calls = {
+        "mm": each(lambda x: lambda: _discard(torch.mm(x.hidden, flat.t(), out=gemm_out))),
+        "typedkv": each(lambda x: lambda: _discard(materializer(x.hidden, x.positions))),
+        "typedkv_pool": each(
+            lambda x: lambda: materializer.into_pool(x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool)
+        ),
+    }
+    if theirs is not None:
+        calls["sglang"] = each(lambda x: lambda: theirs.materialize(x.hidden, x.positions, _no_write))
+        calls["sglang_pool"] = each(lambda x: lambda: theirs.materialize(x.hidden, x.positions, _index_writes(x)))
+    return calls
+
+
+@dataclass
+class _Inputs:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    cache_loc: torch.Tensor
+    k_pool: list[torch.Tensor]
+    v_pool: list[torch.Tensor]
+
+
+def _inputs(draft: Draft, num_tokens: int, device: torch.device) -> _Inputs:
+    hidden = torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype)
+    positions = torch.randint(0, draft.max_position, (num_tokens,), device=device)
+    num_slots = 2 * num_tokens
+    cache_loc = torch.randperm(num_slots, device=device)[:num_tokens]
+    # sglang's MHATokenToKVPool: per layer, K and V [S, H, D] as the two halves of one allocation.
+    fused = [
+        torch.zeros(2, num_slots, draft.num_kv_heads, draft.head_dim, device=device, dtype=draft.dtype)
+        for _ in range(draft.num_layers)
+    ]
+    return _Inputs(hidden, positions, cache_loc, [b[0] for b in fused], [b[1] for b in fused])
+
+
+def _index_writes(x: _Inputs) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    """What sglang's set_kv_buffer does with a layer's K/V for an NHD pool of the same dtype: row writes."""
+
+    def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        x.k_pool[i][x.cache_loc] = k
+        x.v_pool[i][x.cache_loc] = v
+
+    return write
+
+
+def _no_write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    return None
+
+
+def _discard(_: object) -> None:
+    return None
+
+
+def e2e_table(result: dict[str, Any]) -> str:
+    """The end-to-end section as a fixed-width text table."""
+    lines = [f"end to end, hidden states to K/V ({result.get('sglang', '')}); us per call:"]
+    impls = list(dict.fromkeys(impl for row in result["rows"] for impl in row["us"]))
+    ratios = list(dict.fromkeys(r for row in result["rows"] for r in row["ratio"]))
+    lines.append(f"{'T':>6} " + " ".join(f"{impl:>13}" for impl in impls) + "  " + "  ".join(ratios))
+    for row in result["rows"]:
+        cells = " ".join(f"{row['us'].get(impl, float('nan')):>13.2f}" for impl in impls)
+        lines.append(
+            f"{row['tokens']:>6} {cells}  "
+            + "  ".join(f"{row['ratio'].get(r, float('nan')):>{len(r)}.3f}" for r in ratios)
+        )
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""Building the ``[P, R]`` cos/sin cache the ops read: from RoPE's parameters, or from Hugging Face tables.
+
+The cache holds, for each position ``p``, ``cos(p * f_j)`` in columns ``[0, R/2)``
+and ``sin(p * f_j)`` in ``[R/2, R)``, one column per rotary frequency ``f_j`` --
+the layout vLLM's and sglang's rotary modules keep as ``cos_sin_cache``. Hugging
+Face rotary embeddings give two tables instead, ``cos`` and ``sin``, each
+``[P, R]`` with its halves duplicated (``cat(freqs, freqs)``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ._checking import Signature
+from ._errors import InputError
+from ._messages import type_name
+from ._types import static_jaxtyping
+
+if TYPE_CHECKING:
+    from jaxtyping import Float as ParamFloat
+else:
+    from ._types import ParamFloat
+
+
+def cos_sin_cache(
+    max_position: int,
+    rotary_dim: int,
+    base: float = 10000.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The cos/sin cache of standard RoPE, ``[max_position, rotary_dim]``.
+
+    Row ``p`` is ``cos(p * f_j)`` then ``sin(p * f_j)`` for the frequencies
+    ``f_j = base ** (-2j / rotary_dim)``, ``j < rotary_dim / 2``, computed in
+    float32 as vLLM's and sglang's rotary modules compute them, then converted
+    to ``dtype``.
+
+    Parameters
+    ----------
+    max_position : int
+        ``P``, the number of positions (the model's ``max_position_embeddings``).
+    rotary_dim : int
+        ``R``, the number of rotated dims of a head: even, at most the head dim.
+    base : float
+        RoPE's base (``rope_theta``).
+    dtype : torch.dtype
+        The cache's dtype (any float dtype; float32 keeps the table exact to float32).
+    device : torch.device or str, optional
+        Where to build it.
+
+    Returns
+    -------
+    Tensor, shape ``[max_position, rotary_dim]``
+
+    Raises
+    ------
+    InputError
+        For a count that is not a positive int (``rotary_dim`` also even), or a base that is not positive.
+    """
+    for name, value in (("max_position", max_position), ("rotary_dim", rotary_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name}: expected a positive int, got {value!r} ({type_name(value)})")
+    if rotary_dim % 2:
+        raise InputError(f"rotary_dim: expected an even number (dims rotate in pairs), got {rotary_dim}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+        raise InputError(f"base: expected a positive float, got {base!r}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+
+
+@static_jaxtyping("P R")
+def cos_sin_cache_from_hf(cos: ParamFloat[Tensor, "P R"], sin: ParamFloat[Tensor, "P R"]) -> Tensor:
+    """The cos/sin cache from a Hugging Face rotary embedding's ``cos`` and ``sin`` tables.
+
+    Hugging Face rotary modules return ``cos`` and ``sin`` of shape ``[batch,
+    seq, R]`` for the positions asked, each with its two halves equal; for
+    positions ``0 .. P-1`` take batch 0::
+
+        cos, sin = rotary_emb(x, torch.arange(P, device=x.device)[None])
+        cache = typedkv.cos_sin_cache_from_hf(cos[0], sin[0])
+
+    Parameters
+    ----------
+    cos, sin : Tensor, shape ``[P, R]``, any float dtype, one device
+        The tables, halves duplicated.
+
+    Returns
+    -------
+    Tensor, shape ``[P, R]``, cos's dtype and device
+        The first halves side by side: ``cat(cos[:, :R/2], sin[:, :R/2])``.
+
+    Raises
+    ------
+    InputError
+        For tables of other shapes, dtypes or devices, an odd ``R``, or halves
+        that differ (not a Hugging Face table). Comparing the halves reads the
+        values: on a GPU it waits for the device once, so build the cache at
+        setup, not in a decode loop.
+    """
+    _FROM_HF.check((cos, sin))
+    half = cos.shape[1] // 2
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not torch.equal(table[:, :half], table[:, half:]):
+            raise InputError(
+                f"{name}: expected a Hugging Face table (its two halves equal), got halves that differ: "
+                "a cache already in the [cos | sin] layout is passed to the ops as it is"
+            )
+    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1)
+
+
+_FROM_HF = Signature(
+    cos_sin_cache_from_hf,
+    scalar_dims={},
+    device_of="cos",
+    same_dtype={"sin": "cos"},
+    rules=(("R % 2 == 0", "cos", "the rotary dim R must be even (its halves are equal)"),),
+)

@@ -1,0 +1,450 @@
+"""sglang's DFlash KV materialization, served by typedkv.
+
+`FusedKVMaterializeHelper` takes the constructor and ``materialize`` call of
+sglang's helper of the same name (``sglang.kernels.ops.speculative.fused_kv_materialize``),
+so a DFlash worker switches by changing one import. It builds one
+`typedkv.KVMaterializer` from the draft layers, and adds
+`FusedKVMaterializeHelper.materialize_into_pool`: every draft layer written
+straight into sglang's token pool in one launch.
+
+sglang is not imported: its objects are read by the attributes sglang 0.5.23
+gives them (a layer's ``self_attn.qkv_proj.weight``, ``self_attn.k_norm``, the
+rotary module's ``cos_sin_cache``; a pool's ``k_buffer`` / ``v_buffer`` lists).
+What typedkv cannot serve is a `typedkv.InputError` naming the attribute, raised
+where sglang's worker already catches errors and falls back to its per-layer path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import typedkv
+
+__all__ = ["FusedKVMaterializeHelper"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# sglang's pool layouts typedkv writes: token rows [S, H, D], or pages [N, H, B, D] (SGLANG_USE_HND_KVCACHE).
+_POOL_LAYOUTS: dict[str, typedkv.KVLayout] = {"nhd": "NHD", "hnd": "HND"}
+
+
+class FusedKVMaterializeHelper:
+    """sglang's DFlash ``FusedKVMaterializeHelper``, computed by one typedkv launch.
+
+    Built once from the draft layers. `materialize` keeps sglang's contract
+    (dense K/V handed to a per-layer callback); `materialize_into_pool` writes
+    every layer straight into sglang's token pool instead.
+
+    Parameters
+    ----------
+    layers : sequence of L sglang decoder layers
+        Each is read through ``layer.self_attn``: ``qkv_proj.weight``
+        ``[q_size + 2*kv_size, hidden]`` (its K then V rows, after ``q_size``,
+        are the layer's projection) and ``qkv_proj.bias`` when present,
+        ``k_norm.weight`` ``[head_dim]`` and ``k_norm.variance_epsilon``,
+        ``num_kv_heads``, ``head_dim``, ``q_size``, ``kv_size``, ``rotary_emb``,
+        and for the pool path ``attn.layer_id``, ``attn.k_scale``, ``attn.v_scale``.
+    rotary_emb : sglang rotary embedding module
+        Read for ``cos_sin_cache`` ``[P, rotary_dim]`` (cos then sin),
+        ``rotary_dim`` (default ``head_dim``) and ``is_neox_style`` (default
+        True; False is GPT-J RoPE, which typedkv serves too).
+    num_kv_heads : int
+        ``H``, the KV heads of every layer (on this rank).
+    head_dim : int
+        ``D``, every layer's head dim.
+    device : torch.device or str
+        Where the weights, the RoPE table and every call's tensors live.
+    max_position_hint : int, optional
+        The number of positions calls will use. The RoPE table is extended to
+        cover it once, here (through the rotary module's own
+        ``_ensure_cos_sin_cache_length``), as sglang's helper does. Without it,
+        `materialize` reads the largest position of each call (a device sync,
+        as sglang's helper does) and `materialize_into_pool` uses the table as it is.
+
+    Raises
+    ------
+    typedkv.InputError
+        For a layer typedkv cannot serve, naming the layer and attribute: a
+        quantized projection (``quant_method`` other than sglang's unquantized
+        one, or a weight that is not float16/bfloat16/float32), a bias that
+        cannot be sliced like the weight, a Gemma-style or biased K norm, a value
+        scale (``self_attn.v_scale``), or a layer whose heads, head dim or RoPE
+        differ from the others'.
+
+    Notes
+    -----
+    Numerics are typedkv's: V is the projection output bit for bit; K is
+    RMSNorm rounded to the weights' dtype, then RoPE (as the unfused model path
+    computes it), where sglang's kernel rounds once after RoPE. The two K differ
+    by at most a few units in the last place (docs/sglang.md).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        rotary_emb: Any,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        max_position_hint: int | None = None,
+    ) -> None:
+        if len(layers) == 0:
+            raise typedkv.InputError("layers: expected at least one draft layer, got none")
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.n_layers = len(layers)
+        self.device = torch.device(device)
+        self.rotary_emb = rotary_emb
+        self.rotary_dim = int(getattr(rotary_emb, "rotary_dim", self.head_dim))
+        self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
+        # sglang's convention: a hint of n positions means positions up to n - 1.
+        self.max_position_hint = None if max_position_hint is None else max(int(max_position_hint) - 1, 0)
+        self._layers = list(layers)
+        weights: list[Tensor] = []
+        biases: list[Tensor | None] = []
+        norms: list[Tensor] = []
+        eps: list[float] = []
+        for i, layer in enumerate(self._layers):
+            weight, bias, norm, layer_eps = self._read_layer(i, layer)
+            weights.append(weight)
+            biases.append(bias)
+            norms.append(norm)
+            eps.append(layer_eps)
+        for i, bias in enumerate(biases):
+            if (bias is None) != (biases[0] is None):
+                want, got = ("None", "a bias") if biases[0] is None else ("a bias", "None")
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.qkv_proj.bias: expected {want} (as layer 0), got {got}: "
+                    "every draft layer has a bias or none does"
+                )
+        # Stacked here, once: KVMaterializer takes a contiguous stacked weight as it is.
+        self._kv_weight = torch.stack(weights).to(self.device).contiguous()
+        self._kv_bias = None if biases[0] is None else torch.stack([b for b in biases if b is not None]).to(self.device)
+        self._k_norm_weight = torch.stack(norms).to(self.device).contiguous()
+        self._eps = eps
+        self._k_scale, self._v_scale = _layer_scales(self._layers, self.device)
+        self._layer_ids = [_layer_id(i, layer) for i, layer in enumerate(self._layers)]
+        self._cos_sin_source: Tensor | None = None
+        self._materializer: typedkv.KVMaterializer | None = None
+        self._pool_views: tuple[tuple[object, ...], list[Tensor], list[Tensor]] | None = None
+        self._ensure_rope_cache(self.max_position_hint)
+        self._materializer_for_table()
+
+    def materialize(
+        self,
+        ctx_hidden: Tensor,
+        positions: Tensor,
+        write_layer_kv: Callable[[int, Tensor, Tensor], None],
+    ) -> None:
+        """Every layer's K and V for ``ctx_hidden``, handed to ``write_layer_kv`` layer by layer.
+
+        sglang's contract: ``write_layer_kv(i, k, v)`` once per layer ``i`` in
+        order, with ``k`` and ``v`` ``[T, H, D]`` in the weights' dtype (the
+        callback may modify them in place). ``T == 0`` calls nothing.
+
+        Parameters
+        ----------
+        ctx_hidden : Tensor, shape ``[T, hidden]``, float dtype
+            Moved to the helper's device and cast to the weights' dtype if needed.
+        positions : Tensor, shape ``[T]`` (or any shape of ``T`` elements), any integer dtype
+            Each token's position; reshaped to ``[T]`` and cast to int64 on the
+            device if needed.
+        write_layer_kv : callable ``(int, Tensor [T, H, D], Tensor [T, H, D]) -> None``
+            Called once per layer with its index, K and V, in the weights' dtype
+            (float16, bfloat16 or float32).
+
+        Raises
+        ------
+        typedkv.InputError
+            For a positions count other than ``T``, or any shape misuse.
+        """
+        if ctx_hidden.shape[0] == 0:
+            return  # before any argument handling, as sglang's helper
+        ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
+        if self.max_position_hint is None:
+            # As sglang's helper: the table must cover this call's largest position (one device sync).
+            self._ensure_rope_cache(int(positions.max().item()))
+        k, v = self._materializer_for_table()(ctx_hidden, positions)
+        for i in range(self.n_layers):
+            write_layer_kv(i, k[i], v[i])
+
+    def materialize_into_pool(
+        self,
+        ctx_hidden: Tensor,
+        positions: Tensor,
+        cache_loc: Tensor,
+        token_to_kv_pool: Any,
+    ) -> None:
+        """Every layer's K and V for ``ctx_hidden``, written straight into sglang's token pool.
+
+        What ``materialize`` followed by the pool's ``set_kv_buffer`` at
+        ``cache_loc`` stores, in one launch for all layers: no dense K/V, no
+        per-layer loop, no device sync, so it can be captured in a CUDA graph.
+        Layer ``i`` goes to the pool's buffers of ``layers[i].self_attn.attn.layer_id``
+        (minus the pool's ``start_layer``). FP8 pools (kept as uint8) store
+        ``K / k_scale`` and ``V / v_scale``, each layer's ``attn.k_scale`` /
+        ``attn.v_scale`` (1 when None), saturated.
+
+        Parameters
+        ----------
+        ctx_hidden, positions
+            As in `materialize`.
+        cache_loc : Tensor, shape ``[T]`` (or any shape of ``T`` elements), int32 | int64
+            Each token's pool slot (sglang's ``out_cache_loc``); a negative slot
+            skips the token.
+        token_to_kv_pool : sglang ``MHATokenToKVPool``
+            Read for ``k_buffer`` / ``v_buffer`` (per-layer ``[S, H, D]``, or
+            ``[N, H, B, D]`` with ``kv_cache_layout == "hnd"``), ``dtype``,
+            ``store_dtype`` and ``start_layer``. Written in place, at the slots
+            of ``cache_loc`` only.
+
+        Raises
+        ------
+        typedkv.InputError
+            For a pool without those attributes, a quantized (FP4/MXFP8) or
+            other-layout pool, a pool dtype other than the weights' or
+            float8_e4m3fn/float8_e5m2, a layer id outside the pool, a
+            ``cache_loc`` count other than ``T``, or any shape misuse.
+        """
+        k_pool, v_pool, layout, fp8 = self._pool_of(token_to_kv_pool)
+        ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
+        if cache_loc.ndim != 1:
+            cache_loc = cache_loc.reshape(-1)
+        if cache_loc.numel() != ctx_hidden.shape[0]:
+            raise typedkv.InputError(
+                f"cache_loc: expected T={ctx_hidden.shape[0]} slots (one per token of ctx_hidden), "
+                f"got {cache_loc.numel()}"
+            )
+        if ctx_hidden.shape[0] == 0:
+            return
+        if cache_loc.device != self.device:
+            cache_loc = cache_loc.to(self.device, non_blocking=True)
+        self._materializer_for_table().into_pool(
+            ctx_hidden, positions, cache_loc, k_pool, v_pool,
+            k_scale=self._k_scale if fp8 else None, v_scale=self._v_scale if fp8 else None,
+            kv_layout=layout,
+        )  # fmt: skip
+
+    def _read_layer(self, i: int, layer: Any) -> tuple[Tensor, Tensor | None, Tensor, float]:
+        """Layer ``i``'s K/V weight rows ``[2*H*D, hidden]``, bias rows, K norm weight ``[D]`` and eps."""
+        name = f"layers[{i}].self_attn"
+        attn = _attribute(layer, "self_attn", f"layers[{i}]")
+        for attr, want in (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)):
+            value = int(_attribute(attn, attr, name))
+            if value != want:
+                raise typedkv.InputError(
+                    f"{name}.{attr}: expected {want} (the helper's {attr}), got {value}: "
+                    "the fused path needs every draft layer alike"
+                )
+        rotary = _attribute(attn, "rotary_emb", name)
+        rope = (int(getattr(rotary, "rotary_dim", self.head_dim)), bool(getattr(rotary, "is_neox_style", True)))
+        if rope != (self.rotary_dim, self.is_neox_style):
+            raise typedkv.InputError(
+                f"{name}.rotary_emb: expected rotary_dim={self.rotary_dim}, is_neox_style={self.is_neox_style} "
+                f"(rotary_emb's), got rotary_dim={rope[0]}, is_neox_style={rope[1]}"
+            )
+        value_scale = getattr(attn, "v_scale", None)
+        if value_scale is not None:
+            raise typedkv.InputError(
+                f"{name}.v_scale: expected None, got {value_scale!r}: the fused path stores V as projected; "
+                "a draft with an attention value scale takes the per-layer path"
+            )
+        qkv = _attribute(attn, "qkv_proj", name)
+        quant = getattr(qkv, "quant_method", None)
+        if quant is not None and type(quant).__name__ != "UnquantizedLinearMethod":
+            raise typedkv.InputError(
+                f"{name}.qkv_proj.quant_method: expected None or UnquantizedLinearMethod, got "
+                f"{type(quant).__name__}: typedkv reads float projection weights; a quantized "
+                "projection takes the per-layer path"
+            )
+        weight = _attribute(qkv, "weight", f"{name}.qkv_proj")
+        if not isinstance(weight, Tensor) or weight.dtype not in _FLOATS or weight.ndim != 2:
+            got = f"dtype {weight.dtype}, shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
+            raise typedkv.InputError(
+                f"{name}.qkv_proj.weight: expected a 2-dim float16, bfloat16 or float32 tensor, got {got}: "
+                "a quantized projection takes the per-layer path"
+            )
+        q_size, kv_size = int(_attribute(attn, "q_size", name)), int(_attribute(attn, "kv_size", name))
+        if kv_size != self.num_kv_heads * self.head_dim:
+            raise typedkv.InputError(
+                f"{name}.kv_size: expected num_kv_heads * head_dim = {self.num_kv_heads * self.head_dim}, got {kv_size}"
+            )
+        rows = slice(q_size, q_size + 2 * kv_size)
+        if weight.shape[0] < rows.stop:
+            raise typedkv.InputError(
+                f"{name}.qkv_proj.weight: expected at least q_size + 2*kv_size = {rows.stop} rows, "
+                f"got shape {tuple(weight.shape)}"
+            )
+        bias = getattr(qkv, "bias", None)
+        if bias is not None:
+            if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype:
+                got = f"shape {tuple(bias.shape)}, dtype {bias.dtype}" if isinstance(bias, Tensor) else repr(bias)
+                raise typedkv.InputError(
+                    f"{name}.qkv_proj.bias: expected shape ({weight.shape[0]},) and dtype {weight.dtype} "
+                    f"(one per weight row), got {got}"
+                )
+            bias = bias.detach()[rows]
+        norm = _attribute(attn, "k_norm", name)
+        if type(norm).__name__ == "GemmaRMSNorm" or getattr(norm, "bias", None) is not None:
+            raise typedkv.InputError(
+                f"{name}.k_norm: expected an RMSNorm (x * weight / rms), got {type(norm).__name__}"
+                + (" with a bias" if getattr(norm, "bias", None) is not None else "")
+                + ": the fused path computes a plain RMSNorm"
+            )
+        norm_weight = _attribute(norm, "weight", f"{name}.k_norm")
+        if not isinstance(norm_weight, Tensor) or norm_weight.shape != (self.head_dim,):
+            got = f"shape {tuple(norm_weight.shape)}" if isinstance(norm_weight, Tensor) else repr(norm_weight)
+            raise typedkv.InputError(f"{name}.k_norm.weight: expected shape ({self.head_dim},) (head_dim), got {got}")
+        eps = float(_attribute(norm, "variance_epsilon", f"{name}.k_norm"))
+        return weight.detach()[rows], bias, norm_weight.detach(), eps
+
+    def _call_inputs(self, ctx_hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """sglang's argument handling: positions flattened, both on the device, hidden in the weights' dtype."""
+        if positions.ndim != 1:
+            positions = positions.reshape(-1)
+        if positions.numel() != ctx_hidden.shape[0]:
+            raise typedkv.InputError(
+                f"positions: expected T={ctx_hidden.shape[0]} positions (one per token of ctx_hidden), "
+                f"got {positions.numel()}"
+            )
+        if ctx_hidden.device != self.device:
+            ctx_hidden = ctx_hidden.to(self.device, non_blocking=True)
+        if ctx_hidden.dtype != self._kv_weight.dtype:
+            ctx_hidden = ctx_hidden.to(self._kv_weight.dtype)
+        if positions.device != self.device or positions.dtype != torch.int64:
+            positions = positions.to(device=self.device, dtype=torch.int64, non_blocking=True)
+        return ctx_hidden, positions
+
+    def _ensure_rope_cache(self, max_position: int | None) -> None:
+        """Extend the rotary module's table to cover ``max_position``, as sglang's helper does."""
+        table = getattr(self.rotary_emb, "cos_sin_cache", None)
+        if not isinstance(table, Tensor):
+            raise typedkv.InputError(
+                f"rotary_emb.cos_sin_cache: expected a tensor [P, rotary_dim], got {type(table).__name__}"
+            )
+        if max_position is None or max_position < table.shape[0]:
+            return
+        extend = getattr(self.rotary_emb, "_ensure_cos_sin_cache_length", None)
+        if callable(extend):
+            extend(max_position)
+            table = self.rotary_emb.cos_sin_cache
+        if max_position >= table.shape[0]:
+            raise typedkv.InputError(
+                f"rotary_emb.cos_sin_cache: expected at least {max_position + 1} positions "
+                f"(max_position_hint or the largest position), got {table.shape[0]}: extend the rotary table"
+            )
+
+    def _materializer_for_table(self) -> typedkv.KVMaterializer:
+        """The KVMaterializer over the rotary module's current table (rebuilt when sglang replaces it)."""
+        table = self.rotary_emb.cos_sin_cache
+        if self._materializer is None or table is not self._cos_sin_source:
+            self._materializer = typedkv.KVMaterializer(
+                self._kv_weight, self._k_norm_weight, self._eps, table.to(self.device),
+                num_kv_heads=self.num_kv_heads, rope_style="neox" if self.is_neox_style else "gptj",
+                kv_bias=self._kv_bias,
+            )  # fmt: skip
+            self._cos_sin_source = table
+        return self._materializer
+
+    def _pool_of(self, pool: Any) -> tuple[list[Tensor], list[Tensor], typedkv.KVLayout, bool]:
+        """The draft layers' K and V buffers of an sglang token pool, as typedkv pools, its layout, and FP8 or not."""
+        missing = [a for a in ("k_buffer", "v_buffer", "dtype", "store_dtype", "start_layer") if not hasattr(pool, a)]
+        if missing:
+            raise typedkv.InputError(
+                f"token_to_kv_pool: expected an sglang MHATokenToKVPool (per-layer k_buffer and v_buffer lists, "
+                f"dtype, store_dtype, start_layer), got {type(pool).__name__} without {', '.join(missing)}: "
+                "use materialize() with the pool's set_kv_buffer"
+            )
+        if getattr(pool, "is_quantized_kv_cache", False):
+            raise typedkv.InputError(
+                f"token_to_kv_pool.quant_method: expected an unquantized KV cache, got "
+                f"{type(getattr(pool, 'quant_method', None)).__name__}: quantized KV caches store through "
+                "their own recipe; use materialize() with the pool's set_kv_buffer"
+            )
+        layout_name = getattr(pool, "kv_cache_layout", "nhd")
+        if layout_name not in _POOL_LAYOUTS:
+            raise typedkv.InputError(
+                f"token_to_kv_pool.kv_cache_layout: expected 'nhd' or 'hnd', got {layout_name!r}: "
+                "use materialize() with the pool's set_kv_buffer"
+            )
+        for attr, want in (("head_num", self.num_kv_heads), ("head_dim", self.head_dim), ("v_head_dim", self.head_dim)):
+            value = getattr(pool, attr, want)
+            if value != want:
+                raise typedkv.InputError(
+                    f"token_to_kv_pool.{attr}: expected {want} (the draft layers'), got {value}: "
+                    "the pool must hold the draft layers' K and V heads"
+                )
+        dtype, store_dtype = pool.dtype, pool.store_dtype
+        fp8 = dtype in _FP8
+        if dtype != self._kv_weight.dtype and not fp8:
+            raise typedkv.InputError(
+                f"token_to_kv_pool.dtype: expected {self._kv_weight.dtype} (the weights' dtype), "
+                f"torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+            )
+        key = (pool, pool.k_buffer, pool.v_buffer, *pool.k_buffer, *pool.v_buffer)
+        cached = self._pool_views
+        if (
+            cached is not None
+            and len(cached[0]) == len(key)
+            and all(a is b for a, b in zip(cached[0], key, strict=True))
+        ):
+            return cached[1], cached[2], _POOL_LAYOUTS[layout_name], fp8
+        start, count = int(pool.start_layer), len(pool.k_buffer)
+        k_pool, v_pool = [], []
+        for i, layer_id in enumerate(self._layer_ids):
+            index = layer_id - start
+            if not 0 <= index < count or index >= len(pool.v_buffer):
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.attn.layer_id: expected a layer of token_to_kv_pool "
+                    f"(start_layer={start}, {count} layers), got {layer_id}"
+                )
+            k, v = pool.k_buffer[index], pool.v_buffer[index]
+            # FP8 pools keep their bytes as uint8 (store_dtype): the same memory, seen as the FP8 dtype.
+            k_pool.append(k.view(dtype) if store_dtype != dtype else k)
+            v_pool.append(v.view(dtype) if store_dtype != dtype else v)
+        # Holding the pool's buffers (as sglang's pool does) keeps the views valid while they are reused.
+        self._pool_views = (key, k_pool, v_pool)
+        return k_pool, v_pool, _POOL_LAYOUTS[layout_name], fp8
+
+
+def _attribute(obj: Any, attr: str, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise typedkv.InputError(f"{where}.{attr}: expected sglang's attribute, got {type(obj).__name__} without it")
+    return getattr(obj, attr)
+
+
+def _layer_id(i: int, layer: Any) -> int:
+    radix = _attribute(layer.self_attn, "attn", f"layers[{i}].self_attn")
+    return int(_attribute(radix, "layer_id", f"layers[{i}].self_attn.attn"))
+
+
+def _layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    """Each layer's FP8 ``attn.k_scale`` / ``attn.v_scale`` as ``[L]`` float32 on the device; None when none has one.
+
+    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Tensor scales
+    are gathered on the device (no sync).
+    """
+    out: list[Tensor | None] = []
+    for attr in ("k_scale", "v_scale"):
+        scales = [getattr(getattr(layer.self_attn, "attn", None), attr, None) for layer in layers]
+        if all(s is None for s in scales):
+            out.append(None)
+            continue
+        values = []
+        for i, s in enumerate(scales):
+            if s is None:
+                s = 1.0
+            if isinstance(s, Tensor):
+                if s.numel() != 1:
+                    raise typedkv.InputError(
+                        f"layers[{i}].self_attn.attn.{attr}: expected one per-tensor scale, got shape {tuple(s.shape)}"
+                    )
+                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float32))
+            else:
+                values.append(torch.tensor(float(s), dtype=torch.float32, device=device))
+        out.append(torch.stack(values))
+    return out[0], out[1]
