@@ -18,6 +18,8 @@ test can measure the op's error against the exact value of the unfused path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -144,7 +146,7 @@ def materialize_kv64(
 def materialize_mla_kv64(
     ckv: Tensor,
     kv_norm_weight: Tensor | None,
-    eps: float | Tensor,
+    eps: float | Sequence[float] | Tensor,
     cos_sin_cache: Tensor,
     positions: Tensor,
     rope_style: str,
@@ -164,10 +166,10 @@ def materialize_mla_kv64(
     rows = ckv.permute(1, 0, 2).to(torch.float64)  # [L, T, C+R], exact
     latent, rope = rows[..., :latent_dim], rows[..., latent_dim:]
     if kv_norm_weight is not None:
-        if isinstance(eps, Tensor):
-            eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1)
-        else:
+        if isinstance(eps, (float, int)):
             eps64 = torch.full((num_layers, 1, 1), float(eps), dtype=torch.float64)
+        else:  # per layer: a tensor or a sequence of numbers
+            eps64 = torch.as_tensor(eps, dtype=torch.float64).reshape(num_layers, 1, 1)
         mean_square = (latent * latent).sum(dim=-1, keepdim=True) / latent_dim
         weight = kv_norm_weight.to(torch.float64).reshape(num_layers, 1, latent_dim)
         latent = (latent / torch.sqrt(mean_square + eps64) * weight).to(ckv.dtype).to(torch.float64)

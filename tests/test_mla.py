@@ -50,7 +50,7 @@ def _seed(*key: object) -> int:
 class Inputs:
     ckv: Tensor
     kv_norm_weight: Tensor | None
-    eps: float | Tensor
+    eps: float | Sequence[float] | Tensor
     cos_sin_cache: Tensor
     positions: Tensor
     rope_style: RopeStyle
@@ -84,8 +84,9 @@ class Inputs:
 
     def rows_float32(self) -> Tensor:
         """The rows before the store's rounding: what an FP8 pool quantizes."""
+        eps = self.eps if isinstance(self.eps, (float, Tensor)) else torch.tensor(self.eps)
         return _reference.mla_rows(
-            self.ckv, self.kv_norm_weight, self.eps, self.cos_sin_cache, self.positions, self.rope_style == "neox"
+            self.ckv, self.kv_norm_weight, eps, self.cos_sin_cache, self.positions, self.rope_style == "neox"
         )
 
 
@@ -162,6 +163,22 @@ def test_per_layer_eps(rope_style: RopeStyle) -> None:
     # Tiny latents: eps decides the scale, so a wrong layer's eps shows.
     inputs = Inputs(inputs.ckv * 1e-2, *list(inputs.__dict__.values())[1:])
     assert_close_to_oracle(inputs.dense(), inputs)
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_eps_as_a_sequence_of_layer_numbers(pool: bool) -> None:
+    """eps as L Python numbers writes what the same values as an [L] tensor write."""
+    inputs = make_inputs(4, 3, 32, 16, torch.float32, "neox", per_layer_eps=True)
+    inputs = Inputs(inputs.ckv * 1e-2, *list(inputs.__dict__.values())[1:])
+    assert isinstance(inputs.eps, Tensor)
+    as_list = Inputs(inputs.ckv, inputs.kv_norm_weight, inputs.eps.tolist(), *list(inputs.__dict__.values())[3:])
+    if not pool:
+        assert torch.equal(as_list.dense(), inputs.dense())
+        return
+    got, want = torch.zeros(3, 6, 48), torch.zeros(3, 6, 48)
+    as_list.into_pool(torch.arange(4), got)
+    inputs.into_pool(torch.arange(4), want)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", STORAGE)

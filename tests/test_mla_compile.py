@@ -66,6 +66,13 @@ def test_dense_compiled() -> None:
     ]
 
 
+def test_eps_sequence_compiled() -> None:
+    def fn(ckv: Tensor) -> Tensor:
+        return typedkv.materialize_mla_kv(ckv, WEIGHT, [1e-6, 1e-2], CACHE, POSITIONS, rope_style="gptj")
+
+    assert torch.equal(compiled(fn)(CKV), fn(CKV))
+
+
 def test_dense_into_given_out_compiled() -> None:
     def fn(ckv: Tensor, slab: Tensor) -> Tensor:
         return typedkv.materialize_mla_kv(ckv, None, EPS, CACHE, POSITIONS, rope_style="neox", out=slab[:, :T])

@@ -53,6 +53,14 @@ def test_matches_the_unfused_path(stacked: bool, bias: Tensor | None, norm: Tens
         assert bool((pool[layer][[1, 3, 5, 6, 7]] == 3.0).all())
 
 
+def test_eps_sequence_and_given_out() -> None:
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, [1e-6, 1e-3, 1e-2], CACHE, rope_style="gptj")
+    slab = torch.full((L, T + 2, C + R), 7.0, dtype=torch.float16)
+    got = m(HIDDEN_STATES, POSITIONS, out=slab[:, :T])
+    assert got.data_ptr() == slab.data_ptr() and bool((slab[:, T:] == 7.0).all())
+    assert torch.equal(got, unfused(None, NORM, torch.tensor([1e-6, 1e-3, 1e-2]), "gptj"))
+
+
 def test_workspace_is_reused_and_grows() -> None:
     m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj")
     m(HIDDEN_STATES[:3], POSITIONS[:3])
