@@ -13,6 +13,8 @@
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
+#   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
+#                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -52,6 +54,9 @@ for step in $STEPS; do
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new
             done 2>/dev/null | tee "$OUT/ab.txt" ;;
+        sglang)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sglang.py 2>&1 | tail -20 | tee "$OUT/sglang.txt"
+            python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -40 | tee "$OUT/e2e.txt" ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
     esac

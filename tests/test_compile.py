@@ -10,6 +10,7 @@ kernel under its interpreter, so shapes are tiny.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
 import typedkv
-from typedkv import _api, _torch_ops
+from typedkv import _api, _impl, _torch_ops
 
 # Noise from torch itself: inductor's imports, and the note that caches are off (see conftest's fresh_compile).
 pytestmark = [
@@ -376,6 +377,12 @@ def test_schemas() -> None:
     """Every torch op's schema, derived from its public signature, is the one printed above."""
     ops = [*_api._DENSE_OPS.ops, *_api._POOL_OPS.ops]
     assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
+
+
+def test_call_bundles_follow_the_signatures() -> None:
+    """The call bundles the public functions build by position have the signatures' parameters, in order."""
+    for fn, call in ((typedkv.materialize_kv, _impl.DenseCall), (typedkv.materialize_kv_into_pool, _impl.PoolCall)):
+        assert call._fields == tuple(inspect.signature(fn).parameters), fn.__name__
 
 
 def test_opcheck() -> None:

@@ -1,11 +1,13 @@
 """The public ops: shapes declared once in the annotations; calls handed on by name.
 
-This module is the public face. A function's body hands its arguments on as
-they are, by name (``locals()``, the parameters and nothing else): eager calls
-to the checked implementation (`typedkv._impl`, as its typed call bundle: check,
-then launch the kernel or run the reference), calls traced by torch.compile to
-the function's torch ops (`typedkv._torch_ops`, whose schemas come from the same
-annotations). Each function's `Signature` -- the annotations read once, with the
+This module is the public face. A function's body puts its arguments into one
+typed call bundle (a NamedTuple whose fields are the parameters, in order: a
+test holds them to the signature) and hands it on: eager calls to the checked
+implementation (`typedkv._impl`: check, then launch the kernel or run the
+reference), calls traced by torch.compile to the function's torch ops
+(`typedkv._torch_ops`, whose schemas come from the same annotations). The bundle
+is built by position because torch.compile (Dynamo, before torch 2.13) cannot
+trace ``locals()``. Each function's `Signature` -- the annotations read once, with the
 relations they cannot spell -- is declared right after it, then its torch ops.
 """
 
@@ -88,9 +90,11 @@ def materialize_kv(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    # In the signature's order (tests/test_compile.py checks the fields against it).
+    call = _impl.DenseCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
     if torch.compiler.is_compiling():
-        return _DENSE_OPS(locals())  # type: ignore[no-any-return]
-    return _impl.materialize_kv(_impl.DenseCall(**locals()))
+        return _DENSE_OPS(call)  # type: ignore[no-any-return]
+    return _impl.materialize_kv(call)
 
 
 _impl.DENSE.declare(
@@ -104,7 +108,7 @@ _impl.DENSE.declare(
     inner_contiguous=("kv", "k_out", "v_out"),
 )
 _DENSE_OPS = _torch_ops.TorchOps(
-    _impl.DENSE, ("materialize_kv_out",), allocate=_torch_ops.allocate_outputs, returns=("k_out", "v_out")
+    _impl.DENSE, ("materialize_kv_out",), allocate=_torch_ops.allocate_dense_outputs, returns=("k_out", "v_out")
 )
 
 
@@ -186,9 +190,14 @@ def materialize_kv_into_pool(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    # In the signature's order (tests/test_compile.py checks the fields against it).
+    call = _impl.PoolCall(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+        num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
+    )  # fmt: skip
     if torch.compiler.is_compiling():
-        return _POOL_OPS(locals())  # type: ignore[no-any-return]
-    return _impl.materialize_kv_into_pool(_impl.PoolCall(**locals()))
+        return _POOL_OPS(call)  # type: ignore[no-any-return]
+    return _impl.materialize_kv_into_pool(call)
 
 
 _impl.POOL.declare(

@@ -59,19 +59,19 @@ _SHARED_COPY_FIXED = (2, 13)
 
 @dataclass(frozen=True)
 class _Arg:
-    """How one parameter of a public function travels through its torch ops."""
+    """How one parameter of a public function travels through its torch ops.
+
+    Plain fields, worked out once: the traced call reads them while Dynamo traces.
+    """
 
     param: Param
     written: bool
+    pool: bool  # a tensor or a sequence of tensors: ``Tensor`` in the stacked op, ``Tensor[]`` in the list op
+    number_or_tensor: bool  # two schema arguments, NAME_value and NAME_tensor
 
-    @property
-    def pool(self) -> bool:
-        """A tensor or a sequence of tensors: ``Tensor`` in the stacked op, ``Tensor[]`` in the list op."""
-        return bool(self.param.arrays and self.param.sequences)
-
-    @property
-    def number_or_tensor(self) -> bool:
-        return bool(self.param.arrays and self.param.scalars)
+    @staticmethod
+    def of(param: Param, written: bool) -> _Arg:
+        return _Arg(param, written, bool(param.arrays and param.sequences), bool(param.arrays and param.scalars))
 
     def schema(self, listed: bool) -> list[str]:
         p = self.param
@@ -134,17 +134,18 @@ class TorchOps:
         self,
         implementation: Implementation,
         names: Sequence[str],
-        allocate: Callable[[dict[str, Any]], None] | None = None,
+        allocate: Callable[[list[Any], Mapping[str, int]], None] | None = None,
         returns: Sequence[str] = (),
         check_kinds: Callable[..., None] | None = None,
     ) -> None:
         signature = implementation.signature
         self._implementation = implementation
-        self._args = [_Arg(p, p.name in signature.outputs) for p in signature.params]
+        self._args = [_Arg.of(p, p.name in signature.outputs) for p in signature.params]
         self._allocate = allocate
-        self._returns = tuple(returns)
+        self._index = {name: i for i, name in enumerate(signature.parameters)}
+        self._returns = tuple(self._index[name] for name in returns)
         self._check_kinds = check_kinds
-        self._pools = [a.param.name for a in self._args if a.pool]
+        self._pools = [a.param.index for a in self._args if a.pool]
         mutated = [a.param.name for a in self._args if a.written]
         self.ops = []
         for listed, name in zip((False, True), names, strict=False):
@@ -153,21 +154,20 @@ class TorchOps:
             op.register_fake(self._fake)
             self.ops.append(op)
 
-    def __call__(self, arguments: Mapping[str, Any]) -> Any:
-        """The public function while torch.compile traces: outputs allocated, then one op call."""
-        arguments = dict(arguments)
+    def __call__(self, call: Sequence[Any]) -> Any:
+        """The public function while torch.compile traces ``call`` (its bundle): outputs allocated, one op call."""
+        arguments = list(call)
         if self._allocate is not None:
-            self._allocate(arguments)
-        listed = [isinstance(arguments[name], (list, tuple)) for name in self._pools]
+            self._allocate(arguments, self._index)
+        listed = [isinstance(arguments[i], (list, tuple)) for i in self._pools]
         if any(listed) and not all(listed) and self._check_kinds is not None:
             # No op takes a stacked pool beside a list: the eager message, raised here (plain Python, traceable).
-            self._check_kinds(*(arguments[name] for name in self._pools))
-        like = arguments[self._implementation.signature.parameters[0]]
-        values = [v for a in self._args for v in a.flatten(arguments[a.param.name], like)]
+            self._check_kinds(*(arguments[i] for i in self._pools))
+        values = [v for i, a in enumerate(self._args) for v in a.flatten(arguments[i], arguments[0])]
         self.ops[int(any(listed))](*values)
         if not self._returns:
             return None
-        return tuple(arguments[name] for name in self._returns)
+        return tuple(arguments[i] for i in self._returns)
 
     def _call(self, values: Sequence[Any], static: bool) -> Any:
         flat = iter(values)
@@ -226,15 +226,17 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def allocate_outputs(arguments: dict[str, Any]) -> None:
+def allocate_dense_outputs(arguments: list[Any], index: Mapping[str, int]) -> None:
     """`typedkv.materialize_kv` traced: ``[L, T, H, D]`` outputs for those left None, as the eager op allocates.
 
-    Arguments that cannot size them get a placeholder: the op's fake
-    implementation rejects them (they come before the outputs) with the eager message.
+    ``arguments`` is the call in the signature's order, ``index`` each
+    parameter's position. Arguments that cannot size the outputs get a
+    placeholder: the op's fake implementation rejects them (they come before
+    the outputs) with the eager message.
     """
-    kv, k_norm_weight, num_kv_heads = arguments["kv"], arguments["k_norm_weight"], arguments["num_kv_heads"]
+    kv, k_norm_weight, num_kv_heads = (arguments[index[n]] for n in ("kv", "k_norm_weight", "num_kv_heads"))
     for name in ("k_out", "v_out"):
-        if arguments[name] is not None:
+        if arguments[index[name]] is not None:
             continue
         heads_ok = (
             isinstance(num_kv_heads, (int, torch.SymInt)) and not isinstance(num_kv_heads, bool) and num_kv_heads > 0
@@ -248,6 +250,6 @@ def allocate_outputs(arguments: dict[str, Any]) -> None:
             # D from the norm weight, else from kv's width (2*H*D).
             head_dim = kv.shape[2] // (2 * num_kv_heads) if k_norm_weight is None else k_norm_weight.shape[1]
             shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
-            arguments[name] = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+            arguments[index[name]] = torch.empty(shape, dtype=kv.dtype, device=kv.device)
         else:
-            arguments[name] = torch.empty(0)
+            arguments[index[name]] = torch.empty(0)
