@@ -8,6 +8,7 @@ Also run under ``TRITON_INTERPRET=1`` (tiny shapes).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _mla
+from typedkv import _mla, _mla_impl
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_compile"),
@@ -136,6 +137,15 @@ def test_schemas() -> None:
         f"typedkv::materialize_mla_kv_into_pool_list({common}, Tensor cache_loc, Tensor(a7!)[] kv_pool, "
         "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor) -> ()",
     }
+
+
+def test_call_bundles_follow_the_signatures() -> None:
+    """The call bundles the public functions build by position have the signatures' parameters, in order."""
+    for fn, call in (
+        (typedkv.materialize_mla_kv, _mla_impl.DenseCall),
+        (typedkv.materialize_mla_kv_into_pool, _mla_impl.PoolCall),
+    ):
+        assert call._fields == tuple(inspect.signature(fn).parameters), fn.__name__
 
 
 def test_opcheck() -> None:

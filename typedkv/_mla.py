@@ -11,7 +11,7 @@ ops (`typedkv._torch_ops`, schemas from the same annotations); each function's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
@@ -85,10 +85,12 @@ def materialize_mla_kv(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    # In the signature's order (tests/test_mla_compile.py checks the fields against it).
+    call = _mla_impl.DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
     if torch.compiler.is_compiling():
-        (written,) = _DENSE_OPS(locals())
+        (written,) = _DENSE_OPS(call)
         return written  # type: ignore[no-any-return]
-    return _mla_impl.materialize_mla_kv(_mla_impl.DenseCall(**locals()))
+    return _mla_impl.materialize_mla_kv(call)
 
 
 _mla_impl.DENSE.declare(
@@ -103,16 +105,16 @@ _mla_impl.DENSE.declare(
 )
 
 
-def _allocate_out(arguments: dict[str, Any]) -> None:
+def _allocate_out(arguments: list[Any], index: Mapping[str, int]) -> None:
     """Traced calls: an ``[L, T, C+R]`` output when the caller left it None, as the eager op allocates.
 
     A ckv that cannot size it gets a placeholder: the op's fake implementation
     rejects ckv first, with the eager message.
     """
-    if arguments["out"] is None:
-        ckv = arguments["ckv"]
+    if arguments[index["out"]] is None:
+        ckv = arguments[index["ckv"]]
         ok = isinstance(ckv, Tensor) and ckv.dim() == 3
-        arguments["out"] = (
+        arguments[index["out"]] = (
             torch.empty((ckv.shape[1], ckv.shape[0], ckv.shape[2]), dtype=ckv.dtype, device=ckv.device)
             if ok
             else torch.empty(0)
@@ -179,9 +181,13 @@ def materialize_mla_kv_into_pool(
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
     """
+    # In the signature's order (tests/test_mla_compile.py checks the fields against it).
+    call = _mla_impl.PoolCall(
+        ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale
+    )
     if torch.compiler.is_compiling():
-        return _POOL_OPS(locals())  # type: ignore[no-any-return]
-    return _mla_impl.materialize_mla_kv_into_pool(_mla_impl.PoolCall(**locals()))
+        return _POOL_OPS(call)  # type: ignore[no-any-return]
+    return _mla_impl.materialize_mla_kv_into_pool(call)
 
 
 _mla_impl.POOL.declare(
