@@ -15,6 +15,8 @@
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
+#   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
+#                  benchmarks/mla_sweep.py (the MLA launch configuration)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -59,5 +61,10 @@ for step in $STEPS; do
             python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -40 | tee "$OUT/e2e.txt" ;;
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
+        mla)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_mla_gpu.py tests/test_mla_fuzz.py 2>&1 \
+                | tail -40 | tee "$OUT/mla_gpu.txt"
+            python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
+            python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
     esac
 done
