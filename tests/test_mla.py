@@ -283,6 +283,12 @@ LAYOUTS = {
     # sglang per layer: [size, 1, C+R]; layers in reverse order of memory
     "sglang": Layout(lambda b, n, s, w: list(b.unbind(0))[::-1], lambda n, s, w: (n, s, 1, w)),
     "flat_list": Layout(lambda b, n, s, w: list(b[:, :, 2 : 2 + w].unbind(0)), lambda n, s, w: (n, s, w + 4)),
+    # contiguous [S, C+R] layers, one after another
+    "contiguous_list": Layout(lambda b, n, s, w: list(b.unbind(0)), lambda n, s, w: (n, s, w)),
+    # the same, one element into the buffer: no layer is 16-byte aligned (a launch of its own, not vectorised)
+    "unaligned_list": Layout(
+        lambda b, n, s, w: list(b[1 : 1 + n * s * w].view(n, s, w).unbind(0)), lambda n, s, w: (n * s * w + 8,)
+    ),
 }
 
 
@@ -416,6 +422,15 @@ def test_layout_change_between_calls() -> None:
     inputs = make_inputs(4, 2)
     for layout in ("stacked", "vllm", "stacked", "sglang", "vllm"):
         run_pool(inputs, layout, _slots(4, 9, 4), 9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_alignment_changes_between_calls(mode: str) -> None:
+    """Per-layer pools of one layout, 16-byte aligned or not, call after call: the cached launch
+    assumes aligned layers, so a call whose layers are not takes a launch of its own."""
+    inputs = make_inputs(5, 3, 32, 16, torch.bfloat16)
+    for layout in ("contiguous_list", "unaligned_list", "contiguous_list", "unaligned_list"):
+        run_pool(inputs, layout, _slots(5, 9, 5), 9)
 
 
 @pytest.mark.parametrize("name", [c.name for c in _bench.GPU_CASES if c.kv_lora_rank and c.pool != "fp8"])

@@ -322,12 +322,14 @@ def mla_launch(
     num_rows: int,
     neox: bool,
     kv_scale: float | torch.Tensor | None,
+    table_multiple: int = 1,
 ) -> KernelLaunch:
     """The MLA kernel's launch; called with `mla_varying`'s values.
 
     ``strides`` are ``(layer, page, slot in page)`` element strides of ``dst``
     (rows are contiguous); the rest as in `launch_params`, with a ``[L]`` table
-    of ``layer_offsets``.
+    of ``layer_offsets``, each a multiple of ``table_multiple`` elements (for
+    every call of the launch: the caller checks).
     """
     num_tokens, num_layers, _ = ckv.shape
     rotary_dim = cos_sin_cache.shape[1]
@@ -351,7 +353,8 @@ def mla_launch(
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         kv_lora_rank, rotary_dim, neox, w is not None, eps_t is not None, slots is not None, page_size,
-        layer_offsets is not None, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp, layer_vec,
+        table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
+        layer_vec,
         block_t, block_c, block_half, INTERPRETED, num_layers,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)

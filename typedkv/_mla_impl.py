@@ -135,20 +135,27 @@ def materialize_mla_kv_into_pool(call: PoolCall) -> None:
             values = _reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
             _reference.write_pool(values, call.cache_loc, [p.unsqueeze(-2) for p in layers], page_size)
         return
+    aligned = True
     if isinstance(kv_pool, Tensor):
         dst, table = kv_pool, None
     else:
         # Layer 0's address plus an offset table for the others (the K/V ops'
-        # table, its first row used).
+        # table, its first row used). The cached launch takes every layer 16-byte
+        # aligned (offsets of whole vectors: stores stay vectorised); a call
+        # with a layer that is not gets a launch of its own, uncached.
         dst, table = kv_pool[0], layer_table(kv_pool, kv_pool)
-    launch = plan.launch
+        aligned = not any(t.data_ptr() & 15 for t in kv_pool)
+    launch = plan.launch if aligned else None
     if launch is None:
         by_dim = plan.bound.strides("kv_pool", dst)
         strides = (by_dim.get("L", 0), by_dim["N"] if "N" in by_dim else by_dim["S"], by_dim.get("B", 0))
-        launch = plan.launch = _launch.mla_launch(
+        launch = _launch.mla_launch(
             ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, strides, table,
             kv_lora_rank=dims["C"], page_size=page_size, num_rows=num_slots, neox=neox, kv_scale=call.kv_scale,
+            table_multiple=16 // dst.element_size() if aligned else 1,
         )  # fmt: skip
+        if aligned:
+            plan.launch = launch
     launch(
         _launch.mla_varying(
             ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, table, call.kv_scale

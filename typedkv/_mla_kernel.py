@@ -129,7 +129,7 @@ def materialize_mla_kv_kernel(
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
-    LAYER_TABLE: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,  # 0: layer l at l * dst_stride_l; else offsets from a table, multiples of this
     SCALE: tl.constexpr,  # 0: store as is, 1: divide by scale, 2: by scale_ptr[layer * scale_stride]
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -156,7 +156,9 @@ def materialize_mla_kv_kernel(
         row = tok.to(tl.int64)
         row_ok = tok_ok
     if LAYER_TABLE:
-        base = dst_ptr + tl.load(layer_offsets_ptr + layer)
+        # Every layer's offset is a multiple of LAYER_TABLE elements (16 bytes when
+        # the launch checked each layer's alignment): the rows stay vectorised.
+        base = dst_ptr + tl.multiple_of(tl.load(layer_offsets_ptr + layer), LAYER_TABLE)
     else:
         base = dst_ptr + layer.to(tl.int64) * dst_stride_l * LAYER_VEC
     dst = base + _row_offset(row, PAGE, dst_stride_page, dst_stride_slot)

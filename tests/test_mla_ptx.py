@@ -1,0 +1,90 @@
+"""The MLA kernel compiles for Hopper (sm_90) without a GPU, with the latent moved in 16-byte vectors.
+
+Triton compiles ahead of time for a named target with its bundled ``ptxas``, so a
+kernel that only the GPU compiler rejects fails here, in the CPU suite, before a
+device run. The divisibility hints are those Triton derives on the GPU for
+16-byte aligned tensors with the bench's strides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import pytest
+
+from typedkv import _launch, _mla_kernel
+
+pytestmark = pytest.mark.skipif(_launch.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
+
+_DIVISIBLE = (
+    "ckv_stride_t",
+    "ckv_stride_l",
+    "dst_stride_page",
+    "dst_stride_slot",
+    "weight_stride_l",
+    "cos_sin_stride_p",
+)
+_UNIT = ("weight_stride_c", "cos_sin_stride_r", "positions_stride", "slots_stride", "eps_stride", "scale_stride")
+
+
+def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0, **constexprs: Any) -> str:
+    """The kernel's PTX for sm_90, one configuration (the MLA bench case's by default)."""
+    # Triton's compiler API, untyped in stubs/ (typedkv itself never calls it).
+    compiler: Any = importlib.import_module("triton.compiler")
+    backends: Any = importlib.import_module("triton.backends.compiler")
+    kernel = _mla_kernel.materialize_mla_kv_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    fp8 = {"fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}.get(dst, (0.0, 0, 0))
+    const = {
+        "C": 512, "R": 64, "NEOX": False, "NORM": True, "EPS_PER_LAYER": True, "INDEXED": True, "PAGE": 64,
+        "LAYER_TABLE": False, "SCALE": scale, "FP8_MAX": fp8[0], "FP8_MANT": fp8[1], "FP8_MIN_EXP": fp8[2],
+        "LAYER_VEC": 16, "BLOCK_T": 4, "BLOCK_C": 512, "BLOCK_HALF": 32, "SOFT_ROUND": False, "NUM_LAYERS": 5,
+        **dict.fromkeys(_UNIT, 1), **constexprs,
+    }  # fmt: skip
+    pointers = {
+        "ckv_ptr": f"*{dtype}", "dst_ptr": f"*{dst}", "positions_ptr": "*i64", "slots_ptr": "*i64",
+        "layer_offsets_ptr": "*i64",
+    }  # fmt: skip
+    signature = {
+        n: "constexpr"
+        if n in const
+        else pointers.get(n, "*fp32" if n.endswith("_ptr") else "fp32" if n in ("eps", "scale") else "i32")
+        for n in names
+    }
+    hints = [n for n in names if n.endswith("_ptr") or n in _DIVISIBLE]
+    source = compiler.ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in const.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hints},
+    )
+    compiled = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return str(compiled.asm["ptx"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"NEOX": True},
+        {"NORM": False, "INDEXED": False, "PAGE": 1},
+        {"LAYER_TABLE": 8, "EPS_PER_LAYER": False},
+        {"LAYER_TABLE": 1},
+        {"dst": "fp8e4nv", "scale": 2},
+        {"dst": "fp8e5", "scale": 1, "NEOX": True},
+        {"dtype": "fp16", "dst": "fp16", "C": 96, "BLOCK_C": 128, "R": 32, "BLOCK_HALF": 16},
+        {"dtype": "fp32", "dst": "fp32", "C": 0, "BLOCK_C": 1, "R": 16, "BLOCK_HALF": 8, "NORM": False},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "bench",
+)
+def test_compiles_for_hopper(config: dict[str, Any]) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    ptx = compile_for_hopper(**config)
+    assert ".entry materialize_mla_kv_kernel" in ptx
+    if config.get("dtype", "bf16") == "bf16":
+        # The latent row, 16 bytes a thread at a time.
+        assert "ld.global.v4" in ptx
+        if "scale" not in config and config.get("LAYER_TABLE") != 1:
+            assert "st.global.v4" in ptx
