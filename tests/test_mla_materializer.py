@@ -80,6 +80,23 @@ def test_compiled_fullgraph() -> None:
     assert torch.allclose(got, m(HIDDEN_STATES.float(), POSITIONS), atol=1e-5)
 
 
+def test_into_pool_compiled_fullgraph() -> None:
+    m = typedkv.MLAKVMaterializer(WEIGHT.float(), NORM, [1e-6, 1e-3, 1e-2], CACHE, rope_style="neox")
+    cache_loc = torch.tensor([8, 0, -1, 4, 2])
+
+    def step(hidden: Tensor, pool: list[Tensor]) -> None:
+        m.into_pool(hidden, POSITIONS, cache_loc, pool)
+
+    got = [torch.zeros(S, 1, C + R) for _ in range(L)]
+    want = [torch.zeros(S, 1, C + R) for _ in range(L)]
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(HIDDEN_STATES.float(), got)
+    torch._dynamo.reset()
+    step(HIDDEN_STATES.float(), want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5) and bool(a.any())
+
+
 MESSAGES: list[tuple[dict[str, Any], str]] = [
     ({"kv_a_weight": []}, "kv_a_weight: expected at least one layer, got none"),
     ({"kv_norm_weight": [torch.ones(C)] * (L + 1)}, "kv_norm_weight: expected L=3 layers (kv_a_weight has 3), got 4"),
