@@ -45,10 +45,12 @@ typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, k_out,
 pooled: Tensor = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H)  # E: assignment
 shape = typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H).shape  # E: attr-defined
 
-# A KVMaterializer call is forward's signature: hidden and positions, nothing more, two tensors back.
+# A KVMaterializer call is forward's signature: hidden and positions (then the optional k_out and
+# v_out, tensors), nothing more, two tensors back.
 materializer = typedkv.KVMaterializer(torch.empty(L, 2 * H * D, 16), k_norm_weight, 1e-6, cos_sin_cache, num_kv_heads=H)
 materializer(torch.empty(T, 16))  # E: call-arg
-materializer(torch.empty(T, 16), positions, cache_loc)  # E: call-arg
+materializer(torch.empty(T, 16), positions, cache_loc, k_pool, v_pool)  # E: call-arg
+materializer(torch.empty(T, 16), positions, k_out=[k_pool])  # E: arg-type
 materializer(hidden=torch.empty(T, 16), position=positions)  # E: call-arg
 k3, v3, extra3 = materializer(torch.empty(T, 16), positions)  # E: misc
 materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool)  # E: call-arg
