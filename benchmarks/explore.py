@@ -54,25 +54,17 @@ def launch_args(
     case: _bench.Case, x: _bench.Inputs, block_t: int, warps: int, split: bool, full_row: bool | None
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments, warps)`` of the product kernel with a chosen configuration."""
-    real = (_launch.block_config, _launch.SPLIT_KV, _launch.FULL_ROW)
-    bh = triton.next_power_of_2(case.num_kv_heads)
-    bd = triton.next_power_of_2(case.head_dim)
-    _launch.block_config = lambda *a: (block_t, bh, bd, warps)  # type: ignore[assignment]
-    _launch.SPLIT_KV, _launch.FULL_ROW = split, full_row
-    try:
-        if case.pool:
-            kd, vd, slots = x.k_pool, x.v_pool, x.slots
-            scale = 0.5 if case.pool == "fp8" else None
-        else:
-            kd, vd, slots, scale = x.k_out, x.v_out, None, None
-        grid, params, _ = _launch.launch_params(
-            x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, kd, _strides(kd), vd, _strides(vd), None,
-            num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=1, num_rows=kd.shape[1],
-            neox=case.rope_style == "neox", k_scale=scale,
-            v_scale=scale,
-        )  # fmt: skip
-    finally:
-        _launch.block_config, _launch.SPLIT_KV, _launch.FULL_ROW = real
+    config = _launch.KVConfig(block_t=block_t, split_kv=split, full_row=full_row)
+    if case.pool:
+        kd, vd, slots = x.k_pool, x.v_pool, x.slots
+        scale = 0.5 if case.pool == "fp8" else None
+    else:
+        kd, vd, slots, scale = x.k_out, x.v_out, None, None
+    grid, params, _ = _launch.launch_params(
+        x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, kd, _strides(kd), vd, _strides(vd), None,
+        num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=1, num_rows=kd.shape[1],
+        neox=case.rope_style == "neox", k_scale=scale, v_scale=scale, config=config,
+    )  # fmt: skip
     # The requested warps, not the launcher's own choice for this shape.
     return grid, params, warps
 

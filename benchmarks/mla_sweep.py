@@ -3,7 +3,7 @@
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/mla_sweep.py``. For each
 MLA bench case at T = 16384 and 65536, every (elements per program, warps) pair is timed as
 `typedkv bench` times (CUDA-graph replays over rotating inputs) and printed as % of copy; the best
-pair is what `typedkv._launch.MLA_TILE` / `MLA_WARPS` should be. Results feed benchmarks/NOTES.md.
+pair is what `typedkv._launch.MLAConfig`'s defaults should be. Results feed benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def main() -> None:
         sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
         inputs = [_bench.make_inputs(case, num_tokens, device) for _ in range(sets)]
         for tile, warps in itertools.product((512, 1024, 2048, 4096), (1, 2, 4, 8)):
-            _launch.MLA_TILE, _launch.MLA_WARPS = tile, warps
-            calls = [_launch_of(case, x) for x in inputs]
+            config = _launch.MLAConfig(tile, warps)
+            calls = [_launch_of(case, x, config) for x in inputs]
             us = _bench.gpu_time_us(calls)
             print(
                 f"{case.name:>26} T={num_tokens:<6} tile={tile:<5} warps={warps}  {us:9.1f} us  "
@@ -39,8 +39,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def _launch_of(case: _bench.Case, x: _bench.Inputs) -> Callable[[], None]:
-    """One launch with the current knobs (built here: the ops cache their launch per layout)."""
+def _launch_of(case: _bench.Case, x: _bench.Inputs, config: _launch.MLAConfig) -> Callable[[], None]:
+    """One launch with ``config`` (built here: the ops cache their launch per layout, with the default)."""
     neox = case.rope_style == "neox"
     scale = 0.5 if case.pool == "fp8" else None
     if case.pool:
@@ -50,7 +50,7 @@ def _launch_of(case: _bench.Case, x: _bench.Inputs) -> Callable[[], None]:
         rows = pool.shape[1] * page
         launch = _launch.mla_launch(
             x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, pool, strides, None,
-            kv_lora_rank=case.kv_lora_rank, page_size=page, num_rows=rows, neox=neox, kv_scale=scale,
+            kv_lora_rank=case.kv_lora_rank, page_size=page, num_rows=rows, neox=neox, kv_scale=scale, config=config,
         )  # fmt: skip
         values = _launch.mla_varying(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, pool, None, scale)
     else:
@@ -58,6 +58,7 @@ def _launch_of(case: _bench.Case, x: _bench.Inputs) -> Callable[[], None]:
         launch = _launch.mla_launch(
             x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, None, out, (out.stride(0), out.stride(1), 0), None,
             kv_lora_rank=case.kv_lora_rank, page_size=1, num_rows=out.shape[1], neox=neox, kv_scale=None,
+            config=config,
         )  # fmt: skip
         values = _launch.mla_varying(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, None, out, None, None)
     return lambda: launch(values)

@@ -40,11 +40,17 @@ def test_kernel_matches_float64(
 
 @pytest.mark.parametrize("rope_style", STYLES)
 def test_kernel_matches_the_cpu_path(rope_style: RopeStyle) -> None:
-    """The GPU's rows are the CPU path's to one ulp of bfloat16 (float32 sums and rsqrt differ in order)."""
+    """The GPU's rows are the CPU path's to one bfloat16 ulp of each row's largest value.
+
+    float32 sums and rsqrt differ in order, so a normed value may round to its other
+    neighbour; RoPE then mixes two such values, and where they nearly cancel the
+    difference is one ulp of the inputs, not of the (small) result.
+    """
     inputs = make_inputs(64, 5, 512, 64, torch.bfloat16, rope_style, per_layer_eps=True, device=CUDA)
     gpu = inputs.dense().cpu().float()
     cpu = inputs.cpu().dense().float()
-    assert ((gpu - cpu).abs() <= torch.finfo(torch.bfloat16).eps * cpu.abs() + 1e-30).all()
+    row_max = cpu.abs().amax(-1, keepdim=True)
+    assert ((gpu - cpu).abs() <= torch.finfo(torch.bfloat16).eps * row_max).all()
     assert (gpu == cpu).float().mean() > 0.99
 
 

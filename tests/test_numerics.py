@@ -316,6 +316,7 @@ _KERNEL_CONFIGS = [
 ]
 
 
+@pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("rope_style", STYLES)
 @pytest.mark.parametrize(
     ("block_t", "split_kv", "layer_fast", "full_row"),
@@ -327,34 +328,24 @@ _KERNEL_CONFIGS = [
 )
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
 def test_kernel_configs(
-    monkeypatch: pytest.MonkeyPatch,
-    block_t: int,
-    split_kv: bool,
-    layer_fast: bool,
-    full_row: bool,
-    rope_style: RopeStyle,
-    norm: bool,
+    block_t: int, split_kv: bool, layer_fast: bool, full_row: bool, rope_style: RopeStyle, norm: bool
 ) -> None:
-    """Every launch configuration computes the same thing, partial token blocks included.
-
-    Each configuration gets its own cache length P, so its own layout: the op
-    caches the launch configuration per layout (shapes, strides, dtypes).
-    """
-    index = _KERNEL_CONFIGS.index((block_t, split_kv, layer_fast, full_row)) + STYLES.index(rope_style) * len(
-        _KERNEL_CONFIGS
-    )
-    default = _launch.block_config
-
-    def config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-        return (block_t, *default(num_tokens, num_layers, num_kv_heads, head_dim)[1:])
-
-    monkeypatch.setattr(_launch, "block_config", config)
-    monkeypatch.setattr(_launch, "SPLIT_KV", split_kv)
-    monkeypatch.setattr(_launch, "LAYER_FAST", layer_fast)
-    monkeypatch.setattr(_launch, "FULL_ROW", full_row)
+    """Every launch configuration computes the same thing, partial token blocks included."""
+    config = _launch.KVConfig(block_t=block_t, split_kv=split_kv, full_row=full_row, layer_fast=layer_fast)
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
-    index += 0 if norm else 2 * len(_KERNEL_CONFIGS)
-    check(make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, num_positions=1000 + index, norm=norm))
+    case = make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, norm=norm)
+    k_out, v_out = torch.empty(case.out_shape, dtype=case.kv.dtype), torch.empty(case.out_shape, dtype=case.kv.dtype)
+    strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
+    args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
+    launch = _launch.Launch(
+        *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
+        head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=rope_style == "neox", k_scale=None, v_scale=None,
+        config=config,
+    )  # fmt: skip
+    # The configuration asked for is the one launched: programs per token block and layer, K/V split.
+    assert launch.grid == (-(-21 // block_t) * 2, 1, 2 if split_kv else 1)
+    launch(_launch.varying(*args, k_out, v_out, None, None, None))
+    assert_matches_reference(case, k_out, v_out)
 
 
 # --------------------------------------------------------------------------- argument kinds

@@ -18,6 +18,7 @@ import inspect
 import math
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,17 +39,27 @@ _INTERPRETER_LOCK = threading.Lock()
 # K of >= 1024 elements, 1 warp for several tokens of a narrow K; K and V in
 # one program, except for small batches, where separate K and V programs (grid
 # axis 2) give the SMs twice as many programs; a token's layers on neighbouring
-# programs, so kv is read front to back. SPLIT_KV and FULL_ROW are None (chosen
-# by size and shape) or forced, for tests and sweeps.
-SPLIT_KV: bool | None = None
-FULL_ROW: bool | None = None
-LAYER_FAST = True
+# programs, so kv is read front to back.
 _SPLIT_BELOW_PROGRAMS = 4096
 
 
+@dataclass(frozen=True)
+class KVConfig:
+    """How the K/V kernel is launched: each field ``None`` is chosen by size and shape, as measured.
+
+    The ops always launch with the default; tests and sweeps build launches
+    with other configurations (every one computes the same thing).
+    """
+
+    block_t: int | None = None  # tokens per program
+    split_kv: bool | None = None  # K and V in separate programs (grid axis 2)
+    full_row: bool | None = None  # K as one tile (NeoX RoPE over part of the head only)
+    layer_fast: bool = True  # a token's layers on neighbouring programs
+
+
 @functools.lru_cache(maxsize=1024)
-def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for one launch (cached: it runs on every new layout)."""
+def block_config(num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_H, BLOCK_D, num_warps)`` for a head shape (cached: it runs on every new layout)."""
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     tile = block_h * block_d
@@ -57,17 +68,17 @@ def block_config(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: 
     return min(4, 1024 // tile), block_h, block_d, 1
 
 
-def split_kv(num_tokens: int, num_layers: int, block_t: int) -> bool:
+def split_kv(num_tokens: int, num_layers: int, block_t: int, config: KVConfig) -> bool:
     """Whether K and V go to separate programs: only when there are few programs."""
-    if SPLIT_KV is not None:
-        return SPLIT_KV
+    if config.split_kv is not None:
+        return config.split_kv
     return triton.cdiv(num_tokens, block_t) * num_layers < _SPLIT_BELOW_PROGRAMS
 
 
-def full_row(head_dim: int, rotary_dim: int, neox: bool) -> bool:
+def full_row(head_dim: int, rotary_dim: int, neox: bool, config: KVConfig) -> bool:
     """Whether K is handled as one tile (`_k_row`): NeoX RoPE over part of the head."""
-    if FULL_ROW is not None:
-        return FULL_ROW and neox
+    if config.full_row is not None:
+        return config.full_row and neox
     return neox and rotary_dim < head_dim
 
 
@@ -102,6 +113,7 @@ def launch_params(
     neox: bool,
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
+    config: KVConfig = KVConfig(),
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
@@ -112,13 +124,14 @@ def launch_params(
     ``[0, num_rows)`` are skipped. ``layer_offsets`` is a ``[2, L]`` int64 table
     of element offsets from ``k_dst``/``v_dst`` to each layer's tensor
     (``None``: layer ``l`` starts at ``l * stride``). ``k_norm_weight`` None:
-    no K norm.
+    no K norm. ``config``: the launch configuration (the default: chosen by size).
     """
     num_tokens, num_layers, _ = kv.shape
     rotary_dim = cos_sin_cache.shape[1]
-    block_t, block_h, block_d, num_warps = block_config(num_tokens, num_layers, num_kv_heads, head_dim)
-    split = split_kv(num_tokens, num_layers, block_t)
-    row = full_row(head_dim, rotary_dim, neox)
+    block_t, block_h, block_d, num_warps = block_config(num_kv_heads, head_dim)
+    block_t = config.block_t or block_t
+    split = split_kv(num_tokens, num_layers, block_t, config)
+    row = full_row(head_dim, rotary_dim, neox, config)
     if row and not split:
         # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
@@ -148,7 +161,7 @@ def launch_params(
         num_kv_heads, head_dim, rotary_dim, neox, norm, eps_t is not None, slots is not None, page_size,
         layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, LAYER_FAST,
+        *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
         row,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
@@ -288,19 +301,26 @@ def _constexpr_indices(kernel: Any) -> frozenset[int]:
 
 # ---------------------------------------------------------------------- MLA
 
-# A latent row of 512 in registers per token: about MLA_TILE elements per program
-# over MLA_WARPS warps (None: 4 for a tile of >= 1024 elements), the dense
-# kernel's rule for a wide K; benchmarks/mla_sweep.py sweeps both on a GPU.
-MLA_TILE = 2048
-MLA_WARPS: int | None = None
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """How the MLA kernel is launched: about ``tile`` elements of latent rows per program.
+
+    ``num_warps`` None: 4 for a tile of >= 1024 elements, else 1 (the dense
+    kernel's rule for a wide K); benchmarks/mla_sweep.py sweeps both on a GPU.
+    """
+
+    tile: int = 2048
+    num_warps: int | None = None
 
 
 @functools.lru_cache(maxsize=64)
-def mla_block_config(kv_lora_rank: int, rotary_dim: int, tile: int, warps: int | None) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_C, BLOCK_HALF, num_warps)`` of the MLA kernel for about ``tile`` elements per program."""
+def mla_block_config(kv_lora_rank: int, rotary_dim: int, config: MLAConfig) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_C, BLOCK_HALF, num_warps)`` of the MLA kernel."""
     block_c = triton.next_power_of_2(max(kv_lora_rank, 1))
     block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    block_t = max(1, tile // block_c)
+    block_t = max(1, config.tile // block_c)
+    warps = config.num_warps
     if warps is None:
         warps = 4 if block_t * block_c >= 1024 else 1
     return block_t, block_c, block_half, warps
@@ -323,17 +343,19 @@ def mla_launch(
     neox: bool,
     kv_scale: float | torch.Tensor | None,
     table_multiple: int = 1,
+    config: MLAConfig = MLAConfig(),
 ) -> KernelLaunch:
     """The MLA kernel's launch; called with `mla_varying`'s values.
 
     ``strides`` are ``(layer, page, slot in page)`` element strides of ``dst``
     (rows are contiguous); the rest as in `launch_params`, with a ``[L]`` table
     of ``layer_offsets``, each a multiple of ``table_multiple`` elements (for
-    every call of the launch: the caller checks).
+    every call of the launch: the caller checks). ``config``: the launch
+    configuration (the default unless a sweep asks for another).
     """
     num_tokens, num_layers, _ = ckv.shape
     rotary_dim = cos_sin_cache.shape[1]
-    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim, MLA_TILE, MLA_WARPS)
+    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim, config)
     ckv_, w, eps_t, eps_f, cs, pos, slots_, dst_, table, scale_t, scale_f = mla_varying(
         ckv, kv_norm_weight, eps, cos_sin_cache, positions, slots, dst, layer_offsets, kv_scale
     )
