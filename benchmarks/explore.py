@@ -63,7 +63,7 @@ def launch_args(
     grid, params, _ = _launch.launch_params(
         x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, kd, _strides(kd), vd, _strides(vd), None,
         num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=1, num_rows=kd.shape[1],
-        neox=case.rope_style == "neox", k_scale=scale, v_scale=scale, config=config,
+        neox=case.rope_style == "neox", scales=(scale, scale), config=config,
     )  # fmt: skip
     # The requested warps, not the launcher's own choice for this shape.
     return grid, params, warps

@@ -84,14 +84,12 @@ def host_breakdown() -> dict[str, float]:
 
     typedkv.materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out)
     plan = sig.plan(args, lambda b: None)
-    values = _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None)
+    values = _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None)
     out = {
         "full_check_us": timed(lambda: sig.check(args)),
         "plan_lookup_us": timed(lambda: sig.plan(args, lambda b: None)),
         "varying_us": timed(
-            lambda: _launch.varying(
-                x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None, None, None
-            )
+            lambda: _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None)
         ),
         "launch_call_us": timed(lambda: plan.launch(values)),
         "direct_compiled": float(plan.launch.compiled is not None),

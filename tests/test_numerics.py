@@ -339,12 +339,11 @@ def test_kernel_configs(
     args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
     launch = _launch.Launch(
         *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
-        head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=rope_style == "neox", k_scale=None, v_scale=None,
-        config=config,
+        head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=rope_style == "neox", config=config,
     )  # fmt: skip
     # The configuration asked for is the one launched: programs per token block and layer, K/V split.
     assert launch.grid == (-(-21 // block_t) * 2, 1, 2 if split_kv else 1)
-    launch(_launch.varying(*args, k_out, v_out, None, None, None))
+    launch(_launch.varying(*args, k_out, v_out, None))
     assert_matches_reference(case, k_out, v_out)
 
 

@@ -396,7 +396,6 @@ def sglang_style_wrapper(
         k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
         v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
         None, num_kv_heads=num_kv_heads, head_dim=k_norm_weight.shape[1], page_size=1, num_rows=total_ctx, neox=True,
-        k_scale=None, v_scale=None,
     )  # fmt: skip
     kernel: Any = _launch.materialize_kv_kernel
     kernel[grid](*params, num_warps=num_warps)
@@ -457,7 +456,6 @@ def host_overhead(device: torch.device) -> dict[str, float]:
         x.k_out, (x.k_out.stride(0), x.k_out.stride(1), 0, x.k_out.stride(2)),
         x.v_out, (x.v_out.stride(0), x.v_out.stride(1), 0, x.v_out.stride(2)),
         None, num_kv_heads=H, head_dim=x.weight.shape[1], page_size=1, num_rows=16, neox=True,
-        k_scale=None, v_scale=None,
     )  # fmt: skip
     kernel: Any = _launch.materialize_kv_kernel
 

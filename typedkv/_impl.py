@@ -145,12 +145,9 @@ def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
             k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
             v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
             None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
-            k_scale=None, v_scale=None,
         )  # fmt: skip
     plan.launch(
-        _launch.varying(
-            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None, None, None
-        )
+        _launch.varying(kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None)
     )
     return k_out, v_out
 
@@ -207,27 +204,18 @@ def materialize_kv_into_pool(call: PoolCall) -> None:
         # layer 0's address plus an offset table for the others.
         k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
         k_dst, v_dst, table = k_list[0], v_list[0], layer_table(k_list, v_list)
+    scales = (call.k_scale, call.v_scale)
     if plan.launch is None:
         plan.launch = _launch.Launch(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
             table, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=geometry.page_size,
-            num_rows=geometry.num_slots, neox=neox, k_scale=call.k_scale, v_scale=call.v_scale,
+            num_rows=geometry.num_slots, neox=neox, scales=scales,
         )  # fmt: skip
     plan.launch(
         _launch.varying(
-            kv,
-            call.k_norm_weight,
-            eps,
-            call.cos_sin_cache,
-            call.positions,
-            call.cache_loc,
-            k_dst,
-            v_dst,
-            table,
-            call.k_scale,
-            call.v_scale,
+            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, k_dst, v_dst, table, scales
         )
     )
 

@@ -111,8 +111,7 @@ def launch_params(
     page_size: int,
     num_rows: int,
     neox: bool,
-    k_scale: float | torch.Tensor | None,
-    v_scale: float | torch.Tensor | None,
+    scales: tuple[Scale, Scale] = (None, None),
     config: KVConfig = KVConfig(),
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
@@ -124,7 +123,9 @@ def launch_params(
     ``[0, num_rows)`` are skipped. ``layer_offsets`` is a ``[2, L]`` int64 table
     of element offsets from ``k_dst``/``v_dst`` to each layer's tensor
     (``None``: layer ``l`` starts at ``l * stride``). ``k_norm_weight`` None:
-    no K norm. ``config``: the launch configuration (the default: chosen by size).
+    no K norm. ``scales``: K's and V's FP8 scales (float, ``[L]`` tensor or
+    None), for FP8 destinations only. ``config``: the launch configuration (the
+    default: chosen by size).
     """
     num_tokens, num_layers, _ = kv.shape
     rotary_dim = cos_sin_cache.shape[1]
@@ -137,7 +138,7 @@ def launch_params(
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
         num_warps = min(8, max(1, block_h * block_d // 2048))
     _, _, eps_t, eps_f, *_, k_t, k_f, v_t, v_f = varying(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, k_scale, v_scale
+        kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scales
     )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
@@ -159,7 +160,7 @@ def launch_params(
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         num_kv_heads, head_dim, rotary_dim, neox, norm, eps_t is not None, slots is not None, page_size,
-        layer_offsets is not None, _scale_mode(k_scale, k_dst), _scale_mode(v_scale, v_dst),
+        layer_offsets is not None, _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
         row,
@@ -168,6 +169,10 @@ def launch_params(
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+Scale = float | torch.Tensor | None
+"""An FP8 destination's scale: one float, an ``[L]`` tensor read in the kernel, or None (1.0)."""
 
 
 def varying(
@@ -180,33 +185,23 @@ def varying(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     layer_offsets: torch.Tensor | None,
-    k_scale: float | torch.Tensor | None,
-    v_scale: float | torch.Tensor | None,
+    scales: tuple[Scale, Scale] = (None, None),
 ) -> tuple[Any, ...]:
-    """The per-call kernel arguments, in kernel order (the slots `KernelLaunch` fills on each call)."""
-    eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
-    k_t, k_f = (
-        (k_scale, 1.0) if isinstance(k_scale, torch.Tensor) else (None, 1.0 if k_scale is None else float(k_scale))
-    )
-    v_t, v_f = (
-        (v_scale, 1.0) if isinstance(v_scale, torch.Tensor) else (None, 1.0 if v_scale is None else float(v_scale))
-    )
+    """The per-call kernel arguments, in kernel order (the slots `KernelLaunch` fills on each call).
+
+    ``scales``: K's and V's, as in `launch_params`.
+    """
     return (
-        kv,
-        k_norm_weight,
-        eps_t,
-        eps_f,
-        cos_sin_cache,
-        positions,
-        slots,
-        k_dst,
-        v_dst,
-        layer_offsets,
-        k_t,
-        k_f,
-        v_t,
-        v_f,
-    )
+        kv, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst,
+        layer_offsets, *_number_or_tensor(scales[0], 1.0), *_number_or_tensor(scales[1], 1.0),
+    )  # fmt: skip
+
+
+def _number_or_tensor(value: float | torch.Tensor | None, default: float) -> tuple[torch.Tensor | None, float]:
+    """A kernel's ``(tensor, float)`` argument pair: the tensor when given (read per layer), else the float."""
+    if isinstance(value, torch.Tensor):
+        return value, default
+    return None, default if value is None else float(value)
 
 
 def _hooks_idle() -> bool:
@@ -395,12 +390,9 @@ def mla_varying(
     kv_scale: float | torch.Tensor | None,
 ) -> tuple[Any, ...]:
     """The MLA kernel's per-call arguments, in kernel order."""
-    eps_t, eps_f = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
-    scale_t, scale_f = (
-        (kv_scale, 1.0) if isinstance(kv_scale, torch.Tensor) else (None, 1.0 if kv_scale is None else float(kv_scale))
-    )
     return (
-        ckv, kv_norm_weight, eps_t, eps_f, cos_sin_cache, positions, slots, dst, layer_offsets, scale_t, scale_f
+        ckv, kv_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, dst, layer_offsets,
+        *_number_or_tensor(kv_scale, 1.0),
     )  # fmt: skip
 
 
