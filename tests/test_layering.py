@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
     ("_demo", "_bench", "_bench_e2e"),
     ("_materializer", "_mla_materializer"),
+    ("_projection",),  # what the materializers share
     ("_api", "_rope_tables", "_mla"),  # the public face
     ("_torch_ops",),  # the torch ops
     ("_impl", "_mla_impl"),  # the checked implementation

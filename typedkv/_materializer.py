@@ -5,7 +5,7 @@ workspace the object keeps) and one fused launch. The workspace grows to the
 next power of two of ``T`` and is reused after that: a decode loop at a fixed
 ``T`` allocates nothing for it, and nothing in a call waits for the device, so
 the call can be captured in a CUDA graph -- where it writes into rows of the
-graph's own, never into the eager workspace (see `KVMaterializer._workspace_rows`).
+graph's own, never into the eager workspace (see `typedkv._projection.Workspace`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._api import materialize_kv, materialize_kv_into_pool
-from ._checking import Bound, Signature, check_numbers
-from ._errors import InputError
+from ._checking import Bound, Signature
 from ._impl import ROTARY_RULE
-from ._messages import fmt_dtype
+from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -144,11 +143,15 @@ class KVMaterializer(nn.Module):
         ] = None,
     ) -> None:
         super().__init__()
-        _check_layer_counts(kv_weight, k_norm_weight, kv_bias, eps)
-        layer_eps = _eps_of_layers(eps, cos_sin_cache)
+        check_layer_counts(
+            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, _STACKED_DIMS
+        )
+        layer_eps = eps_of_layers(eps, cos_sin_cache)
         bound = _WEIGHTS.check((k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style))
-        _check_layer_dtypes(kv_weight, k_norm_weight, kv_bias)
-        weight = _stacked(kv_weight)
+        check_layer_dtypes(
+            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias}, "kv_weight", "kv_bias"
+        )
+        weight = stacked(kv_weight)
         self.num_layers = weight.shape[0]
         self.num_kv_heads = num_kv_heads
         self.head_dim = bound.dims["D"]
@@ -156,16 +159,16 @@ class KVMaterializer(nn.Module):
         self.rope_style: RopeStyle = rope_style
         # All layers' rows as one nn.Linear weight [L*2*H*D, hidden]: the GEMM's layer-major output is kv's layout.
         self.register_buffer("kv_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
-        bias = None if kv_bias is None else _stacked(kv_bias).flatten()
+        bias = None if kv_bias is None else stacked(kv_bias).flatten()
         self.register_buffer("kv_bias", bias, persistent=False)
-        norm = None if k_norm_weight is None else _stacked(k_norm_weight)
+        norm = None if k_norm_weight is None else stacked(k_norm_weight)
         self.register_buffer("k_norm_weight", norm, persistent=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
         if isinstance(layer_eps, Tensor):
             self.register_buffer("eps", layer_eps.detach(), persistent=False)
         else:
             self.eps = cast(float, layer_eps)
-        self._workspace: Tensor | None = None
+        self._rows = Workspace()
 
     @static_jaxtyping("T")
     def forward(
@@ -268,107 +271,15 @@ class KVMaterializer(nn.Module):
             return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
         _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
         num_tokens = hidden.shape[0]
-        out = self._workspace_rows(num_tokens)
-        if hidden.requires_grad and torch.is_grad_enabled():
-            # Inference only: the GEMM into the workspace records no autograd history (nor could it, with out=).
-            with torch.no_grad():
-                self._gemm(hidden, out)
-        else:
-            self._gemm(hidden, out)
+        out = self._rows.rows(num_tokens, self.kv_weight)
+        gemm(hidden, self.kv_weight, self.kv_bias, out)
         return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
-    def _gemm(self, hidden: Tensor, out: Tensor) -> None:
-        if self.kv_bias is None:
-            torch.mm(hidden, self.kv_weight.t(), out=out)
-        else:
-            torch.addmm(self.kv_bias, hidden, self.kv_weight.t(), out=out)
-
-    def _workspace_rows(self, num_tokens: int) -> Tensor:
-        """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
-
-        A CUDA graph writes on every replay to the buffer it was captured with,
-        so a capture never uses the eager workspace, which a later eager call
-        may replace and free: it allocates its own rows, which come from the
-        graph's private memory pool and stay the graph's for as long as it can
-        replay (the caching allocator hands a graph's blocks to nothing else).
-        """
-        weight = self.kv_weight
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        workspace = self._workspace
-        if (
-            workspace is None
-            or workspace.shape[0] < num_tokens
-            or workspace.dtype != weight.dtype
-            or workspace.device != weight.device
-        ):
-            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
-            # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
-            with torch.inference_mode(False):
-                workspace = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-            self._workspace = workspace
-        return workspace[:num_tokens]
+    @property
+    def _workspace(self) -> Tensor | None:
+        """The eager GEMM's output buffer (None before the first eager call)."""
+        return self._rows.buffer
 
 
 def _checked(bound: Bound) -> bool:
     return True
-
-
-def _layer_count(value: object, stacked_dims: int) -> int | None:
-    if isinstance(value, Tensor):
-        return int(value.shape[0]) if value.dim() == stacked_dims else None
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return None
-
-
-def _check_layer_counts(kv_weight: object, k_norm_weight: object, kv_bias: object, eps: object) -> None:
-    """Every per-layer argument has as many layers as kv_weight (the signature cannot tell for sequences)."""
-    num_layers = _layer_count(kv_weight, _STACKED_DIMS["kv_weight"])
-    if num_layers == 0:
-        raise InputError("kv_weight: expected at least one layer, got none")
-    if num_layers is None:
-        return  # neither layers nor a sequence: the signature check names the problem
-    for name, value in (("k_norm_weight", k_norm_weight), ("kv_bias", kv_bias), ("eps", eps)):
-        count = _layer_count(value, _STACKED_DIMS[name])
-        if count is not None and count != num_layers:
-            raise InputError(f"{name}: expected L={num_layers} layers (kv_weight has {num_layers}), got {count}")
-
-
-def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
-    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
-    if not isinstance(eps, (list, tuple)):
-        return eps
-    check_numbers("eps", eps)
-    device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
-    return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
-
-
-def _check_layer_dtypes(
-    kv_weight: Tensor | Sequence[Tensor],
-    k_norm_weight: Tensor | Sequence[Tensor] | None,
-    kv_bias: Tensor | Sequence[Tensor] | None,
-) -> None:
-    for name, value in (("kv_weight", kv_weight), ("k_norm_weight", k_norm_weight), ("kv_bias", kv_bias)):
-        if isinstance(value, (list, tuple)) and value:
-            for i, layer in enumerate(value):
-                if layer.dtype != value[0].dtype:
-                    raise InputError(
-                        f"{name}[{i}]: expected dtype {fmt_dtype(value[0].dtype)} ({name}[0]'s), got {fmt_dtype(layer.dtype)}: "
-                        "the layers share one dtype"
-                    )
-    if kv_bias is not None:
-        weight_dtype, bias_dtype = _stacked_dtype(kv_weight), _stacked_dtype(kv_bias)
-        if bias_dtype != weight_dtype:
-            raise InputError(
-                f"kv_bias: expected dtype {fmt_dtype(weight_dtype)} (kv_weight's), got {fmt_dtype(bias_dtype)}: "
-                f"convert it with kv_bias.to(torch.{fmt_dtype(weight_dtype)})"
-            )
-
-
-def _stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
-    return value.detach() if isinstance(value, Tensor) else torch.stack([layer.detach() for layer in value])
-
-
-def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
-    return value.dtype if isinstance(value, Tensor) else value[0].dtype

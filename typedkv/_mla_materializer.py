@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checking import Bound, Signature, check_numbers
-from ._errors import InputError
-from ._messages import fmt_dtype
+from ._checking import Bound, Signature
 from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
 from ._mla_impl import ROTARY_RULE
+from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
 from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -140,11 +139,18 @@ class MLAKVMaterializer(nn.Module):
         ] = None,
     ) -> None:
         super().__init__()
-        _check_layer_counts(kv_a_weight, kv_norm_weight, kv_a_bias, eps)
-        layer_eps = _eps_of_layers(eps, cos_sin_cache)
+        check_layer_counts(
+            {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps},
+            _STACKED_DIMS,
+        )
+        layer_eps = eps_of_layers(eps, cos_sin_cache)
         bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
-        _check_layer_dtypes(kv_a_weight, kv_norm_weight, kv_a_bias)
-        weight = _stacked(kv_a_weight)
+        check_layer_dtypes(
+            {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias},
+            "kv_a_weight",
+            "kv_a_bias",
+        )
+        weight = stacked(kv_a_weight)
         self.num_layers = weight.shape[0]
         self.kv_lora_rank = bound.dims["C"]
         self.rotary_dim = bound.dims["R"]
@@ -152,16 +158,16 @@ class MLAKVMaterializer(nn.Module):
         self.rope_style: RopeStyle = rope_style
         # All layers' rows as one nn.Linear weight [L*(C+R), hidden]: the GEMM's layer-major output is ckv's layout.
         self.register_buffer("kv_a_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
-        bias = None if kv_a_bias is None else _stacked(kv_a_bias).flatten()
+        bias = None if kv_a_bias is None else stacked(kv_a_bias).flatten()
         self.register_buffer("kv_a_bias", bias, persistent=False)
-        norm = None if kv_norm_weight is None else _stacked(kv_norm_weight)
+        norm = None if kv_norm_weight is None else stacked(kv_norm_weight)
         self.register_buffer("kv_norm_weight", norm, persistent=False)
         self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
         if isinstance(layer_eps, Tensor):
             self.register_buffer("eps", layer_eps.detach(), persistent=False)
         else:
             self.eps = cast(float, layer_eps)
-        self._workspace: Tensor | None = None
+        self._rows = Workspace()
 
     @static_jaxtyping("T")
     def forward(
@@ -253,106 +259,15 @@ class MLAKVMaterializer(nn.Module):
             return F.linear(hidden, self.kv_a_weight, self.kv_a_bias).view(hidden.shape[0], self.num_layers, width)
         _PROJECTION.plan((self.kv_a_weight, hidden, positions, cache_loc), _accepted)
         num_tokens = hidden.shape[0]
-        rows = self._workspace_rows(num_tokens)
-        if hidden.requires_grad and torch.is_grad_enabled():
-            # Inference only: the GEMM into the workspace records no autograd history (nor could it, with out=).
-            with torch.no_grad():
-                self._gemm(hidden, rows)
-        else:
-            self._gemm(hidden, rows)
+        rows = self._rows.rows(num_tokens, self.kv_a_weight)
+        gemm(hidden, self.kv_a_weight, self.kv_a_bias, rows)
         return rows.view(num_tokens, self.num_layers, width)
 
-    def _gemm(self, hidden: Tensor, rows: Tensor) -> None:
-        if self.kv_a_bias is None:
-            torch.mm(hidden, self.kv_a_weight.t(), out=rows)
-        else:
-            torch.addmm(self.kv_a_bias, hidden, self.kv_a_weight.t(), out=rows)
-
-    def _workspace_rows(self, num_tokens: int) -> Tensor:
-        """The GEMM's output rows: the eager workspace (grown first if too small), or a capture's own buffer.
-
-        As `KVMaterializer`: a CUDA graph writes to the buffer it was captured
-        with on every replay, so a capture never uses the eager workspace (which
-        a later eager call may replace and free); its rows come from the graph's
-        private memory pool.
-        """
-        weight = self.kv_a_weight
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        workspace = self._workspace
-        if (
-            workspace is None
-            or workspace.shape[0] < num_tokens
-            or workspace.dtype != weight.dtype
-            or workspace.device != weight.device
-        ):
-            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
-            # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
-            with torch.inference_mode(False):
-                workspace = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-            self._workspace = workspace
-        return workspace[:num_tokens]
+    @property
+    def _workspace(self) -> Tensor | None:
+        """The eager GEMM's output buffer (None before the first eager call)."""
+        return self._rows.buffer
 
 
 def _accepted(bound: Bound) -> bool:
     return True
-
-
-def _layer_count(value: object, stacked_dims: int) -> int | None:
-    if isinstance(value, Tensor):
-        return int(value.shape[0]) if value.dim() == stacked_dims else None
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return None
-
-
-def _check_layer_counts(kv_a_weight: object, kv_norm_weight: object, kv_a_bias: object, eps: object) -> None:
-    """Every per-layer argument has as many layers as kv_a_weight (the signature cannot tell for sequences)."""
-    num_layers = _layer_count(kv_a_weight, _STACKED_DIMS["kv_a_weight"])
-    if num_layers == 0:
-        raise InputError("kv_a_weight: expected at least one layer, got none")
-    if num_layers is None:
-        return  # neither layers nor a sequence: the signature check names the problem
-    for name, value in (("kv_norm_weight", kv_norm_weight), ("kv_a_bias", kv_a_bias), ("eps", eps)):
-        count = _layer_count(value, _STACKED_DIMS[name])
-        if count is not None and count != num_layers:
-            raise InputError(f"{name}: expected L={num_layers} layers (kv_a_weight has {num_layers}), got {count}")
-
-
-def _eps_of_layers(eps: object, cos_sin_cache: object) -> object:
-    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
-    if not isinstance(eps, (list, tuple)):
-        return eps
-    check_numbers("eps", eps)
-    device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
-    return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
-
-
-def _check_layer_dtypes(
-    kv_a_weight: Tensor | Sequence[Tensor],
-    kv_norm_weight: Tensor | Sequence[Tensor] | None,
-    kv_a_bias: Tensor | Sequence[Tensor] | None,
-) -> None:
-    for name, value in (("kv_a_weight", kv_a_weight), ("kv_norm_weight", kv_norm_weight), ("kv_a_bias", kv_a_bias)):
-        if isinstance(value, (list, tuple)) and value:
-            for i, layer in enumerate(value):
-                if layer.dtype != value[0].dtype:
-                    raise InputError(
-                        f"{name}[{i}]: expected dtype {fmt_dtype(value[0].dtype)} ({name}[0]'s), "
-                        f"got {fmt_dtype(layer.dtype)}: the layers share one dtype"
-                    )
-    if kv_a_bias is not None:
-        weight_dtype, bias_dtype = _stacked_dtype(kv_a_weight), _stacked_dtype(kv_a_bias)
-        if bias_dtype != weight_dtype:
-            raise InputError(
-                f"kv_a_bias: expected dtype {fmt_dtype(weight_dtype)} (kv_a_weight's), got {fmt_dtype(bias_dtype)}: "
-                f"convert it with kv_a_bias.to(torch.{fmt_dtype(weight_dtype)})"
-            )
-
-
-def _stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
-    return value.detach() if isinstance(value, Tensor) else torch.stack([layer.detach() for layer in value])
-
-
-def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
-    return value.dtype if isinstance(value, Tensor) else value[0].dtype

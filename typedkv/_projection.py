@@ -1,0 +1,128 @@
+"""What every materializer module shares: its layers' weights stacked once, and one GEMM per call.
+
+`KVMaterializer` and `MLAKVMaterializer` each hold every layer's projection as
+one ``[L*rows, hidden]`` weight, so a call is one GEMM whose layer-major output is
+the fused kernel's input. The GEMM writes into a workspace that grows to the
+next power of two of ``T`` and is then reused: a decode loop at a fixed ``T``
+allocates nothing for it, and nothing in a call waits for the device. A call
+captured in a CUDA graph writes into rows of the graph's own, never into the
+eager workspace (`Workspace.rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ._checking import check_numbers
+from ._errors import InputError
+from ._messages import fmt_dtype
+
+
+class Workspace:
+    """The GEMM's output rows, kept between eager calls."""
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+
+    def rows(self, num_tokens: int, weight: Tensor) -> Tensor:
+        """``[num_tokens, weight rows]`` for the GEMM: the eager workspace (grown first if too small), or a capture's own.
+
+        A CUDA graph writes on every replay to the buffer it was captured with,
+        so a capture never uses the eager workspace, which a later eager call
+        may replace and free: it allocates its own rows, which come from the
+        graph's private memory pool and stay the graph's for as long as it can
+        replay (the caching allocator hands a graph's blocks to nothing else).
+        """
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        buffer = self.buffer
+        if (
+            buffer is None
+            or buffer.shape[0] < num_tokens
+            or buffer.dtype != weight.dtype
+            or buffer.device != weight.device
+        ):
+            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
+            # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
+            with torch.inference_mode(False):
+                buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+            self.buffer = buffer
+        return buffer[:num_tokens]
+
+
+def gemm(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    """``out = hidden @ weight.T (+ bias)``, with no autograd history (inference only; out= could not record one)."""
+    if hidden.requires_grad and torch.is_grad_enabled():
+        with torch.no_grad():
+            gemm(hidden, weight, bias, out)
+        return
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+def check_layer_counts(arguments: Mapping[str, object], stacked_dims: Mapping[str, int]) -> None:
+    """Every per-layer argument has as many layers as the first (the weight): the signature cannot tell for sequences.
+
+    ``stacked_dims``: each argument's rank when it is one stacked tensor.
+    """
+    (weight_name, weight), *others = arguments.items()
+    num_layers = _layer_count(weight, stacked_dims[weight_name])
+    if num_layers == 0:
+        raise InputError(f"{weight_name}: expected at least one layer, got none")
+    if num_layers is None:
+        return  # neither layers nor a sequence: the signature check names the problem
+    for name, value in others:
+        count = _layer_count(value, stacked_dims[name])
+        if count is not None and count != num_layers:
+            raise InputError(f"{name}: expected L={num_layers} layers ({weight_name} has {num_layers}), got {count}")
+
+
+def _layer_count(value: object, stacked_dims: int) -> int | None:
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.dim() == stacked_dims else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def eps_of_layers(eps: object, cos_sin_cache: object) -> object:
+    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
+    if not isinstance(eps, (list, tuple)):
+        return eps
+    check_numbers("eps", eps)
+    device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
+    return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
+
+
+def check_layer_dtypes(arguments: Mapping[str, Tensor | Sequence[Tensor] | None], weight: str, bias: str) -> None:
+    """The layers of each argument share one dtype, and the bias has the weight's."""
+    for name, value in arguments.items():
+        if isinstance(value, (list, tuple)) and value:
+            for i, layer in enumerate(value):
+                if layer.dtype != value[0].dtype:
+                    raise InputError(
+                        f"{name}[{i}]: expected dtype {fmt_dtype(value[0].dtype)} ({name}[0]'s), "
+                        f"got {fmt_dtype(layer.dtype)}: the layers share one dtype"
+                    )
+    weights, biases = arguments[weight], arguments[bias]
+    if weights is not None and biases is not None:
+        weight_dtype, bias_dtype = _stacked_dtype(weights), _stacked_dtype(biases)
+        if bias_dtype != weight_dtype:
+            raise InputError(
+                f"{bias}: expected dtype {fmt_dtype(weight_dtype)} ({weight}'s), got {fmt_dtype(bias_dtype)}: "
+                f"convert it with {bias}.to(torch.{fmt_dtype(weight_dtype)})"
+            )
+
+
+def stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
+    """Per-layer tensors as one stacked tensor (a stacked tensor as it is), detached."""
+    return value.detach() if isinstance(value, Tensor) else torch.stack([layer.detach() for layer in value])
+
+
+def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
+    return value.dtype if isinstance(value, Tensor) else value[0].dtype
