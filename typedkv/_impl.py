@@ -11,7 +11,7 @@ function's `Signature` here (`DENSE.declare`) instead of this module importing i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -275,12 +275,18 @@ def _pool_layout(call: PoolCall, bound: Bound) -> None:
                     f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
                     f"{tuple(layer.stride())}: per-layer pools must share one layout"
                 )
-    if dtype not in _FP8:
-        for name, scale in (("k_scale", call.k_scale), ("v_scale", call.v_scale)):
-            if scale is not None:
-                raise InputError(
-                    f"{name}: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
-                )
+    check_scales(dtype, {"k_scale": call.k_scale, "v_scale": call.v_scale})
+
+
+def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:
+    """Scales only for an FP8 pool (``dtype``): a scale beside a 16/32-bit pool would be silently unused."""
+    if dtype in _FP8:
+        return
+    for name, scale in scales.items():
+        if scale is not None:
+            raise InputError(
+                f"{name}: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
+            )
 
 
 def check_pool_kinds(k_pool: object, v_pool: object) -> None:

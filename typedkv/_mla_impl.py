@@ -19,7 +19,7 @@ from ._checking import Bound
 from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
-from ._impl import _FP8, Implementation, _debug, _Plan, _planner
+from ._impl import Implementation, _debug, _Plan, _planner, check_scales
 from ._messages import fmt_dtype
 from ._value_checks import check_positions, check_slots
 
@@ -207,10 +207,7 @@ def _pool_layout(call: PoolCall) -> None:
                 f"kv_pool[{i}]: expected strides {tuple(layers[0].stride())} (kv_pool[0]'s), got "
                 f"{tuple(layer.stride())}: per-layer pools must share one layout"
             )
-    scale = call.kv_scale
-    if dtype not in _FP8 and scale is not None:
-        got = f"a tensor of shape {tuple(scale.shape)}" if isinstance(scale, Tensor) else repr(scale)
-        raise InputError(f"kv_scale: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {got}")
+    check_scales(dtype, {"kv_scale": call.kv_scale})
 
 
 def _check_apart(layers: Sequence[Tensor]) -> None:
