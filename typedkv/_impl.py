@@ -72,7 +72,7 @@ class PoolCall(NamedTuple):
 
 
 @dataclass
-class _Plan:
+class Plan:
     """What one checked layout needs at every call."""
 
     bound: Bound
@@ -83,17 +83,17 @@ class _Plan:
     geometry: _Geometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
 
 
-def _planner(check_relations: Callable[[Bound], None] | None = None) -> Callable[[Bound], _Plan]:
-    def build(bound: Bound) -> _Plan:
+def planner(check_relations: Callable[[Bound], None] | None = None) -> Callable[[Bound], Plan]:
+    def build(bound: Bound) -> Plan:
         if check_relations is not None:
             check_relations(bound)
         dims = bound.dims
-        return _Plan(bound, dims["T"] == 0 or dims["L"] == 0, _launch.use_kernel(bound.device))
+        return Plan(bound, dims["T"] == 0 or dims["L"] == 0, _launch.use_kernel(bound.device))
 
     return build
 
 
-def _debug(sig: Signature, plan: _Plan, args: tuple[Any, ...]) -> None:
+def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:
     # The annotations' verdict depends on the layout only: one full beartype +
     # jaxtyping pass per layout; the value checks run on every call.
     if not plan.typechecked:
@@ -112,12 +112,12 @@ def check_dense(call: DenseCall) -> Bound:
 def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
     """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
     sig = DENSE.signature
-    plan: _Plan = sig.plan(call, _planner())
+    plan: Plan = sig.plan(call, planner())
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
     if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
     if debug_enabled():
-        _debug(sig, plan, call)
+        debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     dims = plan.bound.dims
     shape = (dims["L"], dims["T"], dims["H"], dims["D"])
@@ -165,11 +165,11 @@ def check_pool(call: PoolCall) -> Bound:
 def materialize_kv_into_pool(call: PoolCall) -> None:
     """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
     sig = POOL.signature
-    plan: _Plan = sig.plan(call, _planner(lambda bound: _pool_layout(call, bound)))
+    plan: Plan = sig.plan(call, planner(lambda bound: _pool_layout(call, bound)))
     k_pool, v_pool = call.k_pool, call.v_pool
     _check_apart(k_pool, v_pool)
     if debug_enabled():
-        _debug(sig, plan, call)
+        debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     if plan.empty:
         return

@@ -19,7 +19,7 @@ from ._checking import Bound
 from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
-from ._impl import Implementation, _debug, _Plan, _planner, check_scales
+from ._impl import Implementation, Plan, check_scales, debug_pass, planner
 from ._messages import fmt_dtype
 from ._value_checks import check_positions, check_slots
 
@@ -66,10 +66,10 @@ def check_dense(call: DenseCall) -> Bound:
 def materialize_mla_kv(call: DenseCall) -> Tensor:
     """`typedkv.materialize_mla_kv`, eagerly: checked, then launched (or run by the reference)."""
     sig = DENSE.signature
-    plan: _Plan = _checked(lambda c: sig.plan(c, _planner()), call)
+    plan: Plan = _checked(lambda c: sig.plan(c, planner()), call)
     ckv, out = call.ckv, call.out
     if debug_enabled():
-        _debug(sig, plan, call)
+        debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     dims = plan.bound.dims
     if out is None:
@@ -110,12 +110,12 @@ def check_pool(call: PoolCall) -> Bound:
 def materialize_mla_kv_into_pool(call: PoolCall) -> None:
     """`typedkv.materialize_mla_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
     sig = POOL.signature
-    plan: _Plan = _checked(lambda c: sig.plan(c, _planner(lambda bound: _pool_layout(c))), call)
+    plan: Plan = _checked(lambda c: sig.plan(c, planner(lambda bound: _pool_layout(c))), call)
     ckv, kv_pool = call.ckv, call.kv_pool
     if not isinstance(kv_pool, Tensor):
         _check_apart(kv_pool)
     if debug_enabled():
-        _debug(sig, plan, call)
+        debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     if plan.empty:
         return
