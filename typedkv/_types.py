@@ -126,7 +126,7 @@ class PageLayout:
 
     A pool argument is a union of shapes; two of them have the same rank (NHD's
     ``[L, N, B, H, D]`` and HND's ``[L, N, H, B, D]``), so the run-time check
-    picks the one tagged with the call's ``kv_layout``. Static checkers ignore
+    picks the one tagged with the call's layout argument. Static checkers ignore
     the tag and accept any member.
     """
 
