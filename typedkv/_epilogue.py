@@ -1,7 +1,12 @@
-"""The `@triton.jit` pieces every kernel shares: rounding and FP8 stores, the RoPE row, pool addresses.
+"""The `@triton.jit` pieces every kernel shares: rounding and FP8 stores, RMSNorm, the RoPE row, pool addresses.
 
-Math only, no checking. `typedkv._kernel` (per-head K/V) and `typedkv._mla_kernel`
-(MLA latent rows) call them, so both store, round and address pools alike.
+Math only, no checking. `typedkv._kernel` (per-head K/V) and
+`typedkv._mla_kernel` (MLA latent rows) call them, so both store, round, norm
+and address pools alike. Pieces that need many arguments take them grouped as
+tuples: ``QUANT`` (how a value is stored), ``rope`` (positions and the cos/sin
+cache), a pool's page ``strides``. A tuple holds either constexprs (its name in
+capitals, each read as ``X: tl.constexpr = T[i]``) or run-time values (unpacked):
+Triton 3.6 turns a mixed or unpacked tuple's constexprs into run-time values.
 """
 
 from __future__ import annotations
@@ -50,18 +55,20 @@ def _cast(x, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _store_scaled(
-    dst,
-    x,
-    mask,
-    MODE: tl.constexpr,
-    scale,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
-):
-    """Store ``x`` (float32); MODE 0: cast to dst's dtype, 1 and 2: FP8 of ``x / scale``."""
+def _store_scaled(dst, x, mask, scale, QUANT):
+    """Store ``x`` (float32) as ``QUANT`` says.
+
+    ``QUANT`` is ``(MODE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)``, all
+    constexprs: MODE 0 casts to dst's dtype; 1 and 2 store FP8 of ``x / scale``
+    (the FP8 format's largest finite value, mantissa bits and smallest normal
+    exponent follow). SOFT_ROUND as in `_cast`.
+    """
+    # Read one by one, annotated: Triton keeps a tuple's constexprs constant only so.
+    MODE: tl.constexpr = QUANT[0]
+    FP8_MAX: tl.constexpr = QUANT[1]
+    FP8_MANT: tl.constexpr = QUANT[2]
+    FP8_MIN_EXP: tl.constexpr = QUANT[3]
+    SOFT_ROUND: tl.constexpr = QUANT[4]
     if MODE == 0:
         tl.store(dst, _cast(x, dst.dtype.element_ty, SOFT_ROUND), mask=mask)
     else:
@@ -87,25 +94,32 @@ def _store_scaled(
 
 
 @triton.jit
-def _rope_row(
-    positions_ptr,
-    positions_stride,
-    num_positions,
-    tok,
-    tok_ok,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    freq,
-    freq_ok,
-    HALF: tl.constexpr,
-):
+def _rstd(sum_sq, WIDTH: tl.constexpr, eps):
+    """RMSNorm's ``1 / sqrt(mean(x**2) + eps)`` of rows whose squares sum to ``sum_sq`` (float32)."""
+    return tl.rsqrt(sum_sq / WIDTH + eps)
+
+
+@triton.jit
+def _normed(x, rstd, weight, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """``x * rstd * weight`` of ``[T, H, F]`` tiles (``rstd`` ``[T, H, 1]``, ``weight`` ``[F]``; float32).
+
+    Rounded to ``store_ty`` (and back to float32), as the unfused path stores a norm's output.
+    """
+    return _cast(x * rstd * weight[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+
+
+@triton.jit
+def _rope_row(rope, tok, tok_ok, freq, freq_ok, HALF: tl.constexpr):
     """``(pos_ok, cos, sin)`` of each token at frequencies ``freq`` (float32, ``[T, F]``).
 
+    ``rope`` is ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr,
+    cos_sin_stride_p, cos_sin_stride_r)``: the tokens' positions and the
+    ``[P, R]`` cos/sin cache (cos in the first ``HALF`` columns, sin after).
     Issued before K's loads: the position and then its cos/sin row are two
     dependent loads, whose latency then overlaps K's instead of following the
     norm. A position outside ``[0, P)`` is never read (``pos_ok`` is False).
     """
+    positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r = rope
     pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
     pos_ok = (pos >= 0) & (pos < num_positions)
     cs_row = cos_sin_ptr + pos * cos_sin_stride_p
@@ -116,8 +130,12 @@ def _rope_row(
 
 
 @triton.jit
-def _row_offset(row, PAGE: tl.constexpr, stride_page, stride_slot):
-    """Element offset of pool row ``row``: page ``row // PAGE``, slot ``row % PAGE`` (``PAGE`` 1: no pages)."""
+def _row_offset(row, PAGE: tl.constexpr, strides):
+    """Element offset of pool row ``row``: slot ``row % PAGE`` of page ``row // PAGE`` (``PAGE`` 1: no pages).
+
+    ``strides`` is ``(stride_page, stride_slot)``.
+    """
+    stride_page, stride_slot = strides
     if PAGE == 1:
         return row * stride_page
     else:

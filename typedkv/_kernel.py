@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _rope_row, _row_offset, _store_scaled
+from ._epilogue import _cast, _normed, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -41,39 +41,34 @@ def _k_part(
     layer,
     row_ok,
     k_dst,
-    weight_ptr,
-    weight_stride_l,
-    weight_stride_d,
-    eps,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    positions_ptr,
-    positions_stride,
-    num_positions,
+    norm,
+    rope,
     k_scale,
-    store_ty: tl.constexpr,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    R: tl.constexpr,
+    QUANT,
+    SHAPE,
+    BLOCKS,
     NEOX: tl.constexpr,
     NORM: tl.constexpr,
-    K_SCALE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
 ):
     """K of BLOCK_T tokens, all heads, one layer: RMSNorm (if NORM), RoPE, store.
 
-    K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
-    pass-through dims [R, D); each piece is loaded once, contiguously, so no
-    element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1.
-    Without a norm K's values enter RoPE as they are (already in the storage dtype).
+    ``norm`` is ``(weight_ptr, weight_stride_l, weight_stride_d, eps)``,
+    ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H, BLOCK_HALF, BLOCK_PASS)``;
+    ``rope`` and ``QUANT`` as in `typedkv._epilogue`. K is handled as the rotary
+    pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece
+    is loaded once, contiguously, so no element is gathered twice. NeoX pairs
+    dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
+    RoPE as they are (already in the storage dtype).
     """
+    weight_ptr, weight_stride_l, weight_stride_d, eps = norm
+    H: tl.constexpr = SHAPE[0]
+    D: tl.constexpr = SHAPE[1]
+    R: tl.constexpr = SHAPE[2]
+    BLOCK_H: tl.constexpr = BLOCKS[0]
+    BLOCK_HALF: tl.constexpr = BLOCKS[1]
+    BLOCK_PASS: tl.constexpr = BLOCKS[2]
+    SOFT_ROUND: tl.constexpr = QUANT[4]
+    store_ty: tl.constexpr = k_head.dtype.element_ty
     HALF: tl.constexpr = R // 2
     PASS: tl.constexpr = D - R
     head = tl.arange(0, BLOCK_H)
@@ -82,10 +77,7 @@ def _k_part(
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
     # The RoPE row first; a token whose position is outside [0, P) gets NaN in K.
-    pos_ok, cos, sin = _rope_row(
-        positions_ptr, positions_stride, num_positions, tok, tok_ok,
-        cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, pair, pair_ok, HALF,
-    )  # fmt: skip
+    pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
     cos = cos[:, None, :]
     sin = sin[:, None, :]
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
@@ -117,9 +109,9 @@ def _k_part(
         if PASS > 0:
             w3 = tl.load(w_row + (R + rest) * weight_stride_d, mask=rest_ok, other=0.0).to(tl.float32)
             sum_sq += tl.sum(x3 * x3, axis=2)
-        rstd = tl.rsqrt(sum_sq / D + eps)[:, :, None]
-        y1 = _cast(x1 * rstd * w1[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
-        y2 = _cast(x2 * rstd * w2[None, None, :], store_ty, SOFT_ROUND).to(tl.float32)
+        rstd = _rstd(sum_sq, D, eps)[:, :, None]
+        y1 = _normed(x1, rstd, w1, store_ty, SOFT_ROUND)
+        y2 = _normed(x2, rstd, w2, store_ty, SOFT_ROUND)
     else:
         y1 = x1
         y2 = x2
@@ -132,59 +124,21 @@ def _k_part(
     out_ok = row_ok[:, None] & (head < H)[None, :]
     s1 = out_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
-        _store_scaled(
-            k_dst[:, :, None] + pair[None, None, :],
-            o1,
-            s1,
-            K_SCALE,
-            k_scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
-        )
-        _store_scaled(
-            k_dst[:, :, None] + (pair + HALF)[None, None, :],
-            o2,
-            s1,
-            K_SCALE,
-            k_scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
-        )
+        _store_scaled(k_dst[:, :, None] + pair[None, None, :], o1, s1, k_scale, QUANT)
+        _store_scaled(k_dst[:, :, None] + (pair + HALF)[None, None, :], o2, s1, k_scale, QUANT)
     else:
         # Pairs interleaved back into one contiguous row of R dims.
         o = tl.reshape(tl.join(o1, o2), (o1.shape[0], o1.shape[1], 2 * BLOCK_HALF))
         _store_scaled(
-            k_dst[:, :, None] + rot[None, None, :],
-            o,
-            out_ok[:, :, None] & (rot < R)[None, None, :],
-            K_SCALE,
-            k_scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
+            k_dst[:, :, None] + rot[None, None, :], o, out_ok[:, :, None] & (rot < R)[None, None, :], k_scale, QUANT
         )
     if PASS > 0:
         if NORM:
-            y3 = _cast(x3 * rstd * w3[None, None, :], store_ty, SOFT_ROUND).to(tl.float32) + bad
+            y3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
         else:
             y3 = x3 + bad
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
-        _store_scaled(
-            k_dst[:, :, None] + (R + rest)[None, None, :],
-            y3,
-            s3,
-            K_SCALE,
-            k_scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
-        )
+        _store_scaled(k_dst[:, :, None] + (R + rest)[None, None, :], y3, s3, k_scale, QUANT)
 
 
 @triton.jit
@@ -196,37 +150,28 @@ def _k_row(
     layer,
     row_ok,
     k_dst,
-    weight_ptr,
-    weight_stride_l,
-    weight_stride_d,
-    eps,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    positions_ptr,
-    positions_stride,
-    num_positions,
+    norm,
+    rope,
     k_scale,
-    store_ty: tl.constexpr,
+    QUANT,
     D: tl.constexpr,
     R: tl.constexpr,
     NORM: tl.constexpr,
-    K_SCALE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
 ):
     """K with NeoX RoPE over part of the head (R < D): every dim in one tile.
 
-    `_k_part`'s pieces (two rotary halves, then the pass-through dims padded to a
-    power of two) each get their own register layout when R is small beside D,
-    and the norm then moves values between layouts. Here the row is one
-    ``[T, H, D]`` tile; each rotary dim's partner (``d +- R/2``) comes from a
-    second load of the same row (an L1 hit), so the rotation needs no shuffle:
-    ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])`` with ``j = d mod R/2``.
+    Arguments as `_k_part`'s. Its pieces (two rotary halves, then the
+    pass-through dims padded to a power of two) each get their own register
+    layout when R is small beside D, and the norm then moves values between
+    layouts. Here the row is one ``[T, H, D]`` tile; each rotary dim's partner
+    (``d +- R/2``) comes from a second load of the same row (an L1 hit), so the
+    rotation needs no shuffle: ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])``
+    with ``j = d mod R/2``.
     """
+    weight_ptr, weight_stride_l, weight_stride_d, eps = norm
+    SOFT_ROUND: tl.constexpr = QUANT[4]
+    store_ty: tl.constexpr = k_head.dtype.element_ty
     HALF: tl.constexpr = R // 2
     dim = tl.arange(0, BLOCK_D)
     rotary = dim < R
@@ -234,10 +179,7 @@ def _k_row(
     partner = tl.where(first, dim + HALF, dim - HALF)
     freq = tl.where(first, dim, dim - HALF)
     # The RoPE row first, as in `_k_part`; the first half's sin enters negated.
-    pos_ok, cos, sin = _rope_row(
-        positions_ptr, positions_stride, num_positions, tok, tok_ok,
-        cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, freq, rotary, HALF,
-    )  # fmt: skip
+    pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, freq, rotary, HALF)
     sin = tl.where(first[None, :], -sin, sin)[:, None, :]
     cos = cos[:, None, :]
 
@@ -253,7 +195,7 @@ def _k_row(
         w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
         wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
         # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
-        rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]
+        rstd = _rstd(tl.sum(x * x, axis=2), D, eps)[:, :, None]
         y = _cast(x * rstd * w, store_ty, SOFT_ROUND).to(tl.float32)
         yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
     else:
@@ -263,17 +205,7 @@ def _k_row(
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
     out_ok = row_ok[:, None] & head_ok
-    _store_scaled(
-        k_dst[:, :, None] + dim[None, None, :],
-        o,
-        out_ok[:, :, None] & in_row[None, None, :],
-        K_SCALE,
-        k_scale,
-        FP8_MAX,
-        FP8_MANT,
-        FP8_MIN_EXP,
-        SOFT_ROUND,
-    )
+    _store_scaled(k_dst[:, :, None] + dim[None, None, :], o, out_ok[:, :, None] & in_row[None, None, :], k_scale, QUANT)
 
 
 @triton.jit
@@ -283,22 +215,21 @@ def _v_part(
     row_ok,
     v_base,
     row,
-    v_stride_page,
-    v_stride_slot,
+    PAGE: tl.constexpr,
+    v_strides,
     v_stride_h,
     v_scale,
-    PAGE: tl.constexpr,
+    QUANT,
     H: tl.constexpr,
     D: tl.constexpr,
-    V_SCALE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
 ):
-    """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool)."""
+    """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool).
+
+    ``v_strides`` (page, slot) and ``QUANT`` as in `typedkv._epilogue`, for the V destination.
+    """
+    V_SCALE: tl.constexpr = QUANT[0]
     head = tl.arange(0, BLOCK_H)
     out_ok = row_ok[:, None] & (head < H)[None, :]
     dim = tl.arange(0, BLOCK_D)
@@ -307,23 +238,13 @@ def _v_part(
     # The destination is worked out here, not beside K's: with K and V in one program
     # (no SPLIT), V's pointers would stay live through K's math (measured: a flat bf16
     # pool 2% slower at T = 16384).
-    v_row = _row_offset(row, PAGE, v_stride_page, v_stride_slot)
+    v_row = _row_offset(row, PAGE, v_strides)
     v_dst = v_base + v_row[:, None, None] + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
     v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
     if V_SCALE == 0:
         tl.store(v_dst, v, mask=v_ok)
     else:
-        _store_scaled(
-            v_dst,
-            v.to(tl.float32),
-            v_ok,
-            V_SCALE,
-            v_scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
-        )
+        _store_scaled(v_dst, v.to(tl.float32), v_ok, v_scale, QUANT)
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel
@@ -423,8 +344,7 @@ def materialize_kv_kernel(
     else:
         k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
         v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
-    k_dst = k_base + _row_offset(row, PAGE, k_stride_page, k_stride_slot)[:, None] + (head * k_stride_h)[None, :]
-    store_ty = kv_ptr.dtype.element_ty
+    k_dst = k_base + _row_offset(row, PAGE, (k_stride_page, k_stride_slot))[:, None] + (head * k_stride_h)[None, :]
     # Per-layer scalars read once here, honouring the tensors' strides.
     if EPS_PER_LAYER:
         eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
@@ -435,22 +355,21 @@ def materialize_kv_kernel(
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
     if not SPLIT or part == 0:
+        norm = (weight_ptr, weight_stride_l, weight_stride_d, eps)
+        rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
+        K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if FULL_ROW:
             _k_row(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
-                eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-                num_positions, k_scale, store_ty, D, R, NORM, K_SCALE,
-                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_D, SOFT_ROUND,
-            )  # fmt: skip
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, k_scale, K_QUANT, D, R, NORM, BLOCK_D
+            )
         else:
             _k_part(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, weight_ptr, weight_stride_l, weight_stride_d,
-                eps, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, positions_ptr, positions_stride,
-                num_positions, k_scale, store_ty, H, D, R, NEOX, NORM, K_SCALE,
-                FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_HALF, BLOCK_PASS, SOFT_ROUND,
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, k_scale, K_QUANT,
+                (H, D, R), (BLOCK_H, BLOCK_HALF, BLOCK_PASS), NEOX, NORM,
             )  # fmt: skip
     if not SPLIT or part == 1:
+        V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         _v_part(
-            k_head, head_ok, row_ok, v_base, row, v_stride_page, v_stride_slot, v_stride_h, v_scale, PAGE,
-            H, D, V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_H, BLOCK_D, SOFT_ROUND,
+            k_head, head_ok, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, v_scale, V_QUANT,
+            H, D, BLOCK_H, BLOCK_D,
         )  # fmt: skip

@@ -22,40 +22,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _rope_row, _row_offset, _store_scaled
+from ._epilogue import _cast, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
 def _rope_part(
-    src,
-    dst,
-    tok,
-    tok_ok,
-    row_ok,
-    cos_sin_ptr,
-    cos_sin_stride_p,
-    cos_sin_stride_r,
-    positions_ptr,
-    positions_stride,
-    num_positions,
-    scale,
-    R: tl.constexpr,
-    NEOX: tl.constexpr,
-    SCALE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    src, dst, tok, tok_ok, row_ok, rope, scale, QUANT, R: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
-    """The rope part of BLOCK_T rows: every one of its R dims rotates, NeoX or GPT-J pairs."""
+    """The rope part of BLOCK_T rows: every one of its R dims rotates, NeoX or GPT-J pairs.
+
+    ``rope`` and ``QUANT`` as in `typedkv._epilogue`.
+    """
     HALF: tl.constexpr = R // 2
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
-    pos_ok, cos, sin = _rope_row(
-        positions_ptr, positions_stride, num_positions, tok, tok_ok,
-        cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r, pair, pair_ok, HALF,
-    )  # fmt: skip
+    pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
     m1 = tok_ok[:, None] & pair_ok[None, :]
     if NEOX:
         x1 = tl.load(src[:, None] + pair[None, :], mask=m1, other=0.0).to(tl.float32)
@@ -71,23 +52,11 @@ def _rope_part(
     o2 = x2 * cos + x1 * sin + bad
     if NEOX:
         s1 = row_ok[:, None] & pair_ok[None, :]
-        _store_scaled(dst[:, None] + pair[None, :], o1, s1, SCALE, scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
-        _store_scaled(
-            dst[:, None] + (pair + HALF)[None, :], o2, s1, SCALE, scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND
-        )
+        _store_scaled(dst[:, None] + pair[None, :], o1, s1, scale, QUANT)
+        _store_scaled(dst[:, None] + (pair + HALF)[None, :], o2, s1, scale, QUANT)
     else:
         o = tl.reshape(tl.join(o1, o2), (o1.shape[0], 2 * BLOCK_HALF))
-        _store_scaled(
-            dst[:, None] + rot[None, :],
-            o,
-            row_ok[:, None] & (rot < R)[None, :],
-            SCALE,
-            scale,
-            FP8_MAX,
-            FP8_MANT,
-            FP8_MIN_EXP,
-            SOFT_ROUND,
-        )
+        _store_scaled(dst[:, None] + rot[None, :], o, row_ok[:, None] & (rot < R)[None, :], scale, QUANT)
 
 
 # As in `typedkv._kernel`: ints that change with every batch are not specialised
@@ -161,17 +130,15 @@ def materialize_mla_kv_kernel(
         base = dst_ptr + tl.multiple_of(tl.load(layer_offsets_ptr + layer), LAYER_TABLE)
     else:
         base = dst_ptr + layer.to(tl.int64) * dst_stride_l * LAYER_VEC
-    dst = base + _row_offset(row, PAGE, dst_stride_page, dst_stride_slot)
+    dst = base + _row_offset(row, PAGE, (dst_stride_page, dst_stride_slot))
     if SCALE == 2:
         scale = tl.load(scale_ptr + layer * scale_stride).to(tl.float32)
 
     # The rope part first: its position and cos/sin loads are dependent, and
     # their latency then overlaps the latent's loads.
-    _rope_part(
-        src + C, dst + C, tok, tok_ok, row_ok, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r,
-        positions_ptr, positions_stride, num_positions, scale, R, NEOX, SCALE,
-        FP8_MAX, FP8_MANT, FP8_MIN_EXP, BLOCK_HALF, SOFT_ROUND,
-    )  # fmt: skip
+    QUANT: tl.constexpr = (SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+    rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
+    _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF)
 
     dim = tl.arange(0, BLOCK_C)
     dim_ok = dim < C
@@ -183,13 +150,13 @@ def materialize_mla_kv_kernel(
             eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
         w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
         xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / C + eps)
+        rstd = _rstd(tl.sum(xf * xf, axis=1), C, eps)
         y = xf * rstd[:, None] * w.to(tl.float32)[None, :]
         if SCALE != 0:
             # Rounded to the storage dtype first, as the unfused path stores the norm's output.
             y = _cast(y, ckv_ptr.dtype.element_ty, SOFT_ROUND).to(tl.float32)
-        _store_scaled(out, y, out_ok, SCALE, scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        _store_scaled(out, y, out_ok, scale, QUANT)
     elif SCALE == 0:
         tl.store(out, x, mask=out_ok)  # bit for bit
     else:
-        _store_scaled(out, x.to(tl.float32), out_ok, SCALE, scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        _store_scaled(out, x.to(tl.float32), out_ok, scale, QUANT)

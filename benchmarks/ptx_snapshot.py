@@ -1,0 +1,273 @@
+"""The PTX that the kernels compile to for Hopper (sm_90), for many real launches, without a GPU.
+
+A refactor of a kernel that must not change its speed (grouped arguments,
+shared `@triton.jit` pieces, renamed locals) is checked here first: compile
+before and after, compare. Identical PTX runs identically; a difference is
+worth a GPU A/B (benchmarks/ab_time.py) before it lands.
+
+Each case is a public call on small CPU tensors; the launch it would make on a
+GPU (grid, every kernel argument, warps) is captured instead of run, and
+compiled ahead of time for sm_90 with the specialisation Triton's launcher
+would apply (ints equal to 1 become constants, multiples of 16 and 16-byte
+aligned pointers get divisibility hints). `.loc`/`.file` lines and debug
+sections are dropped, so moving code between functions or files does not count
+as a difference.
+
+    python benchmarks/ptx_snapshot.py /tmp/before      # on the old code
+    python benchmarks/ptx_snapshot.py /tmp/after       # on the new code
+    diff -r /tmp/before /tmp/after                      # nothing: the same machine code
+
+Run it without TRITON_INTERPRET (the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("ptx_snapshot.py compiles kernels: run it without TRITON_INTERPRET=1")
+
+import typedkv
+from typedkv import _launch
+
+_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
+
+Captured = tuple[Any, tuple[int, int, int], tuple[Any, ...], int]
+
+
+def capture(call: Callable[[], object]) -> list[Captured]:
+    """The launches ``call`` makes, as ``(kernel, grid, arguments, num_warps)``, none of them run."""
+    seen: list[Captured] = []
+    use_kernel, run = _launch.use_kernel, _launch.KernelLaunch.__call__
+
+    def record(self: Any, values: tuple[Any, ...]) -> None:
+        params = self.template.copy()
+        for i, value in zip(self.varying, values, strict=True):
+            params[i] = value
+        seen.append((self.kernel, self.grid, tuple(params), self.num_warps))
+
+    _launch.use_kernel = lambda device: True  # type: ignore[assignment]
+    _launch.KernelLaunch.__call__ = record  # type: ignore[method-assign]
+    try:
+        call()
+    finally:
+        _launch.use_kernel = use_kernel  # type: ignore[assignment]
+        _launch.KernelLaunch.__call__ = run  # type: ignore[method-assign]
+    return seen
+
+
+def compile_ptx(kernel: Any, params: tuple[Any, ...], num_warps: int) -> str:
+    """``kernel``'s PTX for sm_90 with ``params`` specialised as Triton's launcher would."""
+    compiler: Any = importlib.import_module("triton.compiler")
+    backends: Any = importlib.import_module("triton.backends.compiler")
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexpr_at = _launch._constexpr_indices(kernel)
+    unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, value) in enumerate(zip(names, params, strict=True)):
+        free = name not in unspecialised and i not in unspecialised
+        if i in constexpr_at or value is None or (isinstance(value, int) and value == 1 and free):
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if free and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: no Triton type for {value!r}")
+    source = compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return normalise(str(compiled.asm["ptx"]))
+
+
+def normalise(ptx: str) -> str:
+    """PTX without source locations and debug sections (moved code compiles alike)."""
+    kept = []
+    skipping = False
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(".section") and ".debug" in stripped:
+            skipping = True
+        if skipping:
+            if stripped == "}":
+                skipping = False
+            continue
+        # Source locations, and the labels that only debug information refers to.
+        if stripped.startswith((".loc", ".file")) or re.fullmatch(r"\$L__tmp\d+:", stripped):
+            continue
+        kept.append(re.sub(r"\s+//.*$", "", line))
+    return "\n".join(kept) + "\n"
+
+
+def _kv(t: int, layers: int, heads: int, dim: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(t, layers, 2 * heads * dim).to(dtype)
+
+
+def cases() -> dict[str, Callable[[], object]]:
+    """Public calls covering the kernels' compile-time branches."""
+    out: dict[str, Callable[[], object]] = {}
+    for t in (16, 8192):
+        for rope_style in ("neox", "gptj"):
+            for rotary in (128, 64):
+                out[f"dense-T{t}-{rope_style}-R{rotary}"] = _dense(t, 5, 8, 128, rotary, rope_style)
+        out[f"dense-T{t}-ropeonly"] = _dense(t, 5, 8, 128, 128, "neox", norm=False)
+        out[f"dense-T{t}-eps-per-layer"] = _dense(t, 5, 8, 128, 128, "neox", eps=[1e-6, 1e-5, 1e-6, 1e-5, 1e-6])
+        out[f"dense-T{t}-fp16-D64"] = _dense(t, 2, 4, 64, 64, "neox", dtype=torch.float16)
+        out[f"dense-T{t}-D256-R64"] = _dense(t, 2, 8, 256, 64, "neox")
+        out[f"dense-T{t}-L1"] = _dense(t, 1, 8, 128, 128, "neox")
+        for layout in ("flat", "NHD16", "HND16", "NHD64", "list", "list-NHD16"):
+            for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                for scale in (None, "float", "tensor") if pool_dtype != torch.bfloat16 else (None,):
+                    name = f"pool-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
+                    out[name] = _pool(t, layout, pool_dtype, scale)
+        for layout in ("dense", "flat", "paged64", "list", "singleton"):
+            for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                if layout == "dense" and pool_dtype != torch.bfloat16:
+                    continue
+                out[f"mla-T{t}-{layout}-{_TYPES[pool_dtype]}"] = _mla(t, layout, pool_dtype)
+    return out
+
+
+def _tables(rotary: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(4096, rotary).to(dtype)
+
+
+def _dense(
+    t: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    rotary: int,
+    rope_style: str,
+    *,
+    norm: bool = True,
+    eps: Any = 1e-6,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Callable[[], object]:
+    def call() -> object:
+        kv = _kv(t, layers, heads, dim, dtype)
+        weight = torch.randn(layers, dim).to(dtype) if norm else None
+        positions = torch.randint(0, 4096, (t,))
+        return typedkv.materialize_kv(
+            kv, weight, eps, _tables(rotary), positions, num_kv_heads=heads, rope_style=rope_style
+        )
+
+    return call
+
+
+def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Callable[[], object]:
+    layers, heads, dim, slots = 5, 8, 128, t + 64
+
+    def alloc() -> tuple[Any, Any, str | None]:
+        if layout == "flat":
+            return torch.empty(layers, slots, heads, dim, dtype=dtype), None, None
+        if layout.startswith(("NHD", "HND")):
+            page = int(layout[3:])
+            pages = -(-slots // page)
+            shape = (layers, pages, page, heads, dim) if layout[:3] == "NHD" else (layers, pages, heads, page, dim)
+            return torch.empty(shape, dtype=dtype), None, layout[:3]
+        page = int(layout[8:]) if "NHD" in layout else 0
+        shape = (-(-slots // page), page, heads, dim) if page else (slots, heads, dim)
+        return [torch.empty(shape, dtype=dtype) for _ in range(layers)], None, "NHD" if page else None
+
+    def call() -> object:
+        k_pool, _, kv_layout = alloc()
+        v_pool, _, _ = alloc()
+        scales: dict[str, Any] = {}
+        if scale == "float":
+            scales = {"k_scale": 0.5, "v_scale": 2.0}
+        elif scale == "tensor":
+            scales = {"k_scale": torch.rand(layers) + 0.5, "v_scale": torch.rand(layers) + 0.5}
+        return typedkv.materialize_kv_into_pool(
+            _kv(t, layers, heads, dim),
+            torch.randn(layers, dim).to(torch.bfloat16),
+            1e-6,
+            _tables(dim),
+            torch.randint(0, 4096, (t,)),
+            torch.randperm(slots)[:t],
+            k_pool,
+            v_pool,
+            num_kv_heads=heads,
+            rope_style="neox",
+            kv_layout=kv_layout,
+            **scales,
+        )
+
+    return call
+
+
+def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
+    layers, latent, rotary, slots = 5, 512, 64, t + 64
+
+    def call() -> object:
+        ckv = torch.randn(t, layers, latent + rotary).to(torch.bfloat16)
+        weight = torch.randn(layers, latent).to(torch.bfloat16)
+        positions = torch.randint(0, 4096, (t,))
+        if layout == "dense":
+            return typedkv.materialize_mla_kv(ckv, weight, 1e-6, _tables(rotary), positions, rope_style="gptj")
+        pool: Any
+        if layout == "flat":
+            pool = torch.empty(layers, slots, latent + rotary, dtype=dtype)
+        elif layout == "paged64":
+            pool = torch.empty(layers, -(-slots // 64), 64, latent + rotary, dtype=dtype)
+        elif layout == "list":
+            pool = [torch.empty(slots, latent + rotary, dtype=dtype) for _ in range(layers)]
+        else:
+            pool = [torch.empty(slots, 1, latent + rotary, dtype=dtype) for _ in range(layers)]
+        scale = 0.5 if dtype != torch.bfloat16 else None
+        return typedkv.materialize_mla_kv_into_pool(
+            ckv, weight, 1e-6, _tables(rotary), positions, torch.randperm(slots)[:t], pool,
+            rope_style="gptj", kv_scale=scale,
+        )  # fmt: skip
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="folder for one .ptx file per launch (created)")
+    parser.add_argument("--only", default="", help="cases whose name contains this")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    for name, call in cases().items():
+        if args.only not in name:
+            continue
+        ((kernel, grid, params, num_warps),) = capture(call)
+        ptx = compile_ptx(kernel, params, num_warps)
+        (args.out / f"{name}.ptx").write_text(ptx)
+        digest = hashlib.sha256(ptx.encode()).hexdigest()[:12]
+        print(f"{name:40} grid={grid} warps={num_warps} lines={ptx.count(chr(10)):5} {digest}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Every launch the public K/V and MLA calls make compiles for Hopper (sm_90), without a GPU.
+
+Triton's interpreter runs a kernel's Python, so code the compiler rejects can
+pass the interpreted suite (a tuple's constexprs unpacked into plain names, for
+one: fine interpreted, an error compiled on Triton 3.6). The launches are those
+of benchmarks/ptx_snapshot.py (the refactoring tool that compares the machine
+code before and after a change), captured from public calls on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from typedkv import _launch
+
+pytestmark = pytest.mark.skipif(_launch.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
+
+_TOOL = Path(__file__).parents[1] / "benchmarks" / "ptx_snapshot.py"
+
+
+def _snapshot() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ptx_snapshot", _TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _case_names() -> list[str]:
+    if _launch.INTERPRETED:
+        return []
+    # The small batch splits K and V into programs of their own; the large one does not.
+    return [name for name in _snapshot().cases() if "-T16-" in name or "T8192-neox-R64" in name]
+
+
+@pytest.mark.parametrize("case", _case_names())
+def test_launch_compiles_for_hopper(case: str) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    ptx = snapshot.compile_ptx(kernel, params, num_warps)
+    assert f".entry {kernel.fn.__name__}" in ptx
+    if "bf16" in case or case.startswith("dense"):
+        # Rows move 16 bytes a thread at a time.
+        assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
+
+
+def test_snapshot_ignores_source_locations() -> None:
+    ptx = '.file 1 "a.py"\n\t.loc 1 2 3\n$L__tmp4:\n\tmov.u32 %r1, 0; // a comment\n'
+    assert _snapshot().normalise(ptx) == "\tmov.u32 %r1, 0;\n"
