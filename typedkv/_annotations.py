@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._types import Derived, PageLayout
+from ._types import Derived, KVLayout, PageLayout
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
@@ -83,6 +83,11 @@ def unwrap(hint: Any) -> tuple[Any, str | None]:
         inner, *metadata = typing.get_args(hint)
         return inner, next((m.layout for m in metadata if isinstance(m, PageLayout)), None)
     return hint, None
+
+
+def is_layout_choice(hint: Any) -> bool:
+    """Whether ``hint`` is `KVLayout` (or ``KVLayout | None``): the argument that picks a pool's page layout."""
+    return hint == KVLayout or KVLayout in typing.get_args(hint)
 
 
 def is_array_hint(hint: Any) -> bool:

@@ -209,7 +209,6 @@ _impl.POOL.declare(
     outputs=("k_pool", "v_pool"),
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_pool", "v_pool"),
-    layout_of="kv_layout",
     default_layout="NHD",
 )
 _POOL_OPS = _torch_ops.TorchOps(

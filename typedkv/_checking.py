@@ -36,7 +36,7 @@ from beartype.door import die_if_unbearable
 from beartype.roar import BeartypeDoorHintViolation
 from jaxtyping import Shaped, jaxtyped
 
-from ._annotations import NAME, ArraySpec, Dim, Param, parse_param, runtime_hint, symbolic
+from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_param, runtime_hint, symbolic
 from ._errors import InputError
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
 
@@ -114,9 +114,6 @@ class Signature:
         ``{param: dim}``: a sequence argument holds that many tensors.
     inner_contiguous
         Arguments whose last dim must have stride 1 (read or written as vectors).
-    layout_of
-        The ``Literal`` argument that picks, among an argument's shapes of one
-        rank, the one tagged with its value (`PageLayout`).
     default_layout
         The layout a ``None`` layout argument stands for, when the tensor fits
         only one of its rank's shapes.
@@ -138,7 +135,6 @@ class Signature:
         rules: Sequence[tuple[Any, ...]] = (),
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
-        layout_of: str | None = None,
         default_layout: str | None = None,
     ) -> None:
         # Derived dims ("KV = 2*H*D") are read in place of their names, so both
@@ -169,6 +165,9 @@ class Signature:
         self.outputs = self._outputs = frozenset(outputs)
         self._rules = [(compile(expr, expr, "eval"), expr, blame, what, fixes) for expr, blame, what, *fixes in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
+        # The argument annotated `KVLayout` picks, among an argument's shapes of
+        # one rank, the one tagged with its value (`PageLayout`).
+        layout_of = next((p.name for p in params if is_layout_choice(hints[p.name])), None)
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
         self._default_layout = default_layout
