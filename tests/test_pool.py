@@ -1153,3 +1153,27 @@ def test_production_skips_slots_past_the_pages(layout: str) -> None:
     run = run_pool(inp, torch.tensor([11, 12, 0, 2**40, 7]), LAYOUTS[layout], torch.bfloat16, 12)
     assert run.kept.tolist() == [0, 2, 4]
     run.check()
+
+
+def test_empty_per_layer_pools_share_no_memory() -> None:
+    """Per-layer pools of zero slots all report address 0: that is not one tensor passed twice."""
+    num_layers, heads, dim, tokens = 2, 2, 16, 3
+    kv = torch.randn(tokens, num_layers, 2 * heads * dim)
+    k_pool = [torch.empty(0, heads, dim) for _ in range(num_layers)]
+    v_pool = [torch.empty(0, heads, dim) for _ in range(num_layers)]
+    assert {t.data_ptr() for t in (*k_pool, *v_pool)} == {0}
+    typedkv.materialize_kv_into_pool(
+        kv, torch.ones(num_layers, dim), 1e-6, torch.randn(8, dim), torch.arange(tokens),
+        torch.full((tokens,), -1), k_pool, v_pool, num_kv_heads=heads,
+    )  # fmt: skip
+
+
+def test_mla_empty_per_layer_pools_share_no_memory() -> None:
+    """The same for MLA pools."""
+    num_layers, latent, rotary, tokens = 2, 32, 16, 3
+    ckv = torch.randn(tokens, num_layers, latent + rotary)
+    kv_pool = [torch.empty(0, latent + rotary) for _ in range(num_layers)]
+    typedkv.materialize_mla_kv_into_pool(
+        ckv, torch.ones(num_layers, latent), 1e-6, torch.randn(8, rotary), torch.arange(tokens),
+        torch.full((tokens,), -1), kv_pool, rope_style="gptj",
+    )  # fmt: skip

@@ -216,6 +216,10 @@ def _per_layer_pools(num_layers: int = 2) -> tuple[list[Tensor], list[Tensor]]:
     return list(base[0]), list(base[1])
 
 
+def _table(k_layers: list[Tensor], v_layers: list[Tensor]) -> Tensor:
+    return _device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])
+
+
 def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     """A table hit stays usable when another thread evicts its entry right after the lookup.
 
@@ -228,13 +232,13 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
     forced here: the other thread runs, really in another thread, exactly at that point.
     """
     k_layers, v_layers = _per_layer_pools()
-    _device_tables.layer_table(k_layers, v_layers)
+    _table(k_layers, v_layers)
     others = [_per_layer_pools() for _ in range(_device_tables._TABLES_MAX + 1)]  # alive: distinct addresses
     caller = threading.current_thread()
 
     def other_thread() -> None:
         for k_other, v_other in others:
-            _device_tables.layer_table(k_other, v_other)
+            _table(k_other, v_other)
 
     class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]]):
         def get(self, key: tuple[object, ...], default: Any = None) -> Any:
@@ -246,5 +250,5 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
             return hit
 
     monkeypatch.setattr(_device_tables, "_TABLES", SwitchAfterLookup(_device_tables._TABLES))
-    table = _device_tables.layer_table(k_layers, v_layers)
+    table = _table(k_layers, v_layers)
     assert table.tolist() == [[0, 64], [0, 64]]

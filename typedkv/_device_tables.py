@@ -29,10 +29,14 @@ _PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
 _LOCK = threading.Lock()
 
 
-def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor]) -> Tensor:
+def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresses: Sequence[int]) -> Tensor:
+    """The ``[2, L]`` element offsets of each layer's K and V tensor from layer 0's, on their device.
+
+    ``addresses``: every tensor's ``data_ptr()``, K's then V's (the caller has them already).
+    """
     # Offsets are in elements: the same addresses in another dtype need another table.
     device = k_layers[0].device
-    key = (k_layers[0].element_size(), device, *(t.data_ptr() for t in (*k_layers, *v_layers)))
+    key = (k_layers[0].element_size(), device, *addresses)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     with _LOCK:
         entry = _PINNED.get(key) or _TABLES.get(key)

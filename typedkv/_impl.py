@@ -167,7 +167,7 @@ def materialize_kv_into_pool(call: PoolCall) -> None:
     sig = POOL.signature
     plan: Plan = sig.plan(call, planner(lambda bound: _pool_layout(call, bound)))
     k_pool, v_pool = call.k_pool, call.v_pool
-    _check_apart(k_pool, v_pool)
+    addresses = _check_apart(k_pool, v_pool)
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -203,7 +203,7 @@ def materialize_kv_into_pool(call: PoolCall) -> None:
         # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
         # layer 0's address plus an offset table for the others.
         k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-        k_dst, v_dst, table = k_list[0], v_list[0], layer_table(k_list, v_list)
+        k_dst, v_dst, table = k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
     scales = (call.k_scale, call.v_scale)
     if plan.launch is None:
         plan.launch = _launch.Launch(
@@ -305,12 +305,19 @@ def _describe(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor]) -> None:
-    """Every layer's K and V pool its own memory: no tensor passed twice (addresses change per call)."""
+def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor]) -> list[int] | None:
+    """Every layer's K and V pool its own memory: no tensor passed twice (addresses change per call).
+
+    Returns per-layer pools' addresses, K's then V's (`layer_table` keys on them); None for stacked pools.
+    """
     if isinstance(k_pool, Tensor) or isinstance(v_pool, Tensor):
         if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor) and _same_memory(k_pool, v_pool):
             raise InputError("v_pool: expected memory apart from k_pool, got the same tensor")
-        return
+        return None
+    addresses = [t.data_ptr() for t in k_pool] + [t.data_ptr() for t in v_pool]
+    if len(set(addresses)) == len(addresses):
+        return addresses  # all apart: the usual case, one pass
+    # Some address twice: an error unless the tensors sharing it are empty.
     seen: dict[int, str] = {}
     for name, layers in (("k_pool", k_pool), ("v_pool", v_pool)):
         for i, t in enumerate(layers):
@@ -321,6 +328,7 @@ def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Te
                     f"{name}[{i}]: expected memory of its own, got the same memory as {seen[t.data_ptr()]}"
                 )
             seen[t.data_ptr()] = f"{name}[{i}]"
+    return addresses
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:

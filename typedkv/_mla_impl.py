@@ -9,7 +9,7 @@ fake implementations run the production check alone (`check_dense`, `check_pool`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -112,8 +112,7 @@ def materialize_mla_kv_into_pool(call: PoolCall) -> None:
     sig = POOL.signature
     plan: Plan = _checked(lambda c: sig.plan(c, planner(lambda bound: _pool_layout(c))), call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    if not isinstance(kv_pool, Tensor):
-        _check_apart(kv_pool)
+    addresses = None if isinstance(kv_pool, Tensor) else _check_apart(kv_pool)
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -143,8 +142,9 @@ def materialize_mla_kv_into_pool(call: PoolCall) -> None:
         # table, its first row used). The cached launch takes every layer 16-byte
         # aligned (offsets of whole vectors: stores stay vectorised); a call
         # with a layer that is not gets a launch of its own, uncached.
-        dst, table = kv_pool[0], layer_table(kv_pool, kv_pool)
-        aligned = not any(t.data_ptr() & 15 for t in kv_pool)
+        addresses = cast(list[int], addresses)
+        dst, table = kv_pool[0], layer_table(kv_pool, kv_pool, addresses + addresses)
+        aligned = not any(a & 15 for a in addresses)
     launch = plan.launch if aligned else None
     if launch is None:
         by_dim = plan.bound.strides("kv_pool", dst)
@@ -210,14 +210,18 @@ def _pool_layout(call: PoolCall) -> None:
     check_scales(dtype, {"kv_scale": call.kv_scale})
 
 
-def _check_apart(layers: Sequence[Tensor]) -> None:
-    """Every layer's pool its own memory: no tensor passed twice."""
+def _check_apart(layers: Sequence[Tensor]) -> list[int]:
+    """Every layer's pool its own memory: no tensor passed twice. Returns their addresses."""
+    addresses = [t.data_ptr() for t in layers]
+    if len(set(addresses)) == len(addresses):
+        return addresses  # all apart: the usual case, one pass
     seen: dict[int, int] = {}
     for i, t in enumerate(layers):
         if t.numel():
             j = seen.setdefault(t.data_ptr(), i)
             if j != i:
                 raise InputError(f"kv_pool[{i}]: expected memory of its own, got the same memory as kv_pool[{j}]")
+    return addresses
 
 
 DENSE = Implementation(DenseCall, check_dense, materialize_mla_kv)
