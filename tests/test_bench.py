@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from typedkv import _bench
 
@@ -66,3 +67,15 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     result = _result(["L5 H8 D128", "L5 H8 D128 pool"], ("typedkv", "eager"))
     assert _bench.plot(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_public_call_has_a_host_time_line() -> None:
+    """The host-time section times each public function and materializer method: each call runs."""
+    calls = _bench.public_calls(torch.device("cpu"), num_tokens=4)
+    assert set(calls) == {
+        "materialize_kv", "into_pool_stacked", "into_pool_per_layer", "materializer_call",
+        "materializer_into_pool_per_layer", "materialize_mla_kv", "mla_into_pool_paged", "mla_into_pool_per_layer",
+        "mla_materializer_call", "mla_materializer_into_pool_paged",
+    }  # fmt: skip
+    for fn in calls.values():
+        fn()

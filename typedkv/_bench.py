@@ -24,7 +24,9 @@ import torch
 from . import _launch, _reference
 from ._api import materialize_kv, materialize_kv_into_pool
 from ._config import set_debug
+from ._materializer import KVMaterializer
 from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
+from ._mla_materializer import MLAKVMaterializer
 
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
 
@@ -469,10 +471,59 @@ def host_overhead(device: torch.device) -> dict[str, float]:
         out["typedkv_debug_us"] = host_time_us(production, calls=1000)
     finally:
         set_debug(False)
+    # Every public call in production mode, alternated with the bare launch (the host is noisy).
+    calls = public_calls(device)
+    for name, fn in calls.items():
+        out[f"{name}_us"] = host_time_us(fn)
+        out[f"{name}_bare_launch_us"] = host_time_us(bare)
     out = {k: round(v, 2) for k, v in out.items()}
     out["production_vs_sglang_style"] = round(out["typedkv_production_us"] / out["sglang_style_wrapper_us"], 3)
     out["debug_vs_bare"] = round(out["typedkv_debug_us"] / out["bare_launch_us"], 3)
+    for name in calls:
+        out[f"{name}_vs_bare"] = round(out[f"{name}_us"] / out[f"{name}_bare_launch_us"], 3)
     return out
+
+
+def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callable[[], None]]:
+    """Every public call at decode size (the main K/V and MLA shapes), inputs made once."""
+    x = make_inputs(POOL, num_tokens, device, num_slots=4096)
+    H, L, D = POOL.num_kv_heads, POOL.num_layers, POOL.head_dim
+    k_layers, v_layers = list(x.k_pool.unbind(0)), list(x.v_pool.unbind(0))
+    hidden_size = 1024
+    weights = torch.randn(L, 2 * H * D, hidden_size, device=device, dtype=POOL.dtype) / 32
+    m = KVMaterializer(weights, x.weight, 1e-6, x.cos_sin, num_kv_heads=H)
+    hidden = torch.randn(num_tokens, hidden_size, device=device, dtype=POOL.dtype)
+    y = make_inputs(MLA_POOL, num_tokens, device, num_slots=4096)
+    C, R = MLA_POOL.kv_lora_rank, MLA_POOL.rotary_dim
+    mla = MLAKVMaterializer(
+        torch.randn(L, C + R, hidden_size, device=device, dtype=MLA_POOL.dtype) / 32, y.weight, 1e-6, y.cos_sin,
+        rope_style="gptj",
+    )  # fmt: skip
+    mla_layers = list(y.k_pool.unbind(0))
+    return {
+        "materialize_kv": lambda: _discard(
+            materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out)
+        ),
+        "into_pool_stacked": lambda: materialize_kv_into_pool(
+            x.kv, x.weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, x.v_pool, num_kv_heads=H
+        ),
+        "into_pool_per_layer": lambda: materialize_kv_into_pool(
+            x.kv, x.weight, x.eps, x.cos_sin, x.positions, x.slots, k_layers, v_layers, num_kv_heads=H
+        ),
+        "materializer_call": lambda: _discard(m(hidden, x.positions)),
+        "materializer_into_pool_per_layer": lambda: m.into_pool(hidden, x.positions, x.slots, k_layers, v_layers),
+        "materialize_mla_kv": lambda: _discard(
+            materialize_mla_kv(y.kv, y.weight, y.eps, y.cos_sin, y.positions, rope_style="gptj", out=y.k_out)
+        ),
+        "mla_into_pool_paged": lambda: materialize_mla_kv_into_pool(
+            y.kv, y.weight, y.eps, y.cos_sin, y.positions, y.slots, y.k_pool, rope_style="gptj"
+        ),
+        "mla_into_pool_per_layer": lambda: materialize_mla_kv_into_pool(
+            y.kv, y.weight, y.eps, y.cos_sin, y.positions, y.slots, mla_layers, rope_style="gptj"
+        ),
+        "mla_materializer_call": lambda: _discard(mla(hidden, y.positions)),
+        "mla_materializer_into_pool_paged": lambda: mla.into_pool(hidden, y.positions, y.slots, y.k_pool),
+    }
 
 
 def run_cpu(tokens: Sequence[int], cases: Sequence[Case]) -> dict[str, Any]:
@@ -521,7 +572,7 @@ def table(result: dict[str, Any]) -> str:
     host = result.get("host")
     if host:
         lines += ["", "host time per call at T=16 (us):"]
-        lines += [f"  {k:>24}: {v}" for k, v in host.items()]
+        lines += [f"  {k:>48}: {v}" for k, v in host.items()]
     return "\n".join(lines)
 
 
