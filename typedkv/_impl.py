@@ -93,6 +93,9 @@ def planner(check_relations: Callable[[Bound], None] | None = None) -> Callable[
     return build
 
 
+_DENSE_PLANNER = planner()
+
+
 def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:
     # The annotations' verdict depends on the layout only: one full beartype +
     # jaxtyping pass per layout; the value checks run on every call.
@@ -112,7 +115,7 @@ def check_dense(call: DenseCall) -> Bound:
 def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
     """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
     sig = DENSE.signature
-    plan: Plan = sig.plan(call, planner())
+    plan: Plan = sig.plan(call, _DENSE_PLANNER)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
     if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
