@@ -1,25 +1,31 @@
 """`KVMaterializer`: a draft model's whole K/V path, built once from its layers' weights.
 
-A call is one GEMM for all layers (``hidden @ W_all.T``, written into a
-workspace the object keeps) and one fused launch. The workspace grows to the
-next power of two of ``T`` and is reused after that: a decode loop at a fixed
-``T`` allocates nothing for it, and nothing in a call waits for the device, so
-the call can be captured in a CUDA graph -- where it writes into rows of the
-graph's own, never into the eager workspace (see `typedkv._projection.Workspace`).
+A call takes one of two paths (``projection_path``). GEMM + kernel: one GEMM for
+all layers (``hidden @ W_all.T``, written into a workspace the object keeps) and
+one fused launch. The workspace grows to the next power of two of ``T`` and is
+reused after that: a decode loop at a fixed ``T`` allocates nothing for it, and
+nothing in a call waits for the device, so the call can be captured in a CUDA
+graph -- where it writes into rows of the graph's own, never into the eager
+workspace (see `typedkv._projection.Workspace`). Fused: one kernel computes the
+projection and the K/V epilogue (`typedkv._fused_impl`), no workspace at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _launch
 from ._api import materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature
-from ._impl import ROTARY_RULE
+from ._errors import InputError
+from ._fused_impl import Projection, project_kv, project_kv_into_pool, stand_in
+from ._impl import ROTARY_RULE, DenseCall, PoolCall
+from ._messages import or_list
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
@@ -67,6 +73,9 @@ def _projection(
 
 
 _PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_weight", same_dtype={"hidden": "kv_weight"})
+
+ProjectionPath = Literal["auto", "fused", "gemm"]
+"""`KVMaterializer.projection_path`: how a call computes the projection."""
 
 # An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
 _STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
@@ -118,6 +127,19 @@ class KVMaterializer(nn.Module):
     by the graph's later ops): eager calls at any ``T`` before or after the
     capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.
+
+    ``projection_path`` picks how a call computes the projection: ``"gemm"``
+    (the GEMM above, then the K/V kernel), ``"fused"`` (one Triton kernel that
+    computes ``hidden @ W^T`` and, in its epilogue, norms, rotates and stores K
+    and V: no ``kv`` in memory, no workspace), or ``"auto"`` (the default): the
+    fused path where a table measured per GPU and per ``T`` range says it is
+    faster. No such measurement is recorded yet, so ``"auto"`` takes GEMM +
+    kernel everywhere for now. Both paths check a call alike (the same
+    messages, before anything is written) and give the same results up to the
+    GEMM's accumulation order (each K/V value is first rounded to the storage
+    dtype, as a stored ``kv`` would be). The fused kernel runs for CUDA
+    tensors (and under ``TRITON_INTERPRET=1``); CPU tensors, and calls traced by
+    ``torch.compile``, take GEMM + kernel whatever the setting.
     """
 
     kv_weight: Tensor
@@ -169,6 +191,20 @@ class KVMaterializer(nn.Module):
         else:
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
+        self._projection = Projection()
+        self._path: ProjectionPath = "auto"
+
+    @property
+    def projection_path(self) -> ProjectionPath:
+        """``"auto"`` (default), ``"fused"`` or ``"gemm"``: how calls compute the projection (see the class notes)."""
+        return self._path
+
+    @projection_path.setter
+    def projection_path(self, path: ProjectionPath) -> None:
+        choices = get_args(ProjectionPath)
+        if not isinstance(path, str) or path not in choices:
+            raise InputError(f"projection_path: expected {or_list([repr(c) for c in choices])}, got {path!r}")
+        self._path = path
 
     @static_jaxtyping("T")
     def forward(
@@ -199,6 +235,12 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
+        if self._fused(hidden, positions, None):
+            call = DenseCall(
+                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
+                self.num_kv_heads, self.rope_style, k_out, v_out,
+            )  # fmt: skip
+            return project_kv(call, hidden, self.kv_weight, self.kv_bias, self._projection)
         return materialize_kv(
             self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
@@ -243,6 +285,13 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
+        if self._fused(hidden, positions, cache_loc):
+            call = PoolCall(
+                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
+                k_pool, v_pool, self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
+            )  # fmt: skip
+            project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias, self._projection)
+            return
         materialize_kv_into_pool(
             self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
             k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
@@ -259,6 +308,23 @@ class KVMaterializer(nn.Module):
             f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
+
+    def _fused(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> bool:
+        """Whether this call takes the fused path; its own arguments checked first (as `_project` does)."""
+        path = self._path
+        # Not a tensor: the GEMM path's check says so, in its words.
+        if path == "gemm" or torch.compiler.is_compiling() or not isinstance(hidden, Tensor):
+            return False
+        if not _launch.use_kernel(hidden.device):
+            return False  # CPU tensors: the reference, after the GEMM
+        if path == "auto" and not _launch.projection_fused_faster(hidden.device, hidden.shape[0]):
+            return False
+        _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
+        return True
+
+    def _stand_in(self, hidden: Tensor) -> Tensor:
+        """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`)."""
+        return stand_in(self.kv_weight, hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
         """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
