@@ -85,7 +85,9 @@ class Draft:
 
     def call(self, num_tokens: int, seed: int = 1) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(seed)
-        return _grid((num_tokens, self.hidden), 64, 64, g).to(self.dtype), torch.randint(0, P, (num_tokens,), generator=g)
+        return _grid((num_tokens, self.hidden), 64, 64, g).to(self.dtype), torch.randint(
+            0, P, (num_tokens,), generator=g
+        )
 
     def oracle(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """K in float64 (not rounded at the end) and V, from the exact projection rounded to the storage dtype."""
@@ -217,8 +219,12 @@ _POOLS: dict[str, Pools] = {
     "list": lambda d: (list(torch.empty(L, S, H, 16, dtype=d)), list(torch.empty(L, S, H, 16, dtype=d)), None),
     "list_HND": lambda d: (list(_paged(L, S, 8, True, d)), list(_paged(L, S, 8, True, d)), "HND"),
     # K and V the two halves of one allocation, as engines keep them.
-    "combined": lambda d: (*torch.empty(2, L, S, H, 16, dtype=d).unbind(0), None),
+    "combined": lambda d: _halves(torch.empty(2, L, S, H, 16, dtype=d)),
 }
+
+
+def _halves(memory: Tensor) -> tuple[Tensor, Tensor, None]:
+    return memory[0], memory[1], None
 
 
 def _layers(pool: Tensor | Sequence[Tensor]) -> list[Tensor]:
@@ -377,7 +383,7 @@ def _misuses(draft: Draft) -> dict[str, Callable[[typedkv.KVMaterializer], objec
             x, positions, slots, k_pool, torch.zeros(L, 1, 8, H, 16, dtype=torch.float16), kv_layout="NHD"
         ),
         "pool_layers": lambda m: m.into_pool(x, positions, slots, list(k_pool)[:2], list(v_pool)[:2]),
-        "kv_layout": lambda m: m.into_pool(x, positions, slots, k_pool, v_pool, kv_layout="NDH"),  # type: ignore[arg-type]
+        "kv_layout": lambda m: m.into_pool(x, positions, slots, k_pool, v_pool, kv_layout="NDH"),
     }
 
 
@@ -387,7 +393,7 @@ def test_misuse_same_error_on_both_paths(case: str) -> None:
     messages = {}
     for path in ("gemm", "fused"):
         draft = Draft(torch.float16)
-        draft.m.projection_path = path  # type: ignore[assignment]
+        draft.m.projection_path = path
         with pytest.raises(typedkv.InputError) as info:
             _misuses(draft)[case](draft.m)
         messages[path] = str(info.value)
