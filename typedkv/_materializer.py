@@ -23,7 +23,7 @@ from . import _launch
 from ._api import materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature
 from ._errors import InputError
-from ._fused_impl import Projection, project_kv, project_kv_into_pool, stand_in
+from ._fused_impl import FusedLaunches, project_kv, project_kv_into_pool, stand_in
 from ._impl import ROTARY_RULE, DenseCall, PoolCall
 from ._messages import or_list
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
@@ -191,7 +191,7 @@ class KVMaterializer(nn.Module):
         else:
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
-        self._projection = Projection()
+        self._fused_launches = FusedLaunches()
         self._path: ProjectionPath = "auto"
 
     @property
@@ -240,7 +240,7 @@ class KVMaterializer(nn.Module):
                 self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                 self.num_kv_heads, self.rope_style, k_out, v_out,
             )  # fmt: skip
-            return project_kv(call, hidden, self.kv_weight, self.kv_bias, self._projection)
+            return project_kv(call, hidden, self.kv_weight, self.kv_bias, self._fused_launches)
         return materialize_kv(
             self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
@@ -290,7 +290,7 @@ class KVMaterializer(nn.Module):
                 self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
                 k_pool, v_pool, self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
             )  # fmt: skip
-            project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias, self._projection)
+            project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias, self._fused_launches)
             return
         materialize_kv_into_pool(
             self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
