@@ -111,8 +111,10 @@ def test_matches_gemm_path_on_random_inputs_cuda() -> None:
         want = m(x, positions)
         m.projection_path = "fused"
         got = m(x, positions)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        # K: a projected value one ulp off moves K by an ulp or two at the row's scale (|K| < 8 here),
+        # which RoPE can leave beside a small element: an absolute tolerance of a few bf16 ulps at 8.
+        torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
 
 
 def test_deterministic_cuda() -> None:
@@ -156,8 +158,10 @@ def _halves(memory: Tensor) -> tuple[Tensor, Tensor, None]:
 
 
 def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
-    """``[L, len(slots), H, D]``: the pool's rows at ``slots``."""
-    stacked = pool if isinstance(pool, Tensor) else torch.stack(list(pool))
+    """``[L, len(slots), H, D]``: the pool's rows at ``slots`` (an FP8 pool's as bytes: torch indexes no FP8)."""
+    layers = [pool] if isinstance(pool, Tensor) else list(pool)
+    layers = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in layers]
+    stacked = layers[0] if isinstance(pool, Tensor) else torch.stack(layers)
     if layout == "HND":
         stacked = stacked.transpose(2, 3)
     return stacked.reshape(L, S, H, -1)[:, slots].cpu()
@@ -201,14 +205,14 @@ def test_fp8_pools_cuda(layout: str, pool_dtype: torch.dtype, scale: str) -> Non
     scales = options[scale]
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128)
     _, _, xc, pc = cuda_call(draft, 40)
-    xc[0] *= 64  # saturates
+    xc[0] *= 16  # V past FP8 range after the scale: saturates (the GEMM stays exact)
     cache_loc = torch.randperm(S, device="cuda")[:40]
     written = {}
     for path in ("fused", "gemm"):
         draft.m.projection_path = path
         k_pool, v_pool, kv_layout = _pool(layout, pool_dtype, 128)
         draft.m.into_pool(xc, pc, cache_loc, k_pool, v_pool, kv_layout=kv_layout, **scales)
-        written[path] = [_rows(p, torch.arange(S), layout).view(torch.uint8).to(torch.int16) for p in (k_pool, v_pool)]
+        written[path] = [_rows(p, torch.arange(S), layout).to(torch.int16) for p in (k_pool, v_pool)]
     (k_fused, v_fused), (k_gemm, v_gemm) = written["fused"], written["gemm"]
     assert torch.equal(v_fused, v_gemm)
     # One FP8 step: the low 7 bits of a code count up the magnitude; across zero, both within a step of it.
@@ -282,7 +286,10 @@ def test_compiled_into_pool_fused_pinned() -> None:
     k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
     v_pool = torch.zeros_like(k_pool)
     torch.compile(into_pool, fullgraph=True)(hidden, k_pool, v_pool)
-    torch.testing.assert_close(k_pool[:, slots], want_k)
+    # The GEMM is exact on the grid; the two K/V kernels may norm an ulp apart, which RoPE can leave
+    # beside a small element (an absolute tolerance at the row's scale); inductor may round the
+    # GEMM before adding the bias (V within an ulp).
+    torch.testing.assert_close(k_pool[:, slots], want_k, atol=0.1, rtol=2e-2)
     torch.testing.assert_close(v_pool[:, slots], want_v)
 
 
