@@ -408,3 +408,39 @@ def test_misuse_writes_nothing() -> None:
     with pytest.raises(typedkv.InputError):
         fused(draft).into_pool(x, positions, torch.arange(5), k_pool, v_pool, v_scale=2.0)
     assert (k_pool == 3).all() and (v_pool == 3).all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="builds the kernel's launch directly: runs under the interpreter")
+@pytest.mark.parametrize(
+    "config",
+    [
+        _launch.ProjectionConfig(block_m=16, block_k=16, num_stages=1),
+        _launch.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
+        _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
+    ],
+    ids=["m16-k16", "m32-k32", "m64-k128"],
+)
+def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
+    """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""
+    draft = Draft(torch.float16, rotary_dim=8, rope_style="gptj", bias=True, hidden=80)
+    x, positions = draft.call(37)
+    weight = draft.m.kv_weight
+    bias = draft.m.kv_bias
+    norm = draft.m.k_norm_weight
+    results = []
+    for cfg in (_launch.ProjectionConfig(), config):
+        k_out, v_out = torch.empty(2, L, 37, H, 16, dtype=torch.float16)
+        launch = _launch.projection_launch(
+            x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None,
+            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
+            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
+            None, num_layers=L, num_kv_heads=H, head_dim=16, page_size=1, num_rows=37, neox=False, config=cfg,
+        )  # fmt: skip
+        launch(
+            _launch.projection_varying(
+                x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None, k_out, v_out, None
+            )
+        )
+        results.append((k_out, v_out))
+    assert_matches_oracle(results[0], draft.oracle(x, positions), torch.float16)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
