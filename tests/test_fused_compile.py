@@ -169,3 +169,13 @@ def test_opcheck() -> None:
     tail = (None, None, None, None, "NHD")
     torch.library.opcheck(stacked, (*head, cache_loc, pool, pool.clone(), L, H, "gptj", *tail))
     torch.library.opcheck(listed, (*head, cache_loc, list(pool.clone()), list(pool.clone()), L, H, "neox", *tail))
+
+
+def test_changing_sizes_compile_dynamic() -> None:
+    """A loop over T (a dynamic T after the first recompile): every size gives the eager bits."""
+    draft = pinned()
+    run = torch.compile(draft.m, fullgraph=True)
+    for num_tokens in (2, 3, 4, 17):
+        x, positions = draft.call(num_tokens, seed=num_tokens)
+        for got, want in zip(run(x, positions), draft.m(x, positions), strict=True):
+            assert torch.equal(got, want)
