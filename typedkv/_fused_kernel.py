@@ -139,7 +139,7 @@ def project_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (torch's float32 GEMM avoids TF32 by default too)
+    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
 ):
     # Token blocks on grid axis 0, (layer, head slot) on axis 1: the programs
