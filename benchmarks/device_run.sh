@@ -17,6 +17,9 @@
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
 #                  benchmarks/mla_sweep.py (the MLA launch configuration)
+#   fused          the fused projection's GPU tests (bf16 numerics, pools, FP8, graphs, compile, no sync), then
+#                  the end-to-end bench (each projection path pinned, vs torch.mm alone): the data for the
+#                  "auto" table (typedkv._launch.PROJECTION_FUSED_FASTER) and ProjectionConfig's defaults
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -66,5 +69,8 @@ for step in $STEPS; do
                 | tail -40 | tee "$OUT/mla_gpu.txt"
             python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
             python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
+        fused)
+            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40 | tee "$OUT/fused_gpu.txt"
+            python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 | tee "$OUT/fused_e2e.txt" ;;
     esac
 done

@@ -154,6 +154,21 @@ def cases() -> dict[str, Callable[[], object]]:
                 if layout == "dense" and pool_dtype != torch.bfloat16:
                     continue
                 out[f"mla-T{t}-{layout}-{_TYPES[pool_dtype]}"] = _mla(t, layout, pool_dtype)
+    # The projection fused with K/V (KVMaterializer.projection_path = "fused").
+    for t in (16, 8192):
+        for rope_style in ("neox", "gptj"):
+            for rotary in (128, 64):
+                out[f"fused-T{t}-dense-{rope_style}-R{rotary}"] = _fused(t, rotary=rotary, rope_style=rope_style)
+        out[f"fused-T{t}-dense-ropeonly-bias"] = _fused(t, norm=False, bias=True)
+        out[f"fused-T{t}-dense-eps-per-layer"] = _fused(t, eps=[1e-6, 1e-5, 1e-6, 1e-5, 1e-6])
+        out[f"fused-T{t}-dense-fp16-D64-hidden1000"] = _fused(t, dim=64, rotary=64, hidden=1000, dtype=torch.float16)
+        out[f"fused-T{t}-dense-fp32"] = _fused(t, dtype=torch.float32)
+        out[f"fused-T{t}-dense-D256-R64"] = _fused(t, dim=256, rotary=64)
+        for layout in ("flat", "NHD16", "HND16", "list"):
+            for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                for scale in (None, "float", "tensor") if pool_dtype != torch.bfloat16 else (None,):
+                    name = f"fused-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
+                    out[name] = _fused(t, pool=_pool_alloc(t, layout, pool_dtype, scale))
     return out
 
 
@@ -185,28 +200,11 @@ def _dense(
 
 
 def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Callable[[], object]:
-    layers, heads, dim, slots = 5, 8, 128, t + 64
-
-    def alloc() -> tuple[Any, Any, str | None]:
-        if layout == "flat":
-            return torch.empty(layers, slots, heads, dim, dtype=dtype), None, None
-        if layout.startswith(("NHD", "HND")):
-            page = int(layout[3:])
-            pages = -(-slots // page)
-            shape = (layers, pages, page, heads, dim) if layout[:3] == "NHD" else (layers, pages, heads, page, dim)
-            return torch.empty(shape, dtype=dtype), None, layout[:3]
-        page = int(layout[8:]) if "NHD" in layout else 0
-        shape = (-(-slots // page), page, heads, dim) if page else (slots, heads, dim)
-        return [torch.empty(shape, dtype=dtype) for _ in range(layers)], None, "NHD" if page else None
+    layers, heads, dim = 5, 8, 128
+    pools = _pool_alloc(t, layout, dtype, scale)
 
     def call() -> object:
-        k_pool, _, kv_layout = alloc()
-        v_pool, _, _ = alloc()
-        scales: dict[str, Any] = {}
-        if scale == "float":
-            scales = {"k_scale": 0.5, "v_scale": 2.0}
-        elif scale == "tensor":
-            scales = {"k_scale": torch.rand(layers) + 0.5, "v_scale": torch.rand(layers) + 0.5}
+        k_pool, v_pool, kv_layout, slots, scales = pools()
         return typedkv.materialize_kv_into_pool(
             _kv(t, layers, heads, dim),
             torch.randn(layers, dim).to(torch.bfloat16),
@@ -221,6 +219,74 @@ def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Callabl
             kv_layout=kv_layout,
             **scales,
         )
+
+    return call
+
+
+Pools = Callable[[], tuple[Any, Any, "str | None", int, dict[str, Any]]]
+
+
+def _pool_alloc(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Pools:
+    """``(k_pool, v_pool, kv_layout, slots, scales)`` of a pool of 5 layers, 8 heads of 128, ``t + 64`` slots."""
+    layers, heads, dim, slots = 5, 8, 128, t + 64
+
+    def alloc() -> tuple[Any, Any, str | None]:
+        if layout == "flat":
+            return torch.empty(layers, slots, heads, dim, dtype=dtype), None, None
+        if layout.startswith(("NHD", "HND")):
+            page = int(layout[3:])
+            pages = -(-slots // page)
+            shape = (layers, pages, page, heads, dim) if layout[:3] == "NHD" else (layers, pages, heads, page, dim)
+            return torch.empty(shape, dtype=dtype), None, layout[:3]
+        page = int(layout[8:]) if "NHD" in layout else 0
+        shape = (-(-slots // page), page, heads, dim) if page else (slots, heads, dim)
+        return [torch.empty(shape, dtype=dtype) for _ in range(layers)], None, "NHD" if page else None
+
+    def pools() -> tuple[Any, Any, str | None, int, dict[str, Any]]:
+        k_pool, _, kv_layout = alloc()
+        v_pool, _, _ = alloc()
+        scales: dict[str, Any] = {}
+        if scale == "float":
+            scales = {"k_scale": 0.5, "v_scale": 2.0}
+        elif scale == "tensor":
+            scales = {"k_scale": torch.rand(layers) + 0.5, "v_scale": torch.rand(layers) + 0.5}
+        return k_pool, v_pool, kv_layout, slots, scales
+
+    return pools
+
+
+def _fused(
+    t: int,
+    *,
+    dim: int = 128,
+    rotary: int = 128,
+    rope_style: str = "neox",
+    norm: bool = True,
+    bias: bool = False,
+    eps: Any = 1e-6,
+    hidden: int = 1024,
+    dtype: torch.dtype = torch.bfloat16,
+    pool: Pools | None = None,
+) -> Callable[[], object]:
+    """A `KVMaterializer` call (5 layers, 8 heads) with the fused projection pinned: dense, or into ``pool``."""
+    layers, heads = 5, 8
+
+    def call() -> object:
+        m = typedkv.KVMaterializer(
+            torch.randn(layers, 2 * heads * dim, hidden).to(dtype),
+            torch.randn(layers, dim).to(dtype) if norm else None,
+            eps,
+            _tables(rotary),
+            num_kv_heads=heads,
+            rope_style=rope_style,  # type: ignore[arg-type]
+            kv_bias=torch.randn(layers, 2 * heads * dim).to(dtype) if bias else None,
+        )
+        m.projection_path = "fused"
+        x, positions = torch.randn(t, hidden).to(dtype), torch.randint(0, 4096, (t,))
+        if pool is None:
+            return m(x, positions)
+        k_pool, v_pool, kv_layout, slots, scales = pool()
+        return m.into_pool(x, positions, torch.randperm(slots)[:t], k_pool, v_pool, kv_layout=kv_layout, **scales)
 
     return call
 

@@ -25,12 +25,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_projection",),  # what the materializers share
     ("_api", "_rope_tables", "_mla"),  # the public face
     ("_torch_ops",),  # the torch ops
-    ("_impl", "_mla_impl"),  # the checked implementation
+    ("_impl", "_mla_impl", "_fused_impl"),  # the checked implementation
     ("_device_tables", "_value_checks"),
     ("_checking",),
     ("_annotations", "_messages"),
     ("_reference", "_launch"),
-    ("_kernel", "_mla_kernel"),
+    ("_kernel", "_mla_kernel", "_fused_kernel"),
     ("_epilogue",),  # the jit pieces the kernels share
     ("_config", "_errors", "_types"),
 )

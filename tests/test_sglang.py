@@ -769,13 +769,19 @@ def test_e2e_bench_without_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert module is None and reason.startswith("no sglang 0.5.23 wheel")
     result = run_e2e(_once_us, DEVICE, (1, 5), TINY)
     assert [row["tokens"] for row in result["rows"]] == [1, 5]
-    assert all(set(row["us"]) == {"mm", "typedkv", "typedkv_pool"} for row in result["rows"])
+    ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
+    assert all(set(row["us"]) == {"mm", *ours} for row in result["rows"])
     assert "typedkv_pool / mm" in e2e_table(result)
+    assert "typedkv_fused / typedkv_gemm" in e2e_table(result)
 
 
 def test_e2e_bench_with_sglang(sglang: ModuleType) -> None:
     result = run_e2e(_once_us, DEVICE, (3,), TINY, sglang=sglang)
     (row,) = result["rows"]
-    assert set(row["us"]) == {"mm", "typedkv", "typedkv_pool", "sglang", "sglang_pool"}
-    assert set(row["ratio"]) == {"typedkv_pool / mm", "sglang / typedkv", "sglang_pool / typedkv_pool"}
+    ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
+    assert set(row["us"]) == {"mm", *ours, "sglang", "sglang_pool"}
+    assert set(row["ratio"]) == {
+        "typedkv_pool / mm", "typedkv_pool_gemm / mm", "typedkv_pool_fused / mm", "typedkv_fused / typedkv_gemm",
+        "sglang / typedkv", "sglang_pool / typedkv_pool",
+    }  # fmt: skip
     assert all(us > 0 for us in row["us"].values())

@@ -6,7 +6,11 @@ A Qwen3-style DFlash draft (5 layers, 8 KV heads, head dim 128, hidden 4096,
 - ``mm``: the projection GEMM alone (``torch.mm`` into a reused buffer), the floor;
 - ``typedkv``: a `KVMaterializer` call, ``[L, T, H, D]`` K and V;
 - ``typedkv_pool``: `KVMaterializer.into_pool` into sglang-style per-layer pools
-  (K and V of a layer the two halves of one allocation), one launch;
+  (K and V of a layer the two halves of one allocation);
+- both again with each projection path pinned (``_gemm``: the GEMM, then the
+  K/V kernel; ``_fused``: one kernel, GEMM and epilogue), beside the path
+  ``"auto"`` chose (the unsuffixed rows), so one run says which is faster at
+  each T -- what ``typedkv._launch.PROJECTION_FUSED_FASTER`` is to record;
 - ``sglang``: sglang's ``FusedKVMaterializeHelper.materialize`` with a no-op
   callback (GEMM plus its kernel into dense buffers), and ``sglang_pool`` with
   the per-layer index writes its DFlash worker does through ``set_kv_buffer`` --
@@ -115,7 +119,11 @@ def run_e2e(
     rows = slice(draft.num_heads * D, draft.num_heads * D + 2 * H * D)
     weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
     norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
-    materializer = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=H)
+    # "auto" and each path pinned; the stacked weight is shared, not copied.
+    materializers = {}
+    for path in ("auto", "gemm", "fused"):
+        materializers[path] = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=H)
+        materializers[path].projection_path = path
     flat = weight.reshape(L * 2 * H * D, draft.hidden)
     theirs = None
     if sglang is not None:
@@ -125,9 +133,13 @@ def run_e2e(
         # Rotating input sets for small T, so a replay does not serve them from L2 (the weights, 84 MB, never fit).
         inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= 256 else 1)]
         gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
-        calls = _calls(inputs, flat, gemm_out, materializer, theirs)
+        calls = _calls(inputs, flat, gemm_out, materializers, theirs)
         us = {impl: round(timer(fns), 2) for impl, fns in calls.items()}
-        ratio = {"typedkv_pool / mm": round(us["typedkv_pool"] / us["mm"], 3)}
+        ratio = {
+            f"typedkv_pool{path} / mm": round(us[f"typedkv_pool{path}"] / us["mm"], 3)
+            for path in ("", "_gemm", "_fused")
+        }
+        ratio["typedkv_fused / typedkv_gemm"] = round(us["typedkv_fused"] / us["typedkv_gemm"], 3)
         if theirs is not None:
             ratio["sglang / typedkv"] = round(us["sglang"] / us["typedkv"], 3)
             ratio["sglang_pool / typedkv_pool"] = round(us["sglang_pool"] / us["typedkv_pool"], 3)
@@ -136,20 +148,28 @@ def run_e2e(
 
 
 def _calls(
-    inputs: Sequence[_Inputs], flat: torch.Tensor, gemm_out: torch.Tensor, materializer: KVMaterializer, theirs: Any
+    inputs: Sequence[_Inputs],
+    flat: torch.Tensor,
+    gemm_out: torch.Tensor,
+    materializers: dict[str, KVMaterializer],
+    theirs: Any,
 ) -> dict[str, list[Callable[[], None]]]:
-    """Each implementation's call on each input set."""
+    """Each implementation's call on each input set (``materializers`` by projection path)."""
 
     def each(make: Callable[[_Inputs], Callable[[], None]]) -> list[Callable[[], None]]:
         return [make(x) for x in inputs]
 
-    calls = {
-        "mm": each(lambda x: lambda: _discard(torch.mm(x.hidden, flat.t(), out=gemm_out))),
-        "typedkv": each(lambda x: lambda: _discard(materializer(x.hidden, x.positions))),
-        "typedkv_pool": each(
-            lambda x: lambda: materializer.into_pool(x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool)
-        ),
-    }
+    def dense(m: KVMaterializer) -> list[Callable[[], None]]:
+        return each(lambda x: lambda: _discard(m(x.hidden, x.positions)))
+
+    def pool(m: KVMaterializer) -> list[Callable[[], None]]:
+        return each(lambda x: lambda: m.into_pool(x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool))
+
+    calls = {"mm": each(lambda x: lambda: _discard(torch.mm(x.hidden, flat.t(), out=gemm_out)))}
+    for path, m in materializers.items():
+        suffix = "" if path == "auto" else f"_{path}"
+        calls[f"typedkv{suffix}"] = dense(m)
+        calls[f"typedkv_pool{suffix}"] = pool(m)
     if theirs is not None:
         calls["sglang"] = each(lambda x: lambda: theirs.materialize(x.hidden, x.positions, _no_write))
         calls["sglang_pool"] = each(lambda x: lambda: theirs.materialize(x.hidden, x.positions, _index_writes(x)))

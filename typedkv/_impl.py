@@ -112,8 +112,12 @@ def check_dense(call: DenseCall) -> Bound:
     return DENSE.signature.check(call)
 
 
-def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
-    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
+def dense_plan(call: DenseCall) -> tuple[Plan, Tensor, Tensor]:
+    """A dense call checked (its layout's plan; debug mode's checks too), and the outputs it left None allocated.
+
+    Every dense path runs it first (`materialize_kv`, and the materializer's
+    fused projection, `typedkv._fused_impl`), so all reject a misuse alike.
+    """
     sig = DENSE.signature
     plan: Plan = sig.plan(call, _DENSE_PLANNER)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
@@ -128,8 +132,15 @@ def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
         k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     if v_out is None:
         v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    return plan, k_out, v_out
+
+
+def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
+    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
+    plan, k_out, v_out = dense_plan(call)
     if plan.empty:
         return k_out, v_out
+    kv, dims = call.kv, plan.bound.dims
     eps = layer_eps(call.eps, kv.device)
     neox = call.rope_style == "neox"
     if not plan.kernel:
@@ -165,25 +176,53 @@ def check_pool(call: PoolCall) -> Bound:
     return bound
 
 
-def materialize_kv_into_pool(call: PoolCall) -> None:
-    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
+def pool_plan(call: PoolCall) -> tuple[Plan, _Geometry | None, list[int] | None]:
+    """A pool call checked (its layout's plan; debug mode's checks too), its pools' geometry (None: nothing to do).
+
+    Last, per-layer pools' addresses (K's, then V's; None for stacked pools), for `pool_destinations`.
+
+    Every pool path runs it first (`materialize_kv_into_pool`, and the
+    materializer's fused projection, `typedkv._fused_impl`), so all reject a misuse alike.
+    """
     sig = POOL.signature
     plan: Plan = sig.plan(call, planner(lambda bound: _pool_layout(call, bound)))
-    k_pool, v_pool = call.k_pool, call.v_pool
-    addresses = _check_apart(k_pool, v_pool)
+    addresses = _check_apart(call.k_pool, call.v_pool)
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     if plan.empty:
-        return
-    dims = plan.bound.dims
-    kv = call.kv
-    eps = layer_eps(call.eps, kv.device)
+        return plan, None, addresses
     geometry = plan.geometry
     if geometry is None:
         geometry = plan.geometry = _Geometry.of(plan.bound)
     if debug_enabled():
         check_slots(call.cache_loc, geometry.num_slots)
+    return plan, geometry, addresses
+
+
+def pool_destinations(
+    k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor], addresses: list[int] | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(k_dst, v_dst, layer table)`` of checked pools: stacked tensors as they are, or layer 0's plus offsets.
+
+    ``addresses``: `pool_plan`'s, read once per call.
+    """
+    if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
+        return k_pool, v_pool, None
+    # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
+    # layer 0's address plus an offset table for the others.
+    k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
+    return k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
+
+
+def materialize_kv_into_pool(call: PoolCall) -> None:
+    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
+    plan, geometry, addresses = pool_plan(call)
+    if geometry is None:
+        return
+    dims = plan.bound.dims
+    kv, k_pool, v_pool = call.kv, call.k_pool, call.v_pool
+    eps = layer_eps(call.eps, kv.device)
     neox = call.rope_style == "neox"
     if not plan.kernel:
         # Inference only, as on the GPU: no autograd history on what is written.
@@ -198,15 +237,7 @@ def materialize_kv_into_pool(call: PoolCall) -> None:
                     _reference.quantize(values, scale, layers[0].dtype), call.cache_loc, layers, page, hnd
                 )
         return
-    k_dst: Tensor
-    v_dst: Tensor
-    if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
-        k_dst, v_dst, table = k_pool, v_pool, None
-    else:
-        # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
-        # layer 0's address plus an offset table for the others.
-        k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-        k_dst, v_dst, table = k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
+    k_dst, v_dst, table = pool_destinations(k_pool, v_pool, addresses)
     scales = (call.k_scale, call.v_scale)
     if plan.launch is None:
         plan.launch = _launch.Launch(

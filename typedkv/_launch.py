@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fused_kernel import project_kv_kernel as project_kv_kernel
 from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 from ._mla_kernel import materialize_mla_kv_kernel as materialize_mla_kv_kernel
 
@@ -437,3 +438,130 @@ def _scale_mode(scale: float | torch.Tensor | None, dst: torch.Tensor) -> int:
         return 0
     # An FP8 destination is always saturated; a missing scale means 1.0.
     return 2 if isinstance(scale, torch.Tensor) else 1
+
+
+# ------------------------------------------------- projection fused with K/V
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    """How the fused projection kernel (`project_kv_kernel`) is launched.
+
+    The defaults are not measured yet (no GPU run of this kernel exists): they
+    are a starting point for a sweep on the H200 to replace. Tests and sweeps
+    pass others; every configuration computes the same thing.
+    """
+
+    block_m: int | None = None  # tokens per program; None: 16 up to 16 tokens, else 64
+    block_k: int = 64  # hidden columns per step of the K loop
+    num_warps: int = 4
+    num_stages: int = 3  # software pipelining of the K loop (tl.range)
+
+
+# Where the fused projection beats GEMM + kernel, measured per device
+# (torch.cuda.get_device_name): [low, high) token counts. Nothing is measured
+# yet, so the table is empty and "auto" always takes GEMM + kernel.
+PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def projection_fused_faster(device: torch.device, num_tokens: int) -> bool:
+    """Whether the measured table says the fused projection is faster at ``num_tokens`` on ``device``."""
+    ranges = PROJECTION_FUSED_FASTER.get(_device_name(device), ())
+    return any(low <= num_tokens < high for low, high in ranges)
+
+
+def projection_launch(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    k_dst: torch.Tensor,
+    k_strides: tuple[int, int, int, int],
+    v_dst: torch.Tensor,
+    v_strides: tuple[int, int, int, int],
+    layer_offsets: torch.Tensor | None,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    num_rows: int,
+    neox: bool,
+    scales: tuple[Scale, Scale] = (None, None),
+    config: ProjectionConfig = ProjectionConfig(),
+) -> KernelLaunch:
+    """The fused projection's launch; called with `projection_varying`'s values.
+
+    ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each
+    layer's K rows, then its V rows; ``kv_bias`` ``[L*2*H*D]`` or None) replace
+    `launch_params`' ``kv``; the destinations and the rest are as there.
+    """
+    num_tokens, hidden_size = hidden.shape
+    rotary_dim = cos_sin_cache.shape[1]
+    block_m = config.block_m or (16 if num_tokens <= 16 else 64)
+    # tl.dot takes tiles of at least 16 along every dim.
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
+    block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
+    hidden_, weight, bias, norm, eps_t, eps_f, cs, pos, slots_, k_, v_, table, k_t, k_f, v_t, v_f = (
+        projection_varying(
+            hidden, kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst,
+            layer_offsets, scales,
+        )
+    )  # fmt: skip
+    fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
+    k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
+    v_stride_l, v_stride_page, v_stride_slot, v_stride_h = v_strides
+    layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
+    params = (
+        hidden_, *hidden.stride(), weight, *kv_weight.stride(), bias,
+        norm, *(k_norm_weight.stride() if k_norm_weight is not None else (0, 0)),
+        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
+        cs, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        pos, positions.stride(0),
+        slots_, slots.stride(0) if slots is not None else 0,
+        k_, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
+        v_, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
+        table,
+        k_t, k_t.stride(0) if k_t is not None else 0, k_f,
+        v_t, v_t.stride(0) if v_t is not None else 0, v_f,
+        num_tokens, cos_sin_cache.shape[0], num_rows,
+        # constexprs
+        hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
+        eps_t is not None, slots is not None, page_size, layer_offsets is not None,
+        _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
+        layer_vec, num_layers, block_m, config.block_k, block_d, block_half, block_pass, config.num_stages,
+        "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+    )  # fmt: skip
+    grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
+    return KernelLaunch(project_kv_kernel, grid, params, config.num_warps)
+
+
+def projection_varying(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    layer_offsets: torch.Tensor | None,
+    scales: tuple[Scale, Scale] = (None, None),
+) -> tuple[Any, ...]:
+    """The fused projection kernel's per-call arguments, in kernel order."""
+    return (
+        hidden, kv_weight, kv_bias, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots,
+        k_dst, v_dst, layer_offsets, *_number_or_tensor(scales[0], 1.0), *_number_or_tensor(scales[1], 1.0),
+    )  # fmt: skip

@@ -1,25 +1,40 @@
 """`KVMaterializer`: a draft model's whole K/V path, built once from its layers' weights.
 
-A call is one GEMM for all layers (``hidden @ W_all.T``, written into a
-workspace the object keeps) and one fused launch. The workspace grows to the
-next power of two of ``T`` and is reused after that: a decode loop at a fixed
-``T`` allocates nothing for it, and nothing in a call waits for the device, so
-the call can be captured in a CUDA graph -- where it writes into rows of the
-graph's own, never into the eager workspace (see `typedkv._projection.Workspace`).
+A call takes one of two paths (``projection_path``). GEMM + kernel: one GEMM for
+all layers (``hidden @ W_all.T``, written into a workspace the object keeps) and
+one fused launch. The workspace grows to the next power of two of ``T`` and is
+reused after that: a decode loop at a fixed ``T`` allocates nothing for it, and
+nothing in a call waits for the device, so the call can be captured in a CUDA
+graph -- where it writes into rows of the graph's own, never into the eager
+workspace (see `typedkv._projection.Workspace`). Fused: one kernel computes the
+projection and the K/V epilogue (`typedkv._fused_impl`), no workspace at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _launch, _torch_ops
 from ._api import materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature
-from ._impl import ROTARY_RULE
+from ._errors import InputError
+from ._fused_impl import (
+    FUSED,
+    FUSED_POOL,
+    PROJECTION,
+    FusedCall,
+    FusedPoolCall,
+    project_kv,
+    project_kv_into_pool,
+    stand_in,
+)
+from ._impl import ROTARY_RULE, DenseCall, PoolCall, check_pool_kinds
+from ._messages import or_list
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
@@ -57,16 +72,8 @@ _WEIGHTS = Signature(
 )
 
 
-def _projection(
-    kv_weight: StorageFloat[Tensor, "N hidden"],
-    hidden: StorageFloat[Tensor, "T hidden"],
-    positions: Index[Tensor, " T"],
-    cache_loc: Index[Tensor, " T"] | None,
-) -> None:
-    """A call's own arguments against the weights (the op then checks the rest, T bound by the GEMM's output)."""
-
-
-_PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_weight", same_dtype={"hidden": "kv_weight"})
+ProjectionPath = Literal["auto", "fused", "gemm"]
+"""`KVMaterializer.projection_path`: how a call computes the projection."""
 
 # An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
 _STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
@@ -118,6 +125,21 @@ class KVMaterializer(nn.Module):
     by the graph's later ops): eager calls at any ``T`` before or after the
     capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.
+
+    ``projection_path`` picks how a call computes the projection: ``"gemm"``
+    (the GEMM above, then the K/V kernel), ``"fused"`` (one Triton kernel that
+    computes ``hidden @ W^T`` and, in its epilogue, norms, rotates and stores K
+    and V: no ``kv`` in memory, no workspace), or ``"auto"`` (the default): the
+    fused path where a table measured per GPU and per ``T`` range says it is
+    faster. No such measurement is recorded yet, so ``"auto"`` takes GEMM +
+    kernel everywhere for now. Both paths check a call alike (the same
+    messages, before anything is written) and give the same results up to the
+    GEMM's accumulation order (each K/V value is first rounded to the storage
+    dtype, as a stored ``kv`` would be). The fused kernel runs for CUDA
+    tensors (and under ``TRITON_INTERPRET=1``); CPU tensors take GEMM + kernel
+    whatever the setting. Under ``torch.compile`` a call pinned to ``"fused"``
+    is one op of the graph (``torch.ops.typedkv.project_kv_*``), checked while
+    tracing; ``"auto"`` compiles GEMM + kernel.
     """
 
     kv_weight: Tensor
@@ -169,6 +191,19 @@ class KVMaterializer(nn.Module):
         else:
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
+        self._path: ProjectionPath = "auto"
+
+    @property
+    def projection_path(self) -> ProjectionPath:
+        """``"auto"`` (default), ``"fused"`` or ``"gemm"``: how calls compute the projection (see the class notes)."""
+        return self._path
+
+    @projection_path.setter
+    def projection_path(self, path: ProjectionPath) -> None:
+        choices = get_args(ProjectionPath)
+        if not isinstance(path, str) or path not in choices:
+            raise InputError(f"projection_path: expected {or_list([repr(c) for c in choices])}, got {path!r}")
+        self._path = path
 
     @static_jaxtyping("T")
     def forward(
@@ -199,6 +234,24 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
+        if self._fused(hidden, positions, None):
+            if torch.compiler.is_compiling():
+                # One op of the graph, which writes outputs allocated here (ops never allocate).
+                shape = (self.num_layers, hidden.shape[0], self.num_kv_heads, self.head_dim)
+                k_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if k_out is None else k_out
+                v_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if v_out is None else v_out
+                _FUSED_OPS(
+                    FusedCall(
+                        hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
+                        positions, self.num_layers, self.num_kv_heads, self.rope_style, k_out, v_out,
+                    )
+                )  # fmt: skip
+                return k_out, v_out
+            call = DenseCall(
+                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
+                self.num_kv_heads, self.rope_style, k_out, v_out,
+            )  # fmt: skip
+            return project_kv(call, hidden, self.kv_weight, self.kv_bias)
         return materialize_kv(
             self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
@@ -243,6 +296,22 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
+        if self._fused(hidden, positions, cache_loc):
+            if torch.compiler.is_compiling():
+                _FUSED_POOL_OPS(
+                    FusedPoolCall(
+                        hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
+                        positions, cache_loc, k_pool, v_pool, self.num_layers, self.num_kv_heads, self.rope_style,
+                        k_scale, v_scale, kv_layout,
+                    )
+                )  # fmt: skip
+                return
+            call = PoolCall(
+                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
+                k_pool, v_pool, self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
+            )  # fmt: skip
+            project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias)
+            return
         materialize_kv_into_pool(
             self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
             k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
@@ -260,6 +329,24 @@ class KVMaterializer(nn.Module):
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
 
+    def _fused(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> bool:
+        """Whether this call takes the fused path; its own arguments checked first (as `_project` does)."""
+        path = self._path
+        # Not a tensor: the GEMM path's check says so, in its words.
+        if path == "gemm" or not isinstance(hidden, Tensor) or not _launch.use_kernel(hidden.device):
+            return False  # CPU tensors: the reference, after the GEMM
+        if torch.compiler.is_compiling():
+            # The fused op checks while tracing; "auto" reads no device table there (GEMM + kernel).
+            return path == "fused"
+        if path == "auto" and not _launch.projection_fused_faster(hidden.device, hidden.shape[0]):
+            return False
+        PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
+        return True
+
+    def _stand_in(self, hidden: Tensor) -> Tensor:
+        """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`)."""
+        return stand_in(self.kv_weight, hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+
     def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
         """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
 
@@ -269,7 +356,7 @@ class KVMaterializer(nn.Module):
             # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
             kv = F.linear(hidden, self.kv_weight, self.kv_bias)
             return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
-        _PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
+        PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
         num_tokens = hidden.shape[0]
         out = self._rows.rows(num_tokens, self.kv_weight)
         gemm(hidden, self.kv_weight, self.kv_bias, out)
@@ -283,3 +370,69 @@ class KVMaterializer(nn.Module):
 
 def _checked(bound: Bound) -> bool:
     return True
+
+
+# ------------------------------------------------- the fused path as torch ops
+
+
+def _fused_op(
+    hidden: StorageFloat[Tensor, "T hidden"],
+    kv_weight: StorageFloat[Tensor, "rows hidden"],
+    kv_bias: StorageFloat[Tensor, " rows"] | None,
+    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    num_layers: int,
+    num_kv_heads: int,
+    rope_style: RopeStyle,
+    k_out: StorageFloat[Tensor, "L T H D"],
+    v_out: StorageFloat[Tensor, "L T H D"],
+) -> None:
+    """`KVMaterializer.forward` on the fused path, as one op (`typedkv._fused_impl.FusedCall`)."""
+
+
+def _fused_pool_op(
+    hidden: StorageFloat[Tensor, "T hidden"],
+    kv_weight: StorageFloat[Tensor, "rows hidden"],
+    kv_bias: StorageFloat[Tensor, " rows"] | None,
+    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
+    eps: float | ParamFloat[Tensor, " L"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    positions: Index[Tensor, " T"],
+    cache_loc: Index[Tensor, " T"],
+    k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
+    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
+    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
+    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
+    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
+    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
+    v_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
+    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
+    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
+    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
+    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
+    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
+    num_layers: int,
+    num_kv_heads: int,
+    rope_style: RopeStyle,
+    k_scale: float | ParamFloat[Tensor, " L"] | None,
+    v_scale: float | ParamFloat[Tensor, " L"] | None,
+    kv_layout: KVLayout | None,
+) -> None:
+    """`KVMaterializer.into_pool` on the fused path, as one op (`typedkv._fused_impl.FusedPoolCall`)."""
+
+
+# Declared for the ops' schemas (`typedkv._torch_ops`); calls are checked by FUSED's and FUSED_POOL's own checks.
+FUSED.declare(_fused_op, scalar_dims={"H": "num_kv_heads"}, device_of="hidden", outputs=("k_out", "v_out"))
+FUSED_POOL.declare(
+    _fused_pool_op,
+    scalar_dims={"H": "num_kv_heads"},
+    device_of="hidden",
+    sequence_len={"k_pool": "L", "v_pool": "L"},
+    outputs=("k_pool", "v_pool"),
+)
+_FUSED_OPS = _torch_ops.TorchOps(FUSED, ("project_kv_out",))
+_FUSED_POOL_OPS = _torch_ops.TorchOps(
+    FUSED_POOL, ("project_kv_into_pool_stacked", "project_kv_into_pool_list"), check_kinds=check_pool_kinds
+)

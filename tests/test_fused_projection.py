@@ -1,0 +1,446 @@
+"""`KVMaterializer`'s fused projection path (``projection_path = "fused"``): one kernel, GEMM and K/V epilogue.
+
+The file runs on the reference (plain CPU: the fused setting falls back to GEMM
++ op there, so these tests hold the reference to the same oracle) and under
+``TRITON_INTERPRET=1``, where the fused Triton kernel itself runs. The
+interpreter computes ``tl.dot`` on bfloat16 inputs wrongly, so it runs float16
+and float32 only; bfloat16 is the GPU suite's (tests/test_gpu_fused.py).
+
+Oracle: the float64 GEMM, then ``tests/reference64.py``'s steps. Inputs are
+drawn on a grid (hidden: multiples of 1/64 up to 1, weights: of 1/256 up to
+1/2, each exact in every storage dtype) so that every product and partial sum
+of the GEMM is exact in float32 (at most ~21 significant bits): the accumulation order then cannot
+change the float32 accumulator, and the projection rounded to the storage dtype
+(what a stored ``kv`` holds) is known exactly. From there:
+
+- V equals that rounded projection bit for bit;
+- K is within one storage-dtype ulp at the scale of the row's largest value,
+  ``eps * max |k|`` over the head row (``eps`` = ``torch.finfo(dtype).eps``; an
+  element where RoPE cancels can be far smaller than its error), of the float64
+  unfused path applied to the rounded projection. That is up to twice the
+  spacing of the largest value's own binade, and needed: K is rounded twice
+  (after the norm, at the store), and the float64 oracle rounds the first time
+  from the exact norm -- the GEMM + kernel path measures 0.93 of this bound
+  (and 1.33 of the binade's spacing) at T=70, hidden=16 of `test_token_and_hidden_edges`.
+  For float32 storage the kernel's float32 norm and rotation are themselves the
+  error: 32 times that (as tests/test_numerics.py).
+
+Pools: the fused path's whole pool allocations (sentinel-filled first) must equal
+the GEMM + kernel path's bit for bit: the same kv (an exact GEMM), the same
+float32 epilogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from reference64 import materialize_kv64
+from torch import Tensor
+
+import typedkv
+from typedkv import _launch
+
+INTERPRETED = _launch.INTERPRETED
+# The interpreter's tl.dot is wrong on bfloat16 inputs; the reference takes all three.
+DTYPES = (torch.float16, torch.float32) if INTERPRETED else (torch.float16, torch.float32, torch.bfloat16)
+ULPS = {torch.float16: 1.0, torch.bfloat16: 1.0, torch.float32: 32.0}
+L, H, P = 3, 2, 64
+
+
+def _grid(shape: tuple[int, ...], top: int, denominator: int, g: torch.Generator) -> Tensor:
+    """Integers in ``[-top, top]`` over ``denominator``: exact in every storage dtype, products exact in float32."""
+    return torch.randint(-top, top + 1, shape, generator=g).double() / denominator
+
+
+class Draft:
+    """A draft's weights on the grid, its materializer, and the float64 oracle of a call."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        *,
+        head_dim: int = 16,
+        rotary_dim: int = 16,
+        hidden: int = 80,
+        rope_style: typedkv.RopeStyle = "neox",
+        norm: bool = True,
+        bias: bool = False,
+        eps: float | Tensor = 1e-6,
+        seed: int = 0,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        rows = 2 * H * head_dim
+        self.dtype, self.head_dim, self.hidden, self.rope_style, self.eps = dtype, head_dim, hidden, rope_style, eps
+        self.weight = _grid((L, rows, hidden), 128, 256, g)
+        self.bias = _grid((L, rows), 8, 16, g) if bias else None
+        self.norm = (torch.rand(L, head_dim, generator=g) + 0.5).to(dtype) if norm else None
+        self.cos_sin_cache = torch.randn(P, rotary_dim, generator=g)
+        self.m = typedkv.KVMaterializer(
+            self.weight.to(dtype), self.norm, eps, self.cos_sin_cache, num_kv_heads=H, rope_style=rope_style,
+            kv_bias=None if self.bias is None else self.bias.to(dtype),
+        )  # fmt: skip
+
+    def call(self, num_tokens: int, seed: int = 1) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return _grid((num_tokens, self.hidden), 64, 64, g).to(self.dtype), torch.randint(
+            0, P, (num_tokens,), generator=g
+        )
+
+    def oracle(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """K in float64 (not rounded at the end) and V, from the exact projection rounded to the storage dtype."""
+        kv = torch.einsum("th,lnh->tln", hidden.double(), self.weight)
+        if self.bias is not None:
+            kv = kv + self.bias
+        return materialize_kv64(
+            kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, H, self.rope_style
+        )
+
+
+def assert_matches_oracle(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor], dtype: torch.dtype) -> None:
+    k, v = got
+    k64, v_want = want
+    assert k.dtype == v.dtype == dtype and k.shape == k64.shape
+    assert torch.equal(v, v_want), "V is the projection rounded to the storage dtype, bit for bit"
+    bad = k64.isnan()
+    assert torch.equal(k.isnan(), bad)
+    row_max = k64.nan_to_num().abs().amax(-1, keepdim=True)
+    tolerance = ULPS[dtype] * torch.finfo(dtype).eps * row_max.clamp(min=torch.finfo(dtype).tiny)
+    error = (k.double() - k64).abs().nan_to_num()
+    worst = (error / tolerance).max().item()
+    assert worst <= 1.0, f"K off by {worst:.2f} x the tolerance"
+
+
+def fused(draft: Draft) -> typedkv.KVMaterializer:
+    draft.m.projection_path = "fused"
+    return draft.m
+
+
+# ------------------------------------------------------------------ results
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (16, 8), (24, 8), (32, 2)])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grid(
+    dtype: torch.dtype, rope_style: typedkv.RopeStyle, head_dim: int, rotary_dim: int, norm: bool, bias: bool
+) -> None:
+    """Both rope styles, full and partial rotary (a pass-through third accumulator), norm or RoPE only, bias."""
+    draft = Draft(dtype, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style, norm=norm, bias=bias)
+    hidden, positions = draft.call(5)
+    assert_matches_oracle(fused(draft)(hidden, positions), draft.oracle(hidden, positions), dtype)
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 80, 200])
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 70])
+def test_token_and_hidden_edges(num_tokens: int, hidden: int) -> None:
+    """T not a multiple of the token block, hidden not a multiple of the K step (or one step, or several)."""
+    draft = Draft(torch.float16, hidden=hidden, rope_style="gptj", rotary_dim=8, bias=True)
+    x, positions = draft.call(num_tokens)
+    assert_matches_oracle(fused(draft)(x, positions), draft.oracle(x, positions), torch.float16)
+
+
+@pytest.mark.parametrize("form", ["float", "tensor", "floats"])
+def test_eps_per_layer(form: str) -> None:
+    """eps as one float or per layer (an [L] tensor, a sequence): each layer's own eps, large enough to matter."""
+    per_layer = [1e-6, 0.5, 4.0]
+    eps: Any = {"float": 0.5, "tensor": torch.tensor(per_layer), "floats": per_layer}[form]
+    draft = Draft(torch.float32, eps=eps)
+    draft.eps = 0.5 if form == "float" else torch.tensor(per_layer, dtype=torch.float64)
+    x, positions = draft.call(6)
+    assert_matches_oracle(fused(draft)(x, positions), draft.oracle(x, positions), torch.float32)
+
+
+def test_rounds_projection_before_the_norm() -> None:
+    """The projection is rounded to the storage dtype before K's norm, as a stored kv would be.
+
+    On the grid the exact projection needs more bits than float16 holds: K
+    normed from it unrounded (the float64 oracle given the exact projection)
+    lies further from the result than the oracle given the rounded one.
+    """
+    draft = Draft(torch.float16, hidden=80)
+    x, positions = draft.call(16)
+    k, _ = fused(draft)(x, positions)
+    kv = torch.einsum("th,lnh->tln", x.double(), draft.weight)
+    assert not torch.equal(kv, kv.to(torch.float16).double()), "the exact projection must need rounding"
+    unrounded, _ = materialize_kv64(kv, draft.norm, draft.eps, draft.cos_sin_cache, positions, H, "neox")
+    rounded, _ = draft.oracle(x, positions)
+    assert (k.double() - rounded).abs().max() < (k.double() - unrounded).abs().max()
+
+
+@pytest.mark.production  # debug mode rejects such positions
+def test_out_of_range_positions_give_nan_k() -> None:
+    """A position outside [0, P) gives NaN in that token's K (every layer and head); V is still written."""
+    draft = Draft(torch.float16, rotary_dim=8)
+    x, positions = draft.call(4)
+    positions[1], positions[3] = -1, P
+    k, v = fused(draft)(x, positions)
+    assert k[:, [1, 3]].isnan().all() and not k[:, [0, 2]].isnan().any()
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.float16)
+
+
+def test_outputs_given() -> None:
+    """k_out/v_out are written and returned themselves, views into a larger slab included."""
+    draft = Draft(torch.float32)
+    x, positions = draft.call(5)
+    slab = torch.zeros(2, L, 5, H, 2 * draft.head_dim)
+    k_out, v_out = slab[0, ..., : draft.head_dim], slab[1, ..., draft.head_dim :]
+    k, v = fused(draft)(x, positions, k_out=k_out, v_out=v_out)
+    assert k is k_out and v is v_out
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.float32)
+    assert not slab[0, ..., draft.head_dim :].any() and not slab[1, ..., : draft.head_dim].any()
+
+
+def test_no_tokens() -> None:
+    draft = Draft(torch.float16)
+    k, v = fused(draft)(*draft.call(0))
+    assert k.shape == v.shape == (L, 0, H, draft.head_dim)
+
+
+# ------------------------------------------------------------------- pools
+
+
+def _paged(layers: int, slots: int, page: int, hnd: bool, dtype: torch.dtype) -> Tensor:
+    pages = -(-slots // page)
+    shape = (layers, pages, H, page, 16) if hnd else (layers, pages, page, H, 16)
+    return torch.empty(shape, dtype=dtype)
+
+
+Pools = Callable[[torch.dtype], tuple[Any, Any, typedkv.KVLayout | None]]
+S = 24  # slots: 3 pages of 8
+_POOLS: dict[str, Pools] = {
+    "flat": lambda d: (torch.empty(L, S, H, 16, dtype=d), torch.empty(L, S, H, 16, dtype=d), None),
+    "NHD": lambda d: (_paged(L, S, 8, False, d), _paged(L, S, 8, False, d), "NHD"),
+    "HND": lambda d: (_paged(L, S, 8, True, d), _paged(L, S, 8, True, d), "HND"),
+    "list": lambda d: (list(torch.empty(L, S, H, 16, dtype=d)), list(torch.empty(L, S, H, 16, dtype=d)), None),
+    "list_HND": lambda d: (list(_paged(L, S, 8, True, d)), list(_paged(L, S, 8, True, d)), "HND"),
+    # K and V the two halves of one allocation, as engines keep them.
+    "combined": lambda d: _halves(torch.empty(2, L, S, H, 16, dtype=d)),
+}
+
+
+def _halves(memory: Tensor) -> tuple[Tensor, Tensor, None]:
+    return memory[0], memory[1], None
+
+
+def _layers(pool: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return [pool] if isinstance(pool, Tensor) else list(pool)
+
+
+def _fill(pool: Tensor | Sequence[Tensor]) -> None:
+    for t in _layers(pool):
+        t.view(torch.uint8).fill_(0x35)  # finite in every pool dtype
+
+
+def _bits(pool: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return [t.view(torch.uint8).clone() for t in _layers(pool)]
+
+
+def _into_pool(
+    draft: Draft, path: str, layout: str, pool_dtype: torch.dtype, scales: dict[str, Any], x: Tensor, positions: Tensor
+) -> list[Tensor]:
+    k_pool, v_pool, kv_layout = _POOLS[layout](pool_dtype)
+    _fill(k_pool)
+    _fill(v_pool)
+    # Slots: some negative, one >= S (skipped), the rest distinct.
+    cache_loc = torch.tensor([3, -1, 17, 23, S, 0, 9, -5, 12, 8])[: x.shape[0]]
+    draft.m.projection_path = path  # type: ignore[assignment]
+    draft.m.into_pool(x, positions, cache_loc, k_pool, v_pool, kv_layout=kv_layout, **scales)
+    return _bits(k_pool) + _bits(v_pool)
+
+
+_SCALES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "float": {"k_scale": 0.25, "v_scale": 2.0},
+    "tensor": {"k_scale": torch.tensor([0.5, 0.125, 1.0]), "v_scale": torch.tensor([2.0, 1.0, 0.25])},
+}
+
+
+@pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
+@pytest.mark.parametrize("layout", list(_POOLS))
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+def test_pool_layouts_match_gemm_path(layout: str, rope_style: typedkv.RopeStyle) -> None:
+    """Every pool layout: the fused path writes exactly what GEMM + kernel writes, nothing else."""
+    draft = Draft(torch.float16, rope_style=rope_style, rotary_dim=8, bias=True)
+    x, positions = draft.call(10)
+    fused_bits = _into_pool(draft, "fused", layout, torch.float16, {}, x, positions)
+    gemm_bits = _into_pool(draft, "gemm", layout, torch.float16, {}, x, positions)
+    assert all(torch.equal(a, b) for a, b in zip(fused_bits, gemm_bits, strict=True))
+
+
+@pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
+@pytest.mark.parametrize("scale", list(_SCALES))
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("layout", ["flat", "NHD", "list"])
+def test_fp8_pools_match_gemm_path(layout: str, pool_dtype: torch.dtype, scale: str) -> None:
+    """FP8 pools, a float or an [L] tensor scale (or none): saturating, the GEMM path's bits."""
+    draft = Draft(torch.float32, rotary_dim=8, norm=False)
+    x, positions = draft.call(10)
+    x[0] *= 64  # beyond FP8's range after the scale: saturates
+    fused_bits = _into_pool(draft, "fused", layout, pool_dtype, _SCALES[scale], x, positions)
+    gemm_bits = _into_pool(draft, "gemm", layout, pool_dtype, _SCALES[scale], x, positions)
+    assert all(torch.equal(a, b) for a, b in zip(fused_bits, gemm_bits, strict=True))
+
+
+@pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
+def test_pool_rows_hold_the_oracle() -> None:
+    """A stacked pool's named rows hold the oracle's K/V (the comparisons above cannot catch a shared mistake)."""
+    draft = Draft(torch.float16, rotary_dim=8, bias=True)
+    x, positions = draft.call(6)
+    cache_loc = torch.tensor([5, -1, 0, 30, 7, 2])
+    k_pool, v_pool = torch.full((L, S, H, 16), 7.0, dtype=torch.float16), torch.full((L, S, H, 16), 7.0).half()
+    fused(draft).into_pool(x, positions, cache_loc, k_pool, v_pool)
+    kept = (cache_loc >= 0) & (cache_loc < S)
+    k64, v = draft.oracle(x, positions)
+    assert_matches_oracle(
+        (k_pool[:, cache_loc[kept]], v_pool[:, cache_loc[kept]]), (k64[:, kept], v[:, kept]), torch.float16
+    )
+    others = torch.ones(S, dtype=torch.bool)
+    others[cache_loc[kept]] = False
+    assert (k_pool[:, others] == 7).all() and (v_pool[:, others] == 7).all()
+
+
+# ---------------------------------------------------------------- the switch
+
+
+def test_projection_path_validated() -> None:
+    """projection_path takes 'auto', 'fused' or 'gemm'; anything else is an InputError naming it."""
+    draft = Draft(torch.float16)
+    assert draft.m.projection_path == "auto"
+    for bad, shown in (("fast", "'fast'"), (None, "None"), (1, "1")):
+        with pytest.raises(typedkv.InputError) as info:
+            draft.m.projection_path = bad  # type: ignore[assignment]
+        assert str(info.value) == f"projection_path: expected 'auto', 'fused' or 'gemm', got {shown}"
+    assert draft.m.projection_path == "auto"
+
+
+def test_paths_and_workspace() -> None:
+    """'auto' (no measurement recorded) and 'gemm' use the GEMM's workspace; 'fused' runs the kernel without one.
+
+    On plain CPU there is no kernel to fuse into: every setting takes GEMM + reference.
+    """
+    x_draft = Draft(torch.float16)
+    x, positions = x_draft.call(3)
+    for path, uses_workspace in (("fused", not INTERPRETED), ("auto", True), ("gemm", True)):
+        draft = Draft(torch.float16)
+        draft.m.projection_path = path  # type: ignore[assignment]
+        draft.m(x, positions)
+        assert (draft.m._workspace is not None) == uses_workspace, path
+
+
+def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' takes the fused path where the table (per device name, [low, high) token counts) says so."""
+    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER, "cpu", ((1, 8),))
+    draft = Draft(torch.float16)
+    draft.m(*draft.call(4))
+    assert (draft.m._workspace is None) == INTERPRETED  # fused, where there is a kernel
+    draft.m(*draft.call(8))
+    assert draft.m._workspace is not None  # 8 is past the range: GEMM + kernel
+    assert not _launch.projection_fused_faster(torch.device("cpu"), 8)
+    assert _launch.projection_fused_faster(torch.device("cpu"), 7)
+
+
+@pytest.mark.production
+def test_production_mode() -> None:
+    """Debug checks off (the default outside tests): the same results."""
+    draft = Draft(torch.float32, rope_style="gptj", bias=True)
+    x, positions = draft.call(9)
+    assert_matches_oracle(fused(draft)(x, positions), draft.oracle(x, positions), torch.float32)
+
+
+# -------------------------------------------------------------------- errors
+
+
+def _misuses(draft: Draft) -> dict[str, Callable[[typedkv.KVMaterializer], object]]:
+    x, positions = draft.call(5)
+    slots = torch.tensor([0, 1, 2, 3, 4])
+
+    def pools(**kw: Any) -> tuple[Tensor, Tensor]:
+        shape = kw.pop("shape", (L, 8, H, 16))
+        return torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+
+    k_pool, v_pool = pools(dtype=torch.float16)
+    paged = pools(shape=(L, 2, H, H, 16), dtype=torch.float16)  # B == H: ambiguous without kv_layout
+    return {
+        "k_out_swapped": lambda m: m(x, positions, k_out=torch.empty(5, L, H, 16, dtype=torch.float16)),
+        "k_out_dtype": lambda m: m(x, positions, k_out=torch.empty(L, 5, H, 16)),
+        "v_out_is_k_out": lambda m: m(x, positions, *(2 * [torch.empty(L, 5, H, 16, dtype=torch.float16)])),
+        "hidden_width": lambda m: m(x[:, :20], positions),
+        "positions_len": lambda m: m(x, positions[:3]),
+        "positions_dtype": lambda m: m(x, positions.float()),
+        "cache_loc_len": lambda m: m.into_pool(x, positions, slots[:4], k_pool, v_pool),
+        "pool_heads": lambda m: m.into_pool(x, positions, slots, *pools(shape=(L, 8, 4, 16), dtype=torch.float16)),
+        "pool_dtype": lambda m: m.into_pool(x, positions, slots, *pools(dtype=torch.float64)),
+        "same_pool": lambda m: m.into_pool(x, positions, slots, k_pool, k_pool),
+        "mixed_kinds": lambda m: m.into_pool(x, positions, slots, k_pool, list(v_pool)),
+        "scale_on_fp16": lambda m: m.into_pool(x, positions, slots, k_pool, v_pool, k_scale=0.5),
+        "ambiguous_page": lambda m: m.into_pool(x, positions, slots, *paged),
+        "v_pool_layout": lambda m: m.into_pool(
+            x, positions, slots, k_pool, torch.zeros(L, 1, 8, H, 16, dtype=torch.float16), kv_layout="NHD"
+        ),
+        "pool_layers": lambda m: m.into_pool(x, positions, slots, list(k_pool)[:2], list(v_pool)[:2]),
+        "kv_layout": lambda m: m.into_pool(x, positions, slots, k_pool, v_pool, kv_layout="NDH"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_misuses(Draft(torch.float16))))
+def test_misuse_same_error_on_both_paths(case: str) -> None:
+    """A misuse raises the GEMM path's InputError on the fused path too, before anything is written."""
+    messages = {}
+    for path in ("gemm", "fused"):
+        draft = Draft(torch.float16)
+        draft.m.projection_path = path
+        with pytest.raises(typedkv.InputError) as info:
+            _misuses(draft)[case](draft.m)
+        messages[path] = str(info.value)
+    assert messages["fused"] == messages["gemm"]
+
+
+def test_misuse_writes_nothing() -> None:
+    """A rejected pool call on the fused path leaves the pools as they were."""
+    draft = Draft(torch.float16)
+    x, positions = draft.call(5)
+    k_pool, v_pool = torch.full((L, 8, H, 16), 3.0).half(), torch.full((L, 8, H, 16), 3.0).half()
+    with pytest.raises(typedkv.InputError):
+        fused(draft).into_pool(x, positions, torch.arange(5), k_pool, v_pool, v_scale=2.0)
+    assert (k_pool == 3).all() and (v_pool == 3).all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="builds the kernel's launch directly: runs under the interpreter")
+@pytest.mark.parametrize(
+    "config",
+    [
+        _launch.ProjectionConfig(block_m=16, block_k=16, num_stages=1),
+        _launch.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
+        _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
+    ],
+    ids=["m16-k16", "m32-k32", "m64-k128"],
+)
+def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
+    """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""
+    draft = Draft(torch.float16, rotary_dim=8, rope_style="gptj", bias=True, hidden=80)
+    x, positions = draft.call(37)
+    weight = draft.m.kv_weight
+    bias = draft.m.kv_bias
+    norm = draft.m.k_norm_weight
+    results = []
+    for cfg in (_launch.ProjectionConfig(), config):
+        k_out, v_out = torch.empty(2, L, 37, H, 16, dtype=torch.float16)
+        launch = _launch.projection_launch(
+            x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None,
+            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
+            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
+            None, num_layers=L, num_kv_heads=H, head_dim=16, page_size=1, num_rows=37, neox=False, config=cfg,
+        )  # fmt: skip
+        launch(
+            _launch.projection_varying(
+                x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None, k_out, v_out, None
+            )
+        )
+        results.append((k_out, v_out))
+    assert_matches_oracle(results[0], draft.oracle(x, positions), torch.float16)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

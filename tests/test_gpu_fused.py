@@ -1,0 +1,322 @@
+"""GPU suite of the fused projection path (``pytest -m gpu``): the CPU file's checks on CUDA, bfloat16 included.
+
+As in tests/test_fused_projection.py, inputs on a grid make the GEMM exact in
+float32, so K and V are held to the float64 oracle (V bit for bit, K within one
+storage ulp at the scale of the row's largest value). Beside it: pools against
+the oracle (16-bit) or the GEMM path (FP8: K one FP8 step at most, the norm's
+reduction order differing between the two kernels), random inputs against the
+GEMM path (their only difference the GEMM's accumulation order), determinism,
+CUDA-graph capture and replay, torch.compile(fullgraph=True), and no host sync.
+Skipped (by conftest) where no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_fused_projection import Draft, H, L, P, assert_matches_oracle
+from test_gpu import assert_no_sync
+from torch import Tensor
+from torch._inductor.utils import run_and_get_code
+
+import typedkv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
+    pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled"),
+]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def cuda_draft(dtype: torch.dtype, path: str = "fused", **kw: Any) -> Draft:
+    draft = Draft(dtype, **kw)
+    draft.m.to("cuda")
+    draft.m.projection_path = path  # type: ignore[assignment]
+    return draft
+
+
+def cuda_call(draft: Draft, num_tokens: int, seed: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden and positions on CPU (for the oracle) and on CUDA."""
+    x, positions = draft.call(num_tokens, seed)
+    return x, positions, x.cuda(), positions.cuda()
+
+
+def cpu(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    return pair[0].cpu(), pair[1].cpu()
+
+
+# ------------------------------------------------------------------ results
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 128), (128, 64), (64, 64), (80, 32), (256, 64), (32, 2)])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grid_cuda(
+    dtype: torch.dtype, rope_style: typedkv.RopeStyle, head_dim: int, rotary_dim: int, norm: bool, bias: bool
+) -> None:
+    draft = cuda_draft(
+        dtype, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style, norm=norm, bias=bias, hidden=256
+    )
+    x, positions, xc, pc = cuda_call(draft, 21)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 1000, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 300, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_token_and_hidden_edges_cuda(dtype: torch.dtype, num_tokens: int, hidden: int) -> None:
+    draft = cuda_draft(dtype, head_dim=128, rotary_dim=64, hidden=hidden, rope_style="gptj", bias=True)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
+
+
+def test_eps_per_layer_cuda() -> None:
+    per_layer = [1e-6, 0.5, 4.0]
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, eps=torch.tensor(per_layer))
+    draft.eps = torch.tensor(per_layer, dtype=torch.float64)
+    x, positions, xc, pc = cuda_call(draft, 16)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+
+
+def test_out_of_range_positions_cuda() -> None:
+    """Production mode: a position outside [0, P) gives NaN K, V still written; nothing out of bounds."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64)
+    x, positions = draft.call(20)
+    positions[3], positions[11] = -7, P + 100
+    k, v = cpu(draft.m(x.cuda(), positions.cuda()))
+    assert k[:, [3, 11]].isnan().all()
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.bfloat16)
+
+
+def test_matches_gemm_path_on_random_inputs_cuda() -> None:
+    """Off the grid: the two paths differ only by the GEMM's accumulation order (a storage ulp or so)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    weight = (torch.randn(L, 2 * H * 128, 4096, device="cuda", generator=g) / 64).bfloat16()
+    m = typedkv.KVMaterializer(
+        weight, torch.rand(L, 128, device="cuda", generator=g) + 0.5, 1e-6,
+        torch.randn(P, 128, device="cuda", generator=g), num_kv_heads=H,
+        kv_bias=torch.randn(L, 2 * H * 128, device="cuda", generator=g).bfloat16(),
+    )  # fmt: skip
+    for num_tokens in (16, 2048):
+        x = torch.randn(num_tokens, 4096, device="cuda", generator=g).bfloat16()
+        positions = torch.randint(0, P, (num_tokens,), device="cuda", generator=g)
+        m.projection_path = "gemm"
+        want = m(x, positions)
+        m.projection_path = "fused"
+        got = m(x, positions)
+        # K: a projected value one ulp off moves K by an ulp or two at the row's scale (|K| < 8 here),
+        # which RoPE can leave beside a small element: an absolute tolerance of a few bf16 ulps at 8.
+        torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
+
+
+def test_deterministic_cuda() -> None:
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=4096, bias=True)
+    _, _, xc, pc = cuda_call(draft, 300)
+    first = draft.m(xc, pc)
+    for _ in range(3):
+        again = draft.m(xc, pc)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+# ------------------------------------------------------------------- pools
+
+S = 512
+
+
+def _pool(layout: str, dtype: torch.dtype, head_dim: int) -> tuple[Any, Any, typedkv.KVLayout | None]:
+    def paged(hnd: bool) -> Tensor:
+        shape = (L, S // 16, H, 16, head_dim) if hnd else (L, S // 16, 16, H, head_dim)
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+    flat = (L, S, H, head_dim)
+    pools: dict[str, Callable[[], tuple[Any, Any, typedkv.KVLayout | None]]] = {
+        "flat": lambda: (torch.empty(flat, dtype=dtype, device="cuda"), torch.empty(flat, dtype=dtype, device="cuda"), None),
+        "NHD": lambda: (paged(False), paged(False), "NHD"),
+        "HND": lambda: (paged(True), paged(True), "HND"),
+        "list": lambda: (
+            list(torch.empty(flat, dtype=dtype, device="cuda")), list(torch.empty(flat, dtype=dtype, device="cuda")),
+            None,
+        ),
+        "combined": lambda: _halves(torch.empty(2, *flat, dtype=dtype, device="cuda")),
+    }  # fmt: skip
+    k_pool, v_pool, kv_layout = pools[layout]()
+    for t in [k_pool, v_pool] if isinstance(k_pool, Tensor) else [*k_pool, *v_pool]:
+        t.view(torch.uint8).fill_(0x35)
+    return k_pool, v_pool, kv_layout
+
+
+def _halves(memory: Tensor) -> tuple[Tensor, Tensor, None]:
+    return memory[0], memory[1], None
+
+
+def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
+    """``[L, len(slots), H, D]``: the pool's rows at ``slots`` (an FP8 pool's as bytes: torch indexes no FP8)."""
+    layers = [pool] if isinstance(pool, Tensor) else list(pool)
+    layers = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in layers]
+    stacked = layers[0] if isinstance(pool, Tensor) else torch.stack(layers)
+    if layout == "HND":
+        stacked = stacked.transpose(2, 3)
+    return stacked.reshape(L, S, H, -1)[:, slots].cpu()
+
+
+@pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined"])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) -> None:
+    """Production mode: named rows hold the oracle's K/V, slots negative or >= S skipped, nothing else written."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, rope_style=rope_style, bias=True)
+    x, positions, xc, pc = cuda_call(draft, 40)
+    cache_loc = torch.randperm(S)[:40]
+    cache_loc[[2, 9]] = torch.tensor([-1, S + 3])
+    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+    kept = (cache_loc >= 0) & (cache_loc < S)
+    k64, v = draft.oracle(x, positions)
+    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
+    assert_matches_oracle(got, (k64[:, kept], v[:, kept]), torch.bfloat16)
+    others = torch.ones(S, dtype=torch.bool)
+    others[cache_loc[kept]] = False
+    for pool in (k_pool, v_pool):
+        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+
+
+@pytest.mark.parametrize("scale", ["none", "float", "tensor"])
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("layout", ["flat", "NHD", "list"])
+def test_fp8_pools_cuda(layout: str, pool_dtype: torch.dtype, scale: str) -> None:
+    """FP8 pools: V as the GEMM path stores it, K at most one FP8 step from it; saturating."""
+    typedkv.set_debug(False)
+    options: dict[str, dict[str, Any]] = {
+        "none": {},
+        "float": {"k_scale": 0.25, "v_scale": 2.0},
+        "tensor": {
+            "k_scale": torch.tensor([0.5, 0.125, 1.0], device="cuda"),
+            "v_scale": torch.tensor([2.0, 1.0, 0.25], device="cuda"),
+        },
+    }
+    scales = options[scale]
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128)
+    _, _, xc, pc = cuda_call(draft, 40)
+    xc[0] *= 16  # V past FP8 range after the scale: saturates (the GEMM stays exact)
+    cache_loc = torch.randperm(S, device="cuda")[:40]
+    written = {}
+    for path in ("fused", "gemm"):
+        draft.m.projection_path = path
+        k_pool, v_pool, kv_layout = _pool(layout, pool_dtype, 128)
+        draft.m.into_pool(xc, pc, cache_loc, k_pool, v_pool, kv_layout=kv_layout, **scales)
+        written[path] = [_rows(p, torch.arange(S), layout).to(torch.int16) for p in (k_pool, v_pool)]
+    (k_fused, v_fused), (k_gemm, v_gemm) = written["fused"], written["gemm"]
+    assert torch.equal(v_fused, v_gemm)
+    # One FP8 step: the low 7 bits of a code count up the magnitude; across zero, both within a step of it.
+    mag_f, mag_g = k_fused & 0x7F, k_gemm & 0x7F
+    same_sign = (k_fused >> 7) == (k_gemm >> 7)
+    assert ((same_sign & ((mag_f - mag_g).abs() <= 1)) | (mag_f + mag_g <= 1)).all()
+
+
+# ------------------------------------------------------- graphs, compile, sync
+
+
+def _capture(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["dense", "into_pool"])
+def test_cuda_graph_fused(pool: bool) -> None:
+    """A fused call captured at a fixed T, replayed with new inputs copied in: the eager fused bits."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, hidden=512, bias=True)
+    _, _, hidden, positions = cuda_call(draft, 48)
+    slots = torch.randperm(S, device="cuda")[:48]
+    k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
+    v_pool = torch.zeros_like(k_pool)
+
+    def step() -> tuple[Tensor, Tensor] | None:
+        if pool:
+            draft.m.into_pool(hidden, positions, slots, k_pool, v_pool)
+            return None
+        k, v = draft.m(hidden, positions)
+        return k, v
+
+    graph, out = _capture(step)
+    for seed in range(3):
+        _, _, new_hidden, new_positions = cuda_call(draft, 48, seed=30 + seed)
+        new_slots = torch.randperm(S, device="cuda")[:48]
+        hidden.copy_(new_hidden)
+        positions.copy_(new_positions)
+        slots.copy_(new_slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_k, want_v = draft.m(new_hidden, new_positions)
+        k, v = (k_pool[:, new_slots], v_pool[:, new_slots]) if pool else out
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert draft.m._workspace is None  # the fused path has no GEMM output
+
+
+@pytest.mark.usefixtures("fresh_compile")
+def test_compiled_into_pool_fused_pinned() -> None:
+    """torch.compile(fullgraph=True) of into_pool with the fused path pinned: one fused op, the eager bits."""
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512, bias=True)
+    _, _, hidden, positions = cuda_call(draft, 48)
+    slots = torch.randperm(S, device="cuda")[:48]
+    want_k, want_v = draft.m(hidden, positions)
+
+    def into_pool(hidden: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:
+        draft.m.into_pool(hidden, positions, slots, k_pool, v_pool)
+
+    k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
+    v_pool = torch.zeros_like(k_pool)
+    _, code = run_and_get_code(torch.compile(into_pool, fullgraph=True), hidden, k_pool, v_pool)
+    assert "project_kv_into_pool_stacked" in "\n".join(code)
+    assert torch.equal(k_pool[:, slots], want_k) and torch.equal(v_pool[:, slots], want_v)
+    assert draft.m._workspace is None
+
+
+@pytest.mark.usefixtures("fresh_compile")
+def test_compiled_reduce_overhead_fused() -> None:
+    """mode="reduce-overhead" (CUDA graphs by torch.compile) with the fused path pinned: replays follow new inputs."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, hidden=512)
+    run = torch.compile(draft.m, mode="reduce-overhead", fullgraph=True)
+    mark_step: Callable[[], None] = torch.compiler.cudagraph_mark_step_begin  # an untyped function to mypy
+    for seed in range(4):  # warm-up, record, then replays
+        _, _, hidden, positions = cuda_call(draft, 32, seed=10 + seed)
+        mark_step()
+        k, v = (t.clone() for t in run(hidden, positions))
+        want_k, want_v = draft.m(hidden, positions)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_fused_makes_no_sync() -> None:
+    """Production mode: fused calls (dense, FP8 pool with a tensor scale, per-layer pools) never sync."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512, eps=[1e-6, 1e-5, 1e-4])
+    _, _, hidden, positions = cuda_call(draft, 64)
+    slots = torch.randperm(S, device="cuda")[:64]
+    k_pool = torch.empty(L, S, H, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    v_pool = torch.empty_like(k_pool)
+    pools = [torch.empty(S, H, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2 * L)]
+    scale = torch.ones(L, device="cuda")
+
+    def calls() -> None:
+        draft.m(hidden, positions)
+        draft.m.into_pool(hidden, positions, slots, k_pool, v_pool, k_scale=scale, v_scale=0.5)
+        draft.m.into_pool(hidden, positions, slots, pools[:L], pools[L:])
+
+    assert_no_sync(calls)

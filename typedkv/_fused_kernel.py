@@ -1,0 +1,275 @@
+"""The projection kernel: ``hidden @ W^T`` with the K/V epilogue fused in, math only, no checking.
+
+One program computes the projection of ``BLOCK_M`` tokens for one layer and one
+head slot: slots ``[0, H)`` are K heads, ``[H, 2H)`` V heads (the weight's rows
+are ordered so, per layer). The GEMM runs on ``tl.dot`` with float32
+accumulators over ``hidden`` in ``BLOCK_K`` chunks. In the epilogue each tile is
+first rounded to the storage dtype (``hidden``'s), as a GEMM that stores ``kv``
+would; from there K and V follow `typedkv._kernel` step by step: K's RMSNorm in
+float32, rounded to the storage dtype, then RoPE, rounded once on store; V as
+it is. Nothing is written but K and V at their destination: dense ``[L, T, H,
+D]`` outputs or pool rows, addressed as in `typedkv._kernel` (``INDEXED``,
+``PAGE``, ``LAYER_TABLE``, FP8 stores through `typedkv._epilogue`).
+
+A K head keeps its rotary pairs in two accumulators, so RoPE is elementwise
+between them: NeoX pairs weight rows ``j`` and ``j + R/2``, GPT-J rows ``2j`` and
+``2j + 1``; the pass-through dims ``[R, D)`` are a third accumulator. RMSNorm's
+sum of squares covers all three.
+
+Every load and store is masked (tokens past ``num_tokens``, ``hidden`` not a
+multiple of ``BLOCK_K``, padded head dims), so no value in ``positions`` or
+the slots sends the kernel out of bounds: a position outside ``[0, P)`` gives
+NaN in K, a slot that is negative or ``>= num_rows`` skips the token.
+"""
+
+from __future__ import annotations
+
+# Parameters deliberately unannotated, as in `typedkv._kernel` (Triton reads
+# parameter annotations when it compiles); mypy skips this module's bodies.
+import triton
+import triton.language as tl
+
+from ._epilogue import _cast, _rope_row, _row_offset, _rstd, _store_scaled
+
+
+@triton.jit
+def _project(acc, a, w_head, w_stride_n, w_stride_k, rows, rows_ok, kk, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr,
+             PRECISION: tl.constexpr):  # fmt: skip
+    """``acc + a @ W[rows, kk]^T``: ``a`` ``[M, K]``, ``rows`` (``[N]``) counted from the head's first row ``w_head``.
+
+    Rows outside ``rows_ok``, and columns past ``HIDDEN`` (unless ``EVEN_K``), read 0.
+    """
+    mask = rows_ok[None, :]
+    if not EVEN_K:
+        mask = mask & (kk < HIDDEN)[:, None]
+    w = tl.load(w_head + rows[None, :] * w_stride_n + kk[:, None] * w_stride_k, mask=mask, other=0.0)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr):
+    """``hidden[tokens, kk]`` (``[M, K]``), 0 past the last token and past ``HIDDEN``."""
+    mask = tok_ok[:, None]
+    if not EVEN_K:
+        mask = mask & (kk < HIDDEN)[None, :]
+    return tl.load(a_row + kk[None, :] * hidden_stride_k, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rounded(acc, bias_head, rows, rows_ok, store_ty: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """The accumulator (plus bias, in float32) rounded to the storage dtype, as a stored ``kv`` holds it; float32."""
+    if HAS_BIAS:
+        acc += tl.load(bias_head + rows, mask=rows_ok, other=0.0).to(tl.float32)[None, :]
+    return _cast(acc, store_ty, SOFT_ROUND).to(tl.float32)
+
+
+@triton.jit
+def _normed2(x, rstd, w_row, dims, dims_ok, weight_stride_d, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """``x * rstd * weight[dims]`` of ``[M, F]`` tiles, rounded to ``store_ty`` (as the unfused path stores it)."""
+    w = tl.load(w_row + dims * weight_stride_d, mask=dims_ok, other=0.0).to(tl.float32)
+    return _cast(x * rstd * w[None, :], store_ty, SOFT_ROUND).to(tl.float32)
+
+
+# Ints that change with every batch are not specialised on (one compiled kernel
+# serves every T); the layer strides among them arrive divided by LAYER_VEC so
+# the compiler still sees 16-byte aligned rows.
+@triton.jit(do_not_specialize=["k_stride_l", "v_stride_l", "num_tokens", "num_rows"])
+def project_kv_kernel(
+    hidden_ptr,
+    hidden_stride_t,
+    hidden_stride_k,
+    w_ptr,
+    w_stride_n,
+    w_stride_k,
+    bias_ptr,
+    weight_ptr,
+    weight_stride_l,
+    weight_stride_d,
+    eps_ptr,
+    eps_stride,
+    eps,
+    cos_sin_ptr,
+    cos_sin_stride_p,
+    cos_sin_stride_r,
+    positions_ptr,
+    positions_stride,
+    slots_ptr,
+    slots_stride,
+    k_ptr,
+    k_stride_l,
+    k_stride_page,
+    k_stride_slot,
+    k_stride_h,
+    v_ptr,
+    v_stride_l,
+    v_stride_page,
+    v_stride_slot,
+    v_stride_h,
+    layer_offsets_ptr,
+    k_scale_ptr,
+    k_scale_stride,
+    k_scale,
+    v_scale_ptr,
+    v_scale_stride,
+    v_scale,
+    num_tokens,
+    num_positions,
+    num_rows,
+    HIDDEN: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    NEOX: tl.constexpr,
+    NORM: tl.constexpr,  # a K RMSNorm (else K is RoPE(k) only)
+    HAS_BIAS: tl.constexpr,
+    EPS_PER_LAYER: tl.constexpr,
+    INDEXED: tl.constexpr,
+    PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
+    LAYER_TABLE: tl.constexpr,
+    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer * k_scale_stride]
+    V_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    LAYER_VEC: tl.constexpr,
+    NUM_LAYERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
+    SOFT_ROUND: tl.constexpr,
+):
+    # Token blocks on grid axis 0, (layer, head slot) on axis 1: the programs
+    # launched together share their weight rows, which L2 then serves.
+    block = tl.program_id(0)
+    pid = tl.program_id(1)
+    layer = pid // (2 * H)
+    slot = pid % (2 * H)
+    store_ty: tl.constexpr = hidden_ptr.dtype.element_ty
+    HALF: tl.constexpr = R // 2
+    PASS: tl.constexpr = D - R
+    EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
+
+    tok = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_ok = tok < num_tokens
+    # Row offsets in int64: T * stride overflows int32 for large batches.
+    a_row = hidden_ptr + tok.to(tl.int64)[:, None] * hidden_stride_t
+    # This head's first weight row (K heads come first in each layer's 2*H*D
+    # rows), and its address: in int64, since L*2*H*D*hidden may exceed int32.
+    head_row = layer * (2 * H * D) + slot * D
+    w_head = w_ptr + head_row.to(tl.int64) * w_stride_n
+    if HAS_BIAS:
+        bias_head = bias_ptr + head_row
+    else:
+        bias_head = bias_ptr
+
+    # Destination rows, as in `typedkv._kernel`.
+    if INDEXED:
+        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
+        row_ok = tok_ok & (row >= 0) & (row < num_rows)
+    else:
+        row = tok.to(tl.int64)
+        row_ok = tok_ok
+
+    if slot < H:
+        head = slot
+        pair = tl.arange(0, BLOCK_HALF)
+        pair_ok = pair < HALF
+        # The head dims (= weight rows from w_head) of each accumulator: NeoX pairs j
+        # and j + R/2, GPT-J 2j and 2j + 1; the pass-through dims [R, D) after them.
+        if NEOX:
+            dims1 = pair
+            dims2 = pair + HALF
+        else:
+            dims1 = 2 * pair
+            dims2 = 2 * pair + 1
+        rest = tl.arange(0, BLOCK_PASS)
+        rest_ok = rest < PASS
+        dims3 = R + rest
+        acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_PASS), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
+            acc1 = _project(acc1, a, w_head, w_stride_n, w_stride_k, dims1, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
+            acc2 = _project(acc2, a, w_head, w_stride_n, w_stride_k, dims2, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
+            if PASS > 0:
+                acc3 = _project(acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION)
+        # kv as a GEMM would have stored it.
+        x1 = _rounded(acc1, bias_head, dims1, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
+        x2 = _rounded(acc2, bias_head, dims2, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
+        if PASS > 0:
+            x3 = _rounded(acc3, bias_head, dims3, rest_ok, store_ty, HAS_BIAS, SOFT_ROUND)
+        pos_ok, cos, sin = _rope_row(
+            (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r),
+            tok, tok_ok, pair, pair_ok, HALF,
+        )  # fmt: skip
+        if NORM:
+            if EPS_PER_LAYER:
+                eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
+            # RMSNorm in float32 over the whole head row, then rounded to the storage dtype, as the unfused path.
+            sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if PASS > 0:
+                sum_sq += tl.sum(x3 * x3, axis=1)
+            rstd = _rstd(sum_sq, D, eps)[:, None]
+            w_row = weight_ptr + layer * weight_stride_l
+            y1 = _normed2(x1, rstd, w_row, dims1, pair_ok, weight_stride_d, store_ty, SOFT_ROUND)
+            y2 = _normed2(x2, rstd, w_row, dims2, pair_ok, weight_stride_d, store_ty, SOFT_ROUND)
+            if PASS > 0:
+                y3 = _normed2(x3, rstd, w_row, dims3, rest_ok, weight_stride_d, store_ty, SOFT_ROUND)
+        else:
+            y1 = x1
+            y2 = x2
+            if PASS > 0:
+                y3 = x3
+        # Added to every K dim: NaN for a bad position, -0.0 (which changes no bits) otherwise.
+        bad = tl.where(pos_ok, -0.0, float("nan"))[:, None]
+        o1 = y1 * cos - y2 * sin + bad
+        o2 = y2 * cos + y1 * sin + bad
+
+        if LAYER_TABLE:
+            k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
+        else:
+            k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
+        k_dst = k_base + _row_offset(row, PAGE, (k_stride_page, k_stride_slot)) + head * k_stride_h
+        if K_SCALE == 2:
+            k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
+        K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        s1 = row_ok[:, None] & pair_ok[None, :]
+        if NEOX:
+            _store_scaled(k_dst[:, None] + dims1[None, :], o1, s1, k_scale, K_QUANT)
+            _store_scaled(k_dst[:, None] + dims2[None, :], o2, s1, k_scale, K_QUANT)
+        else:
+            # Pairs interleaved back into one contiguous row of R dims.
+            rot = tl.arange(0, 2 * BLOCK_HALF)
+            o = tl.reshape(tl.join(o1, o2), (BLOCK_M, 2 * BLOCK_HALF))
+            _store_scaled(k_dst[:, None] + rot[None, :], o, row_ok[:, None] & (rot < R)[None, :], k_scale, K_QUANT)
+        if PASS > 0:
+            s3 = row_ok[:, None] & rest_ok[None, :]
+            _store_scaled(k_dst[:, None] + dims3[None, :], y3 + bad, s3, k_scale, K_QUANT)
+    else:
+        head = slot - H
+        dim = tl.arange(0, BLOCK_D)
+        dim_ok = dim < D
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
+            acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
+        # V is kv's value, bit for bit (quantized for an FP8 pool).
+        v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
+        if LAYER_TABLE:
+            v_base = v_ptr + tl.load(layer_offsets_ptr + NUM_LAYERS + layer)
+        else:
+            v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
+        v_dst = v_base + _row_offset(row, PAGE, (v_stride_page, v_stride_slot)) + head * v_stride_h
+        v_ok = row_ok[:, None] & dim_ok[None, :]
+        if V_SCALE == 2:
+            v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
+        V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        # Already on the storage grid: MODE 0's cast to the (same) dtype is exact.
+        _store_scaled(v_dst[:, None] + dim[None, :], v, v_ok, v_scale, V_QUANT)
