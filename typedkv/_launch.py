@@ -196,21 +196,9 @@ def varying(
     if k_scale is None and v_scale is None and not isinstance(eps, torch.Tensor):
         # The usual call (no FP8 scales, one eps) without the three pairs' calls: host time at decode sizes.
         return (
-            kv,
-            k_norm_weight,
-            None,
-            float(eps),
-            cos_sin_cache,
-            positions,
-            slots,
-            k_dst,
-            v_dst,
-            layer_offsets,
-            None,
-            1.0,
-            None,
-            1.0,
-        )
+            kv, k_norm_weight, None, float(eps), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets,
+            None, 1.0, None, 1.0,
+        )  # fmt: skip
     return (
         kv, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst,
         layer_offsets, *_number_or_tensor(k_scale, 1.0), *_number_or_tensor(v_scale, 1.0),
