@@ -329,6 +329,62 @@ def test_call_errors() -> None:
         assert str(info.value) == message
 
 
+# ------------------------------------------------------- repeated calls
+
+
+def _stacked_materializer(layers: Layers) -> typedkv.KVMaterializer:
+    return typedkv.KVMaterializer(
+        torch.stack(layers.kv_weight), torch.stack(layers.k_norm_weight), 1e-6, layers.cos_sin_cache,
+        num_kv_heads=H, kv_bias=torch.stack(layers.kv_bias),
+    )  # fmt: skip
+
+
+@pytest.mark.production
+def test_repeated_calls_reuse_the_checked_layout() -> None:
+    """After its first call a layout goes straight to the GEMM and the launch: every call's own data, same bits."""
+    layers = make_layers()
+    m = _stacked_materializer(layers)
+    k_pool, v_pool = torch.zeros(L, 16, H, D), torch.zeros(L, 16, H, D)
+    for seed in range(3):
+        hidden, positions = make_call(5, seed=seed)
+        want = oracle(layers, hidden, positions, 1e-6, True, "neox")
+        assert_equal(m(hidden, positions), want)
+        slots = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:5]
+        m.into_pool(hidden, positions, slots, k_pool, v_pool)
+        assert_equal(
+            (k_pool[:, slots].transpose(0, 1), v_pool[:, slots].transpose(0, 1)),
+            (want[0].transpose(0, 1), want[1].transpose(0, 1)),
+        )
+    assert len(m._plans) == 2  # one dense layout, one pool layout
+
+
+@pytest.mark.production
+def test_a_replaced_weight_is_checked_again() -> None:
+    """The weights' layouts are part of a kept plan's key: a buffer replaced by one of another shape is checked."""
+    m = _stacked_materializer(make_layers())
+    hidden, positions = make_call(5)
+    m(hidden, positions)
+    m.k_norm_weight = torch.ones(L, D + 2)
+    with pytest.raises(typedkv.InputError, match="expected shape"):  # D is read from k_norm_weight
+        m(hidden, positions)
+
+
+@pytest.mark.production
+def test_per_call_checks_run_on_a_checked_layout() -> None:
+    """What a layout cannot tell is checked at every call: outputs or per-layer pools sharing memory."""
+    m = _stacked_materializer(make_layers())
+    hidden, positions = make_call(5)
+    k_out, v_out = torch.empty(L, 5, H, D), torch.empty(L, 5, H, D)
+    m(hidden, positions, k_out, v_out)
+    with pytest.raises(typedkv.InputError, match="v_out: expected a tensor apart from k_out"):
+        m(hidden, positions, k_out, k_out)
+    k_layers = [torch.zeros(16, H, D) for _ in range(L)]
+    v_layers = [torch.zeros(16, H, D) for _ in range(L)]
+    m.into_pool(hidden, positions, torch.arange(5), k_layers, v_layers)
+    with pytest.raises(typedkv.InputError, match="memory of its own"):
+        m.into_pool(hidden, positions, torch.arange(5), k_layers, [*v_layers[:-1], k_layers[0]])
+
+
 # ------------------------------------------------------------------- example
 
 

@@ -75,6 +75,11 @@ def _meta(x: Any) -> Any:
     return (type(x), id(x))  # rejected by the check anyway
 
 
+def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
+    """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept."""
+    return tuple(map(_meta, args))
+
+
 def check_numbers(name: str, value: Sequence[Any], kinds: tuple[type, ...] = (float, int)) -> None:
     """Every item of ``value`` a number of ``kinds`` (never a bool, which Python counts as an int)."""
     for i, item in enumerate(value):
@@ -184,13 +189,13 @@ class Signature:
         of the full check. ``build`` turns the bound dims into the op's plan
         (relational checks, launch configuration); it may raise `InputError`.
         """
-        fingerprint = tuple(map(_meta, args))
-        plan = self._plans.get(fingerprint)
+        key = fingerprint(args)
+        plan = self._plans.get(key)
         if plan is None:
             plan = build(self.check(args))
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
-            self._plans[fingerprint] = plan
+            self._plans[key] = plan
         return plan
 
     # ------------------------------------------------------------------ production

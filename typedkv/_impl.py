@@ -112,14 +112,23 @@ def check_dense(call: DenseCall) -> Bound:
     return DENSE.signature.check(call)
 
 
-def dense_plan(call: DenseCall) -> tuple[Plan, Tensor, Tensor]:
+def dense_layout(call: DenseCall) -> Plan:
+    """The plan of a dense call's layout: checked by the production check at its first call, then looked up."""
+    plan: Plan = DENSE.signature.plan(call, _DENSE_PLANNER)
+    return plan
+
+
+def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor, Tensor]:
     """A dense call checked (its layout's plan; debug mode's checks too), and the outputs it left None allocated.
 
     Every dense path runs it first (`materialize_kv`, and the materializer's
     fused projection, `typedkv._fused_impl`), so all reject a misuse alike.
+    ``plan``: the call's `dense_layout`, when the caller has it already (a
+    materializer keeps its calls' plans).
     """
     sig = DENSE.signature
-    plan: Plan = sig.plan(call, _DENSE_PLANNER)
+    if plan is None:
+        plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
     if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
         raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
@@ -135,9 +144,9 @@ def dense_plan(call: DenseCall) -> tuple[Plan, Tensor, Tensor]:
     return plan, k_out, v_out
 
 
-def materialize_kv(call: DenseCall) -> tuple[Tensor, Tensor]:
-    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference)."""
-    plan, k_out, v_out = dense_plan(call)
+def materialize_kv(call: DenseCall, plan: Plan | None = None) -> tuple[Tensor, Tensor]:
+    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `dense_plan`."""
+    plan, k_out, v_out = dense_plan(call, plan)
     if plan.empty:
         return k_out, v_out
     kv, dims = call.kv, plan.bound.dims
@@ -176,16 +185,24 @@ def check_pool(call: PoolCall) -> Bound:
     return bound
 
 
-def pool_plan(call: PoolCall) -> tuple[Plan, _Geometry | None, list[int] | None]:
+def pool_layout(call: PoolCall) -> Plan:
+    """The plan of a pool call's layout: checked by the production check at its first call, then looked up."""
+    plan: Plan = POOL.signature.plan(call, planner(lambda bound: _pool_layout(call, bound)))
+    return plan
+
+
+def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry | None, list[int] | None]:
     """A pool call checked (its layout's plan; debug mode's checks too), its pools' geometry (None: nothing to do).
 
     Last, per-layer pools' addresses (K's, then V's; None for stacked pools), for `pool_destinations`.
 
     Every pool path runs it first (`materialize_kv_into_pool`, and the
     materializer's fused projection, `typedkv._fused_impl`), so all reject a misuse alike.
+    ``plan``: the call's `pool_layout`, when the caller has it already.
     """
     sig = POOL.signature
-    plan: Plan = sig.plan(call, planner(lambda bound: _pool_layout(call, bound)))
+    if plan is None:
+        plan = pool_layout(call)
     addresses = _check_apart(call.k_pool, call.v_pool)
     if debug_enabled():
         debug_pass(sig, plan, call)
@@ -215,9 +232,9 @@ def pool_destinations(
     return k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
 
 
-def materialize_kv_into_pool(call: PoolCall) -> None:
-    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
-    plan, geometry, addresses = pool_plan(call)
+def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
+    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `pool_plan`."""
+    plan, geometry, addresses = pool_plan(call, plan)
     if geometry is None:
         return
     dims = plan.bound.dims

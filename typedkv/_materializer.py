@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from . import _launch, _torch_ops
 from ._api import materialize_kv, materialize_kv_into_pool
-from ._checking import Bound, Signature
+from ._checking import Bound, Signature, fingerprint
 from ._errors import InputError
 from ._fused_impl import (
     FUSED,
@@ -33,7 +33,9 @@ from ._fused_impl import (
     project_kv_into_pool,
     stand_in,
 )
-from ._impl import ROTARY_RULE, DenseCall, PoolCall, check_pool_kinds
+from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
+from ._impl import materialize_kv as materialize_kv_planned
+from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
 from ._messages import or_list
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
@@ -71,6 +73,9 @@ _WEIGHTS = Signature(
     rules=(ROTARY_RULE,),
 )
 
+
+# Plans a materializer keeps (a model calls with a few layouts: T buckets, pools).
+_PLANS_MAX = 256
 
 ProjectionPath = Literal["auto", "fused", "gemm"]
 """`KVMaterializer.projection_path`: how a call computes the projection."""
@@ -125,6 +130,12 @@ class KVMaterializer(nn.Module):
     by the graph's later ops): eager calls at any ``T`` before or after the
     capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.
+
+    An eager call's layout (its arguments' and the weights' dtypes, shapes,
+    strides and devices) is checked in full once; later calls of that layout go
+    straight to the GEMM and the launch, with the checks that depend on values
+    (outputs or pools sharing memory; debug mode's) still run on every call.
+    Replacing a weight buffer with one of another layout is checked again.
 
     ``projection_path`` picks how a call computes the projection: ``"gemm"``
     (the GEMM above, then the K/V kernel), ``"fused"`` (one Triton kernel that
@@ -192,6 +203,10 @@ class KVMaterializer(nn.Module):
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
+        # Eager calls' plans, by the layout of the call's arguments and of the weights: a layout
+        # checked once (the call's own check, then the op's) goes straight to the GEMM and the
+        # launch after that. The weights are in the key, so replacing a buffer is checked again.
+        self._plans: dict[tuple[object, ...], Plan] = {}
 
     @property
     def projection_path(self) -> ProjectionPath:
@@ -252,10 +267,25 @@ class KVMaterializer(nn.Module):
                 self.num_kv_heads, self.rope_style, k_out, v_out,
             )  # fmt: skip
             return project_kv(call, hidden, self.kv_weight, self.kv_bias)
-        return materialize_kv(
-            self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
-            num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
-        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return materialize_kv(
+                self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
+                num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
+            )  # fmt: skip
+        state = self._state()
+        key = fingerprint((hidden, positions, k_out, v_out, *state))
+        plan = self._plans.get(key)
+        if plan is None:
+            kv = self._project(hidden, positions, None)  # checks hidden and positions against the weights
+        else:
+            kv = self._gemm(hidden, state)  # a layout checked before: the GEMM straight away
+        _, _, k_norm_weight, eps, cos_sin_cache = state
+        call = DenseCall(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
+        )
+        if plan is None:
+            plan = self._keep(key, dense_layout(call))  # the op's production check, as materialize_kv runs it
+        return materialize_kv_planned(call, plan)
 
     @static_jaxtyping("T S N B")
     def into_pool(
@@ -312,11 +342,25 @@ class KVMaterializer(nn.Module):
             )  # fmt: skip
             project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias)
             return
-        materialize_kv_into_pool(
-            self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
-            k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
-            k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
+        if torch.compiler.is_compiling():
+            materialize_kv_into_pool(
+                self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache,
+                positions, cache_loc, k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
+                k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
+            )  # fmt: skip
+            return
+        state = self._state()
+        key = fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state))
+        plan = self._plans.get(key)
+        kv = self._project(hidden, positions, cache_loc) if plan is None else self._gemm(hidden, state)
+        _, _, k_norm_weight, eps, cos_sin_cache = state
+        call = PoolCall(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
+            self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
+        if plan is None:
+            plan = self._keep(key, pool_layout(call))  # the op's production check, as materialize_kv_into_pool runs it
+        materialize_kv_into_pool_planned(call, plan)
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is untyped (it runs hooks, then forward): to a type
@@ -346,6 +390,32 @@ class KVMaterializer(nn.Module):
     def _stand_in(self, hidden: Tensor) -> Tensor:
         """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`)."""
         return stand_in(self.kv_weight, hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+
+    def _state(self) -> tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]:
+        """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``, read without nn.Module's attribute lookup."""
+        buffers = self._buffers
+        eps = buffers["eps"] if "eps" in buffers else self.__dict__["eps"]
+        return (
+            cast(Tensor, buffers["kv_weight"]), buffers["kv_bias"], buffers["k_norm_weight"], cast("float | Tensor", eps),
+            cast(Tensor, buffers["cos_sin_cache"]),
+        )  # fmt: skip
+
+    def _keep(self, key: tuple[object, ...], plan: Plan) -> Plan:
+        """Keep a checked call's plan under the layout of everything it was checked with (call and weights)."""
+        if len(self._plans) >= _PLANS_MAX:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _gemm(
+        self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
+    ) -> Tensor:
+        """`_project` for a layout checked before (its key matched): the GEMM into the workspace, no check."""
+        kv_weight, kv_bias = state[0], state[1]
+        num_tokens = hidden.shape[0]
+        out = self._rows.rows(num_tokens, kv_weight)
+        gemm(hidden, kv_weight, kv_bias, out)
+        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
         """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
