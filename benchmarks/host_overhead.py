@@ -34,8 +34,10 @@ from typedkv import _launch
 def _no_launch() -> None:
     """Kernel launches and the materializers' GEMM become no-ops; CPU tensors take the kernel's path."""
     _launch.use_kernel = lambda device: True  # type: ignore[assignment]
-    materializer: Any = importlib.import_module("typedkv._materializer")
-    materializer.gemm = lambda *args: None
+    # The GEMM is looked up in _projection now, in the materializer module in older versions.
+    for name in ("typedkv._projection", "typedkv._materializer"):
+        module: Any = importlib.import_module(name)
+        module.gemm = lambda *args: None
     # The launch object is KernelLaunch now, Launch in older versions.
     launch: Any = getattr(_launch, "KernelLaunch", None) or _launch.Launch
     launch.__call__ = lambda self, values: None

@@ -72,6 +72,37 @@ def test_workspace_is_reused_and_grows() -> None:
     assert m._workspace is not None and m._workspace.shape[0] == 8
 
 
+@pytest.mark.production
+def test_repeated_calls_reuse_the_checked_layout() -> None:
+    """As for KVMaterializer: after a layout's first call, straight to the GEMM and the launch, same bits."""
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj", kv_a_bias=BIAS)
+    want = unfused(BIAS, NORM, 1e-6, "gptj")
+    pool = torch.zeros(L, S, C + R, dtype=torch.float16)
+    for _ in range(3):
+        assert torch.equal(m(HIDDEN_STATES, POSITIONS), want)
+        m.into_pool(HIDDEN_STATES, POSITIONS, torch.tensor([8, 0, 1, 4, 2]), pool)
+        assert torch.equal(pool[:, [8, 0, 1, 4, 2]], want)
+    assert len(m._plans) == 2
+
+
+@pytest.mark.production
+def test_a_replaced_weight_is_checked_again() -> None:
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj")
+    m(HIDDEN_STATES, POSITIONS)
+    m.kv_norm_weight = torch.ones(L, C + 2)
+    with pytest.raises(typedkv.InputError, match="C\\+R"):
+        m(HIDDEN_STATES, POSITIONS)
+
+
+@pytest.mark.production
+def test_per_layer_pools_sharing_memory_on_a_checked_layout() -> None:
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj")
+    pool = [torch.zeros(S, C + R, dtype=torch.float16) for _ in range(L)]
+    m.into_pool(HIDDEN_STATES, POSITIONS, torch.arange(T), pool)
+    with pytest.raises(typedkv.InputError, match="memory of its own"):
+        m.into_pool(HIDDEN_STATES, POSITIONS, torch.arange(T), [pool[0], pool[1], pool[0]])
+
+
 def test_compiled_fullgraph() -> None:
     m = typedkv.MLAKVMaterializer(WEIGHT.float(), NORM, 1e-6, CACHE, rope_style="gptj")
     torch._dynamo.reset()

@@ -33,11 +33,19 @@ from ._fused_impl import (
     project_kv_into_pool,
     stand_in,
 )
-from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
+from ._impl import ROTARY_RULE, DenseCall, PoolCall, check_pool_kinds, dense_layout, pool_layout
 from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
 from ._messages import or_list
-from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
+from ._projection import (
+    CheckedLayouts,
+    Workspace,
+    check_layer_counts,
+    check_layer_dtypes,
+    eps_of_layers,
+    project,
+    stacked,
+)
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -73,9 +81,6 @@ _WEIGHTS = Signature(
     rules=(ROTARY_RULE,),
 )
 
-
-# Plans a materializer keeps (a model calls with a few layouts: T buckets, pools).
-_PLANS_MAX = 256
 
 ProjectionPath = Literal["auto", "fused", "gemm"]
 """`KVMaterializer.projection_path`: how a call computes the projection."""
@@ -203,10 +208,7 @@ class KVMaterializer(nn.Module):
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
-        # Eager calls' plans, by the layout of the call's arguments and of the weights: a layout
-        # checked once (the call's own check, then the op's) goes straight to the GEMM and the
-        # launch after that. The weights are in the key, so replacing a buffer is checked again.
-        self._plans: dict[tuple[object, ...], Plan] = {}
+        self._plans = CheckedLayouts()
 
     @property
     def projection_path(self) -> ProjectionPath:
@@ -275,16 +277,14 @@ class KVMaterializer(nn.Module):
         state = self._state()
         key = fingerprint((hidden, positions, k_out, v_out, *state))
         plan = self._plans.get(key)
-        if plan is None:
-            kv = self._project(hidden, positions, None)  # checks hidden and positions against the weights
-        else:
-            kv = self._gemm(hidden, state)  # a layout checked before: the GEMM straight away
+        # A layout checked before goes straight to the GEMM; a new one checks hidden and positions first.
+        kv = self._project(hidden, positions, None) if plan is None else self._gemm(hidden, state)
         _, _, k_norm_weight, eps, cos_sin_cache = state
         call = DenseCall(
             kv, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
         )
         if plan is None:
-            plan = self._keep(key, dense_layout(call))  # the op's production check, as materialize_kv runs it
+            plan = self._plans.keep(key, dense_layout(call))  # the op's production check, as materialize_kv runs it
         return materialize_kv_planned(call, plan)
 
     @static_jaxtyping("T S N B")
@@ -359,7 +359,9 @@ class KVMaterializer(nn.Module):
             self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
         if plan is None:
-            plan = self._keep(key, pool_layout(call))  # the op's production check, as materialize_kv_into_pool runs it
+            plan = self._plans.keep(
+                key, pool_layout(call)
+            )  # the op's production check, as materialize_kv_into_pool runs it
         materialize_kv_into_pool_planned(call, plan)
 
     if TYPE_CHECKING:
@@ -400,22 +402,11 @@ class KVMaterializer(nn.Module):
             cast(Tensor, buffers["cos_sin_cache"]),
         )  # fmt: skip
 
-    def _keep(self, key: tuple[object, ...], plan: Plan) -> Plan:
-        """Keep a checked call's plan under the layout of everything it was checked with (call and weights)."""
-        if len(self._plans) >= _PLANS_MAX:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
-
     def _gemm(
         self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
     ) -> Tensor:
         """`_project` for a layout checked before (its key matched): the GEMM into the workspace, no check."""
-        kv_weight, kv_bias = state[0], state[1]
-        num_tokens = hidden.shape[0]
-        out = self._rows.rows(num_tokens, kv_weight)
-        gemm(hidden, kv_weight, kv_bias, out)
-        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+        return project(self._rows, hidden, state[0], state[1], (self.num_layers, 2 * self.num_kv_heads * self.head_dim))
 
     def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
         """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
@@ -427,10 +418,7 @@ class KVMaterializer(nn.Module):
             kv = F.linear(hidden, self.kv_weight, self.kv_bias)
             return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
         PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
-        num_tokens = hidden.shape[0]
-        out = self._rows.rows(num_tokens, self.kv_weight)
-        gemm(hidden, self.kv_weight, self.kv_bias, out)
-        return out.view(num_tokens, self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+        return self._gemm(hidden, self._state())
 
     @property
     def _workspace(self) -> Tensor | None:

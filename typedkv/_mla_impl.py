@@ -63,10 +63,20 @@ def check_dense(call: DenseCall) -> Bound:
     return _checked(DENSE.signature.check, call)
 
 
-def materialize_mla_kv(call: DenseCall) -> Tensor:
-    """`typedkv.materialize_mla_kv`, eagerly: checked, then launched (or run by the reference)."""
+def dense_layout(call: DenseCall) -> Plan:
+    """The plan of a dense call's layout: checked by the production check at its first call, then looked up."""
+    plan: Plan = _checked(lambda c: DENSE.signature.plan(c, planner()), call)
+    return plan
+
+
+def materialize_mla_kv(call: DenseCall, plan: Plan | None = None) -> Tensor:
+    """`typedkv.materialize_mla_kv`, eagerly: checked, then launched (or run by the reference).
+
+    ``plan``: the call's `dense_layout`, when the caller has it already (a materializer keeps its calls' plans).
+    """
     sig = DENSE.signature
-    plan: Plan = _checked(lambda c: sig.plan(c, planner()), call)
+    if plan is None:
+        plan = dense_layout(call)
     ckv, out = call.ckv, call.out
     if debug_enabled():
         debug_pass(sig, plan, call)
@@ -107,10 +117,20 @@ def check_pool(call: PoolCall) -> Bound:
     return bound
 
 
-def materialize_mla_kv_into_pool(call: PoolCall) -> None:
-    """`typedkv.materialize_mla_kv_into_pool`, eagerly: checked, then launched (or run by the reference)."""
+def pool_layout(call: PoolCall) -> Plan:
+    """The plan of a pool call's layout: checked by the production check at its first call, then looked up."""
+    plan: Plan = _checked(lambda c: POOL.signature.plan(c, planner(lambda bound: _pool_layout(c))), call)
+    return plan
+
+
+def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
+    """`typedkv.materialize_mla_kv_into_pool`, eagerly: checked, then launched (or run by the reference).
+
+    ``plan``: the call's `pool_layout`, when the caller has it already.
+    """
     sig = POOL.signature
-    plan: Plan = _checked(lambda c: sig.plan(c, planner(lambda bound: _pool_layout(c))), call)
+    if plan is None:
+        plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
     addresses = None if isinstance(kv_pool, Tensor) else _check_apart(kv_pool)
     if debug_enabled():

@@ -17,10 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checking import Bound, Signature
+from . import _projection as projection
+from ._checking import Bound, Signature, fingerprint
 from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
-from ._mla_impl import ROTARY_RULE
-from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, gemm, stacked
+from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
+from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
+from ._mla_impl import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool_planned
+from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, stacked
 from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
@@ -168,6 +171,7 @@ class MLAKVMaterializer(nn.Module):
         else:
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
+        self._plans = projection.CheckedLayouts()
 
     @static_jaxtyping("T")
     def forward(
@@ -197,10 +201,21 @@ class MLAKVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        return materialize_mla_kv(
-            self._project(hidden, positions, None), self.kv_norm_weight, self.eps, self.cos_sin_cache, positions,
-            rope_style=self.rope_style, out=out,
-        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return materialize_mla_kv(
+                self._project(hidden, positions, None), self.kv_norm_weight, self.eps, self.cos_sin_cache, positions,
+                rope_style=self.rope_style, out=out,
+            )  # fmt: skip
+        # As in KVMaterializer: a layout checked before goes straight to the GEMM and the launch.
+        state = self._state()
+        key = fingerprint((hidden, positions, out, *state))
+        plan = self._plans.get(key)
+        ckv = self._project(hidden, positions, None) if plan is None else self._gemm(hidden, state)
+        _, _, kv_norm_weight, eps, cos_sin_cache = state
+        call = DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, self.rope_style, out)
+        if plan is None:
+            plan = self._plans.keep(key, dense_layout(call))
+        return materialize_mla_kv_planned(call, plan)
 
     @static_jaxtyping("T S N B")
     def into_pool(
@@ -233,10 +248,23 @@ class MLAKVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        materialize_mla_kv_into_pool(
-            self._project(hidden, positions, cache_loc), self.kv_norm_weight, self.eps, self.cos_sin_cache,
-            positions, cache_loc, kv_pool, rope_style=self.rope_style, kv_scale=kv_scale,
-        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            materialize_mla_kv_into_pool(
+                self._project(hidden, positions, cache_loc), self.kv_norm_weight, self.eps, self.cos_sin_cache,
+                positions, cache_loc, kv_pool, rope_style=self.rope_style, kv_scale=kv_scale,
+            )  # fmt: skip
+            return
+        state = self._state()
+        key = fingerprint((hidden, positions, cache_loc, kv_pool, kv_scale, *state))
+        plan = self._plans.get(key)
+        ckv = self._project(hidden, positions, cache_loc) if plan is None else self._gemm(hidden, state)
+        _, _, kv_norm_weight, eps, cos_sin_cache = state
+        call = PoolCall(
+            ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, self.rope_style, kv_scale
+        )
+        if plan is None:
+            plan = self._plans.keep(key, pool_layout(call))
+        materialize_mla_kv_into_pool_planned(call, plan)
 
     if TYPE_CHECKING:
         # As in KVMaterializer: to a type checker a call is forward itself.
@@ -258,10 +286,24 @@ class MLAKVMaterializer(nn.Module):
             # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
             return F.linear(hidden, self.kv_a_weight, self.kv_a_bias).view(hidden.shape[0], self.num_layers, width)
         _PROJECTION.plan((self.kv_a_weight, hidden, positions, cache_loc), _accepted)
-        num_tokens = hidden.shape[0]
-        rows = self._rows.rows(num_tokens, self.kv_a_weight)
-        gemm(hidden, self.kv_a_weight, self.kv_a_bias, rows)
-        return rows.view(num_tokens, self.num_layers, width)
+        return self._gemm(hidden, self._state())
+
+    def _state(self) -> tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]:
+        """``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``, without nn.Module's attribute lookup."""
+        buffers = self._buffers
+        eps = buffers["eps"] if "eps" in buffers else self.__dict__["eps"]
+        return (
+            cast(Tensor, buffers["kv_a_weight"]), buffers["kv_a_bias"], buffers["kv_norm_weight"],
+            cast("float | Tensor", eps), cast(Tensor, buffers["cos_sin_cache"]),
+        )  # fmt: skip
+
+    def _gemm(
+        self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
+    ) -> Tensor:
+        """`_project` for a layout checked before (its key matched): the GEMM into the workspace, no check."""
+        return projection.project(
+            self._rows, hidden, state[0], state[1], (self.num_layers, self.kv_lora_rank + self.rotary_dim)
+        )
 
     @property
     def _workspace(self) -> Tensor | None:
