@@ -359,9 +359,7 @@ class KVMaterializer(nn.Module):
             self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
         if plan is None:
-            plan = self._plans.keep(
-                key, pool_layout(call)
-            )  # the op's production check, as materialize_kv_into_pool runs it
+            plan = self._plans.keep(key, pool_layout(call))  # the op's production check
         materialize_kv_into_pool_planned(call, plan)
 
     if TYPE_CHECKING:
