@@ -130,6 +130,19 @@ def _rope_row(rope, tok, tok_ok, freq, freq_ok, HALF: tl.constexpr):
 
 
 @triton.jit
+def _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED: tl.constexpr):
+    """``(row, row_ok)`` of each token: its slot (``INDEXED``) or itself, in int64; False past the tokens.
+
+    A slot that is negative or ``>= num_rows`` is not OK: the token is skipped.
+    """
+    if INDEXED:
+        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
+        return row, tok_ok & (row >= 0) & (row < num_rows)
+    else:
+        return tok.to(tl.int64), tok_ok
+
+
+@triton.jit
 def _row_offset(row, PAGE: tl.constexpr, strides):
     """Element offset of pool row ``row``: slot ``row % PAGE`` of page ``row // PAGE`` (``PAGE`` 1: no pages).
 

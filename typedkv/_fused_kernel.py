@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -167,12 +167,7 @@ def project_kv_kernel(
         bias_head = bias_ptr
 
     # Destination rows, as in `typedkv._kernel`.
-    if INDEXED:
-        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
-        row_ok = tok_ok & (row >= 0) & (row < num_rows)
-    else:
-        row = tok.to(tl.int64)
-        row_ok = tok_ok
+    row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
 
     if slot < H:
         head = slot

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _normed, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _normed, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -332,12 +332,7 @@ def materialize_kv_kernel(
     k_head = kv_row[:, None] + (head * D)[None, :]  # [T, H] pointers to each head's K
 
     # Destination rows and layer bases.
-    if INDEXED:
-        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
-        row_ok = tok_ok & (row >= 0) & (row < num_rows)
-    else:
-        row = tok.to(tl.int64)
-        row_ok = tok_ok
+    row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
     if LAYER_TABLE:
         k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
         v_base = v_ptr + tl.load(layer_offsets_ptr + NUM_LAYERS + layer)

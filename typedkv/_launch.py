@@ -138,30 +138,17 @@ def launch_params(
         # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
         num_warps = min(8, max(1, block_h * block_d // 2048))
-    _, _, eps_t, eps_f, *_, k_t, k_f, v_t, v_f = varying(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scales
-    )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
-    k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
-    v_stride_l, v_stride_page, v_stride_slot, v_stride_h = v_strides
-    norm = k_norm_weight is not None
-    layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
+    destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
         kv, kv.stride(0), kv.stride(1),
-        k_norm_weight, *(k_norm_weight.stride() if k_norm_weight is not None else (0, 0)),
-        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
-        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        positions, positions.stride(0),
-        slots, slots.stride(0) if slots is not None else 0,
-        k_dst, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
-        v_dst, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
-        layer_offsets,
-        k_t, k_t.stride(0) if k_t is not None else 0, k_f,
-        v_t, v_t.stride(0) if v_t is not None else 0, v_f,
+        *_input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
+        *destinations,
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
-        num_kv_heads, head_dim, rotary_dim, neox, norm, eps_t is not None, slots is not None, page_size,
-        layer_offsets is not None, _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst),
+        num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, isinstance(eps, torch.Tensor),
+        slots is not None, page_size, layer_offsets is not None, _scale_mode(scales[0], k_dst),
+        _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
         row,
@@ -361,25 +348,19 @@ def mla_launch(
     num_tokens, num_layers, _ = ckv.shape
     rotary_dim = cos_sin_cache.shape[1]
     block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim, config)
-    ckv_, w, eps_t, eps_f, cs, pos, slots_, dst_, table, scale_t, scale_f = mla_varying(
-        ckv, kv_norm_weight, eps, cos_sin_cache, positions, slots, dst, layer_offsets, kv_scale
-    )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(dst.dtype)
     stride_l, stride_page, stride_slot = strides
     layer_vec = _pow2_divisor(stride_l, 16)
     params = (
-        ckv_, ckv.stride(0), ckv.stride(1),
-        w, *(w.stride() if w is not None else (0, 0)),
-        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
-        cs, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        pos, positions.stride(0),
-        slots_, slots.stride(0) if slots is not None else 0,
-        dst_, stride_l // layer_vec, stride_page, stride_slot,
-        table,
-        scale_t, scale_t.stride(0) if scale_t is not None else 0, scale_f,
+        ckv, ckv.stride(0), ckv.stride(1),
+        *_input_params(kv_norm_weight, eps, cos_sin_cache, positions, slots),
+        dst, stride_l // layer_vec, stride_page, stride_slot,
+        layer_offsets,
+        *_scale_params(kv_scale),
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
-        kv_lora_rank, rotary_dim, neox, w is not None, eps_t is not None, slots is not None, page_size,
+        kv_lora_rank, rotary_dim, neox, kv_norm_weight is not None, isinstance(eps, torch.Tensor),
+        slots is not None, page_size,
         table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
         block_t, block_c, block_half, INTERPRETED, num_layers,
@@ -404,6 +385,56 @@ def mla_varying(
         ckv, kv_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, dst, layer_offsets,
         *_number_or_tensor(kv_scale, 1.0),
     )  # fmt: skip
+
+
+def _input_params(
+    norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> tuple[Any, ...]:
+    """The arguments every kernel takes after its input: norm weight, eps, cos/sin cache, positions, slots.
+
+    Each tensor with its strides (0 for one that is absent); eps as its ``(tensor, float)`` pair.
+    """
+    eps_t, eps_f = _number_or_tensor(eps, 0.0)
+    return (
+        norm_weight, *(norm_weight.stride() if norm_weight is not None else (0, 0)),
+        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
+        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        positions, positions.stride(0),
+        slots, slots.stride(0) if slots is not None else 0,
+    )  # fmt: skip
+
+
+def _kv_destination_params(
+    k_dst: torch.Tensor,
+    k_strides: tuple[int, int, int, int],
+    v_dst: torch.Tensor,
+    v_strides: tuple[int, int, int, int],
+    layer_offsets: torch.Tensor | None,
+    scales: tuple[Scale, Scale],
+) -> tuple[tuple[Any, ...], int]:
+    """The K/V kernels' destination arguments (K's and V's base and strides, the layer table, the scales).
+
+    Also ``LAYER_VEC``: the layer strides arrive divided by it, so the compiler still sees 16-byte aligned rows.
+    """
+    k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
+    v_stride_l, v_stride_page, v_stride_slot, v_stride_h = v_strides
+    layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
+    params = (
+        k_dst, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
+        v_dst, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
+        layer_offsets, *_scale_params(scales[0]), *_scale_params(scales[1]),
+    )  # fmt: skip
+    return params, layer_vec
+
+
+def _scale_params(scale: Scale) -> tuple[torch.Tensor | None, int, float]:
+    """An FP8 scale as the kernels take it: ``(tensor, its stride, float)``, the tensor read per layer when given."""
+    scale_t, scale_f = _number_or_tensor(scale, 1.0)
+    return scale_t, scale_t.stride(0) if scale_t is not None else 0, scale_f
 
 
 def _pow2_divisor(value: int, cap: int) -> int:
@@ -500,32 +531,16 @@ def projection_launch(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
-    hidden_, weight, bias, norm, eps_t, eps_f, cs, pos, slots_, k_, v_, table, k_t, k_f, v_t, v_f = (
-        projection_varying(
-            hidden, kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dst, v_dst,
-            layer_offsets, scales,
-        )
-    )  # fmt: skip
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
-    k_stride_l, k_stride_page, k_stride_slot, k_stride_h = k_strides
-    v_stride_l, v_stride_page, v_stride_slot, v_stride_h = v_strides
-    layer_vec = _pow2_divisor(k_stride_l | v_stride_l, 16)
+    destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
-        hidden_, *hidden.stride(), weight, *kv_weight.stride(), bias,
-        norm, *(k_norm_weight.stride() if k_norm_weight is not None else (0, 0)),
-        eps_t, eps_t.stride(0) if eps_t is not None else 0, eps_f,
-        cs, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        pos, positions.stride(0),
-        slots_, slots.stride(0) if slots is not None else 0,
-        k_, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
-        v_, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
-        table,
-        k_t, k_t.stride(0) if k_t is not None else 0, k_f,
-        v_t, v_t.stride(0) if v_t is not None else 0, v_f,
+        hidden, *hidden.stride(), kv_weight, *kv_weight.stride(), kv_bias,
+        *_input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
+        *destinations,
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
-        eps_t is not None, slots is not None, page_size, layer_offsets is not None,
+        isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, config.block_k, block_d, block_half, block_pass, config.num_stages,
         "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,

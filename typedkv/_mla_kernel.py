@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -118,12 +118,7 @@ def materialize_mla_kv_kernel(
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     src = ckv_ptr + tok.to(tl.int64) * ckv_stride_t + layer * ckv_stride_l
-    if INDEXED:
-        row = tl.load(slots_ptr + tok * slots_stride, mask=tok_ok, other=-1).to(tl.int64)
-        row_ok = tok_ok & (row >= 0) & (row < num_rows)
-    else:
-        row = tok.to(tl.int64)
-        row_ok = tok_ok
+    row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
     if LAYER_TABLE:
         # Every layer's offset is a multiple of LAYER_TABLE elements (16 bytes when
         # the launch checked each layer's alignment): the rows stay vectorised.
