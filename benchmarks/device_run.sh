@@ -17,9 +17,11 @@
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
 #                  benchmarks/mla_sweep.py (the MLA launch configuration)
-#   fused          the fused projection's GPU tests (bf16 numerics, pools, FP8, graphs, compile, no sync), then
-#                  the end-to-end bench (each projection path pinned, vs torch.mm alone): the data for the
-#                  "auto" table (typedkv._launch.PROJECTION_FUSED_FASTER) and ProjectionConfig's defaults
+#   fused          the fused projection's GPU tests (bf16 numerics, pools, FP8, graphs, compile, no sync; 8
+#                  workers), benchmarks/fused_sweep.py (launch configurations vs torch.mm; T list in
+#                  $FUSED_SWEEP_T, default its own), then the end-to-end bench (each projection path
+#                  pinned, vs torch.mm alone): the data for the "auto" table
+#                  (typedkv._launch.PROJECTION_FUSED_FASTER) and ProjectionConfig's defaults
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -70,7 +72,10 @@ for step in $STEPS; do
             python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
             python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         fused)
-            python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40 | tee "$OUT/fused_gpu.txt"
-            python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 | tee "$OUT/fused_e2e.txt" ;;
+            timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
+                | tail -60 | tee "$OUT/fused_gpu.txt"
+            timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt"
+            timeout "${FUSED_E2E_S:-150}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
+                | tee "$OUT/fused_e2e.txt" ;;
     esac
 done

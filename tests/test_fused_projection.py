@@ -444,3 +444,22 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
         results.append((k_out, v_out))
     assert_matches_oracle(results[0], draft.oracle(x, positions), torch.float16)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_default_blocks_fit_shared_memory() -> None:
+    """Defaults come from the measured table by T; the pipeline, then block_k, shrink to fit shared memory."""
+    h200 = 227 * 1024
+    default = _launch.ProjectionConfig()
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3)
+    # Head dim 256 in bf16, or float32 inputs: fewer stages.
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3)
+    # A small shared memory: two stages at least, then narrower K steps.
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2)
+    # Fields given are kept as given.
+    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6)

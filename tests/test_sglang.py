@@ -781,6 +781,7 @@ def test_e2e_bench_with_sglang(sglang: ModuleType) -> None:
     ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
     assert set(row["us"]) == {"mm", *ours, "sglang", "sglang_pool"}
     assert set(row["ratio"]) == {
+        "typedkv / mm", "typedkv_gemm / mm", "typedkv_fused / mm",
         "typedkv_pool / mm", "typedkv_pool_gemm / mm", "typedkv_pool_fused / mm", "typedkv_fused / typedkv_gemm",
         "sglang / typedkv", "sglang_pool / typedkv_pool",
     }  # fmt: skip

@@ -37,7 +37,7 @@ import torch
 
 from ._materializer import KVMaterializer
 
-TOKENS = (1, 16, 64, 256, 2048, 16384)
+TOKENS = (1, 16, 64, 256, 2048, 16384, 65536)
 SGLANG_FILE = "sglang/kernels/ops/speculative/fused_kv_materialize.py"
 SGLANG_WHEEL = "sglang-0.5.23-*.whl"
 
@@ -136,7 +136,8 @@ def run_e2e(
         calls = _calls(inputs, flat, gemm_out, materializers, theirs)
         us = {impl: round(timer(fns), 2) for impl, fns in calls.items()}
         ratio = {
-            f"typedkv_pool{path} / mm": round(us[f"typedkv_pool{path}"] / us["mm"], 3)
+            f"typedkv{pool}{path} / mm": round(us[f"typedkv{pool}{path}"] / us["mm"], 3)
+            for pool in ("", "_pool")
             for path in ("", "_gemm", "_fused")
         }
         ratio["typedkv_fused / typedkv_gemm"] = round(us["typedkv_fused"] / us["typedkv_gemm"], 3)

@@ -14,6 +14,7 @@ pointer alignment), so the direct call runs exactly what ``kernel[grid]`` would.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import os
@@ -466,21 +467,67 @@ def _scale_mode(scale: float | torch.Tensor | None, dst: torch.Tensor) -> int:
 class ProjectionConfig:
     """How the fused projection kernel (`project_kv_kernel`) is launched.
 
-    The defaults are not measured yet (no GPU run of this kernel exists): they
-    are a starting point for a sweep on the H200 to replace. Tests and sweeps
-    pass others; every configuration computes the same thing.
+    A field left ``None`` comes from `PROJECTION_BLOCKS` by the batch's size
+    (measured on the H200, ``benchmarks/fused_sweep.py``), with the pipeline's
+    depth, then ``block_k``, reduced until it fits the device's shared memory.
+    Tests and sweeps pass others; every configuration computes the same thing.
     """
 
-    block_m: int | None = None  # tokens per program; None: 16 up to 16 tokens, else 64
-    block_k: int = 64  # hidden columns per step of the K loop
+    block_m: int | None = None  # tokens per program
+    block_k: int | None = None  # hidden columns per step of the K loop
     num_warps: int = 4
-    num_stages: int = 3  # software pipelining of the K loop (tl.range)
+    num_stages: int | None = None  # software pipelining of the K loop (tl.range)
+
+    def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int]:
+        """``(block_m, block_k, num_stages)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
+        measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
+        block_m = self.block_m or measured[0]
+        block_k = self.block_k or measured[1]
+        stages = self.num_stages or measured[2]
+
+        # A stage holds a hidden tile and the head's weight tile.
+        def fits() -> bool:
+            return stages * (block_m + head_rows) * block_k * itemsize <= shared_memory
+
+        while self.num_stages is None and stages > 2 and not fits():
+            stages -= 1
+        while self.block_k is None and block_k > 16 and not fits():
+            block_k //= 2
+        return block_m, block_k, stages
+
+
+# ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages)),
+# from benchmarks/fused_sweep.py on the H200 (benchmarks/NOTES.md). At small T
+# the weights dominate and the time is their read: one token block, so each
+# weight row is read once, and a deep pipeline (many bytes in flight per SM).
+# Fused / torch.mm alone with these: 1.05-1.08x at T <= 32, 1.13-1.16x at
+# T = 48-64; 1.35-1.40x at T = 2048 and 1.7x at 16384 with the last.
+PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int]], ...] = (
+    (16, (16, 128, 5)),
+    (32, (32, 128, 5)),
+    (64, (64, 64, 6)),
+    (math.inf, (128, 64, 3)),
+)
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (no limit under the interpreter)."""
+    if device.type != "cuda" or INTERPRETED:
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # Triton's driver module ships no type information: imported by name, an Any to mypy.
+    driver = importlib.import_module("triton.runtime.driver").driver
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 # Where the fused projection beats GEMM + kernel, measured per device
-# (torch.cuda.get_device_name): [low, high) token counts. Nothing is measured
-# yet, so the table is empty and "auto" always takes GEMM + kernel.
-PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[int, int], ...]] = {}
+# (torch.cuda.get_device_name): [low, high) token counts. H200, dense outputs
+# (benchmarks/fused_sweep.py, benchmarks/NOTES.md), each / torch.mm alone:
+# fused 1.05-1.08x and GEMM + kernel 1.09-1.11x at T = 1, 16 and 32; from
+# T = 48 on GEMM + kernel is as fast or faster (1.12x against 1.13-1.16x at
+# 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
+PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[int, int], ...]] = {"NVIDIA H200": ((1, 33),)}
 
 
 @functools.cache
@@ -526,11 +573,14 @@ def projection_launch(
     """
     num_tokens, hidden_size = hidden.shape
     rotary_dim = cos_sin_cache.shape[1]
-    block_m = config.block_m or (16 if num_tokens <= 16 else 64)
     # tl.dot takes tiles of at least 16 along every dim.
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
+    k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
+    block_m, block_k, num_stages = config.blocks(
+        num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
+    )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
@@ -542,7 +592,7 @@ def projection_launch(
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
         isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec, num_layers, block_m, config.block_k, block_d, block_half, block_pass, config.num_stages,
+        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages,
         "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)

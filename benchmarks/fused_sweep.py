@@ -1,0 +1,132 @@
+"""Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
+
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [T ...]``.
+For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
+T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
+replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
+the GEMM + K/V kernel path, all in one process and alternated per configuration. Each line: T,
+the configuration, microseconds, and the ratio to the GEMM alone timed just before it. The best
+configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
+kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+
+import torch
+
+from typedkv import KVMaterializer, _bench, _launch
+from typedkv._bench_e2e import Draft
+
+TOKENS = (16, 64, 1, 256, 2048, 16384)
+
+
+def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
+    """The grid swept at ``num_tokens``: token blocks no wider than the batch needs, deeper pipelines at small T."""
+    if num_tokens <= 16:
+        grid = itertools.product((16,), (64, 128, 256), (4, 8), (3, 4, 5, 6))
+    elif num_tokens <= 64:
+        grid = itertools.product((16, 32, 64), (64, 128), (4,), (3, 4, 5, 6))
+    else:
+        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
+    out = []
+    for block_m, block_k, warps, stages in grid:
+        # Shared memory of the pipeline (a hidden tile and a head's weight rows per stage, 2-byte dtypes)
+        # within an H200 program's 227 KiB.
+        if stages * (block_m + 128) * block_k * 2 <= 227 * 1024:
+            out.append(_launch.ProjectionConfig(block_m, block_k, warps, stages))
+    return out
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    draft = Draft()
+    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
+    torch.manual_seed(0)
+    weight = torch.randn(L, 2 * H * D, draft.hidden, device=device, dtype=draft.dtype) / draft.hidden**0.5
+    norm = torch.rand(L, D, device=device, dtype=draft.dtype) + 0.5
+    half = D // 2
+    inv = 1.0 / 1e6 ** (torch.arange(half, dtype=torch.float32, device=device) / half)
+    angles = torch.outer(torch.arange(draft.max_position, dtype=torch.float32, device=device), inv)
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
+    gemm.projection_path = "gemm"
+    for num_tokens in [int(t) for t in sys.argv[1:]] or TOKENS:
+        _sweep(num_tokens, draft, weight, norm, cos_sin, gemm)
+        torch.cuda.empty_cache()
+
+
+def _sweep(
+    num_tokens: int,
+    draft: Draft,
+    weight: torch.Tensor,
+    norm: torch.Tensor,
+    cos_sin: torch.Tensor,
+    gemm: KVMaterializer,
+) -> None:
+    """Every configuration of the grid at ``num_tokens``, one line each."""
+    device = weight.device
+    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
+    flat = weight.reshape(L * 2 * H * D, draft.hidden)
+    sets = 4 if num_tokens <= 256 else 1
+    hidden = [torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype) for _ in range(sets)]
+    positions = [torch.randint(0, draft.max_position, (num_tokens,), device=device) for _ in range(sets)]
+    k_out, v_out = torch.empty(2, L, num_tokens, H, D, device=device, dtype=draft.dtype)
+    gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
+    mm = [lambda h=h: _discard(torch.mm(h, flat.t(), out=gemm_out)) for h in hidden]
+    two = [
+        lambda h=h, p=p: _discard(gemm(h, p, k_out=k_out, v_out=v_out)) for h, p in zip(hidden, positions, strict=True)
+    ]
+    # The fused result of each configuration against the GEMM path's (the tests hold them to one ulp).
+    ref_k, ref_v = (t.clone() for t in gemm(hidden[0], positions[0]))
+    for config in configs(num_tokens):
+        calls = [
+            _fused(h, p, weight, norm, cos_sin, k_out, v_out, config) for h, p in zip(hidden, positions, strict=True)
+        ]
+        calls[0]()
+        torch.cuda.synchronize()
+        err_k = (k_out.float() - ref_k.float()).abs().max().item()
+        err_v = (v_out.float() - ref_v.float()).abs().max().item()
+        us_mm = _bench.gpu_time_us(mm)
+        us = _bench.gpu_time_us(calls)
+        us_two = _bench.gpu_time_us(two)
+        print(
+            f"T={num_tokens:<6} m={config.block_m:<3} k={config.block_k:<3} w={config.num_warps} "
+            f"s={config.num_stages}  fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
+            f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}  "
+            f"max|dk| {err_k:.3g} max|dv| {err_v:.3g}",
+            flush=True,
+        )
+
+
+def _discard(_: object) -> None:
+    return None
+
+
+def _fused(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    norm: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    config: _launch.ProjectionConfig,
+) -> Callable[[], None]:
+    """One fused launch with ``config`` into dense ``[L, T, H, D]`` outputs (built here, as the ops cache theirs)."""
+    L, T, H, D = k_out.shape
+    flat = weight.reshape(-1, weight.shape[-1])
+    strides = (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2))
+    launch = _launch.projection_launch(
+        hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, strides, v_out, strides, None,
+        num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=T, neox=True, config=config,
+    )  # fmt: skip
+    values = _launch.projection_varying(hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None)
+    return lambda: launch(values)
+
+
+if __name__ == "__main__":
+    main()
