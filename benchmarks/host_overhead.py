@@ -59,6 +59,9 @@ def calls() -> dict[str, Callable[[], object]]:
     v_layers = [torch.empty(4096, heads, dim, dtype=torch.bfloat16) for _ in range(layers)]
     proj = torch.randn(layers, 2 * heads * dim, hidden_size).to(torch.bfloat16)
     m = typedkv.KVMaterializer(proj, weight, 1e-6, cos_sin, num_kv_heads=heads)
+    fused = typedkv.KVMaterializer(proj, weight, 1e-6, cos_sin, num_kv_heads=heads)
+    if hasattr(fused, "projection_path"):  # versions with the fused projection path
+        fused.projection_path = "fused"
     hidden = torch.randn(t, hidden_size).to(torch.bfloat16)
     return {
         "materialize_kv": lambda: typedkv.materialize_kv(
@@ -72,6 +75,8 @@ def calls() -> dict[str, Callable[[], object]]:
         ),
         "materializer_call": lambda: m(hidden, positions),
         "materializer_into_pool": lambda: m.into_pool(hidden, positions, slots, k_layers, v_layers),
+        "materializer_call_fused": lambda: fused(hidden, positions),
+        "materializer_into_pool_fused": lambda: fused.into_pool(hidden, positions, slots, k_layers, v_layers),
     }
 
 

@@ -90,9 +90,14 @@ def _launch_of(
     return entry[1]
 
 
-def project_kv(call: DenseCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """`KVMaterializer.forward` fused: ``call`` as `typedkv.materialize_kv` takes it, its kv the stand-in."""
-    plan, k_out, v_out = dense_plan(call)
+def project_kv(
+    call: DenseCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, plan: Plan | None = None
+) -> tuple[Tensor, Tensor]:
+    """`KVMaterializer.forward` fused: ``call`` as `typedkv.materialize_kv` takes it, its kv the stand-in.
+
+    ``plan``: the call's `typedkv._impl.dense_layout`, when the materializer kept it.
+    """
+    plan, k_out, v_out = dense_plan(call, plan)
     if plan.empty:
         return k_out, v_out
     dims = plan.bound.dims
@@ -120,9 +125,14 @@ def project_kv(call: DenseCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tens
     return k_out, v_out
 
 
-def project_kv_into_pool(call: PoolCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None) -> None:
-    """`KVMaterializer.into_pool` fused: ``call`` as `typedkv.materialize_kv_into_pool` takes it, kv the stand-in."""
-    plan, geometry, addresses = pool_plan(call)
+def project_kv_into_pool(
+    call: PoolCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, plan: Plan | None = None
+) -> None:
+    """`KVMaterializer.into_pool` fused: ``call`` as `typedkv.materialize_kv_into_pool` takes it, kv the stand-in.
+
+    ``plan``: the call's `typedkv._impl.pool_layout`, when the materializer kept it.
+    """
+    plan, geometry, addresses = pool_plan(call, plan)
     if geometry is None:
         return
     dims = plan.bound.dims

@@ -147,8 +147,8 @@ class KVMaterializer(nn.Module):
     computes ``hidden @ W^T`` and, in its epilogue, norms, rotates and stores K
     and V: no ``kv`` in memory, no workspace), or ``"auto"`` (the default): the
     fused path where a table measured per GPU and per ``T`` range says it is
-    faster. No such measurement is recorded yet, so ``"auto"`` takes GEMM +
-    kernel everywhere for now. Both paths check a call alike (the same
+    faster (on the H200: ``T < 33``; a device not measured takes GEMM + kernel;
+    see docs/performance.md). Both paths check a call alike (the same
     messages, before anything is written) and give the same results up to the
     GEMM's accumulation order (each K/V value is first rounded to the storage
     dtype, as a stored ``kv`` would be). The fused kernel runs for CUDA
@@ -251,7 +251,7 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        if self._fused(hidden, positions, None):
+        if self._takes_fused(hidden):
             if torch.compiler.is_compiling():
                 # One op of the graph, which writes outputs allocated here (ops never allocate).
                 shape = (self.num_layers, hidden.shape[0], self.num_kv_heads, self.head_dim)
@@ -264,11 +264,20 @@ class KVMaterializer(nn.Module):
                     )
                 )  # fmt: skip
                 return k_out, v_out
+            state = self._state()
+            # Kept apart from the GEMM path's plans: the op checks a stand-in for kv there.
+            key = ("fused", *fingerprint((hidden, positions, k_out, v_out, *state)))
+            plan = self._plans.get(key)
+            if plan is None:
+                PROJECTION.plan((state[0], hidden, positions, None), _checked)
+            weight, bias, k_norm_weight, eps, cos_sin_cache = state
             call = DenseCall(
-                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
-                self.num_kv_heads, self.rope_style, k_out, v_out,
+                self._stand_in(hidden), k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads,
+                self.rope_style, k_out, v_out,
             )  # fmt: skip
-            return project_kv(call, hidden, self.kv_weight, self.kv_bias)
+            if plan is None:
+                plan = self._plans.keep(key, dense_layout(call))  # the op's production check
+            return project_kv(call, hidden, weight, bias, plan)
         if torch.compiler.is_compiling():
             return materialize_kv(
                 self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
@@ -326,7 +335,7 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        if self._fused(hidden, positions, cache_loc):
+        if self._takes_fused(hidden):
             if torch.compiler.is_compiling():
                 _FUSED_POOL_OPS(
                     FusedPoolCall(
@@ -336,11 +345,22 @@ class KVMaterializer(nn.Module):
                     )
                 )  # fmt: skip
                 return
+            state = self._state()
+            key = (
+                "fused",
+                *fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state)),
+            )
+            plan = self._plans.get(key)
+            if plan is None:
+                PROJECTION.plan((state[0], hidden, positions, cache_loc), _checked)
+            weight, bias, k_norm_weight, eps, cos_sin_cache = state
             call = PoolCall(
-                self._stand_in(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache, positions, cache_loc,
-                k_pool, v_pool, self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
+                self._stand_in(hidden), k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
+                self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
             )  # fmt: skip
-            project_kv_into_pool(call, hidden, self.kv_weight, self.kv_bias)
+            if plan is None:
+                plan = self._plans.keep(key, pool_layout(call))  # the op's production check
+            project_kv_into_pool(call, hidden, weight, bias, plan)
             return
         if torch.compiler.is_compiling():
             materialize_kv_into_pool(
@@ -373,8 +393,8 @@ class KVMaterializer(nn.Module):
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
 
-    def _fused(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> bool:
-        """Whether this call takes the fused path; its own arguments checked first (as `_project` does)."""
+    def _takes_fused(self, hidden: Tensor) -> bool:
+        """Whether this call takes the fused path (the call's own arguments are checked on it, as on the GEMM's)."""
         path = self._path
         # Not a tensor: the GEMM path's check says so, in its words.
         if path == "gemm" or not isinstance(hidden, Tensor) or not _launch.use_kernel(hidden.device):
@@ -382,10 +402,7 @@ class KVMaterializer(nn.Module):
         if torch.compiler.is_compiling():
             # The fused op checks while tracing; "auto" reads no device table there (GEMM + kernel).
             return path == "fused"
-        if path == "auto" and not _launch.projection_fused_faster(hidden.device, hidden.shape[0]):
-            return False
-        PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
-        return True
+        return path == "fused" or _launch.projection_fused_faster(hidden.device, hidden.shape[0])
 
     def _stand_in(self, hidden: Tensor) -> Tensor:
         """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`)."""
