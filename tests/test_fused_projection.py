@@ -463,3 +463,12 @@ def test_default_blocks_fit_shared_memory() -> None:
     # Fields given are kept as given.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6)
     assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6)
+
+
+@pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)
+@pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
+def test_fused_sample_cpu() -> None:
+    """tests/fused_sample.py (the GPU suite runs it under memcheck): guard bytes intact, results as expected."""
+    import fused_sample
+
+    assert fused_sample.main(["--device", "cpu"]) == 0

@@ -6,13 +6,19 @@ storage ulp at the scale of the row's largest value). Beside it: pools against
 the oracle (16-bit) or the GEMM path (FP8: K one FP8 step at most, the norm's
 reduction order differing between the two kernels), random inputs against the
 GEMM path (their only difference the GEMM's accumulation order), determinism,
-CUDA-graph capture and replay, torch.compile(fullgraph=True), and no host sync.
+CUDA-graph capture and replay, torch.compile(fullgraph=True), no host sync, and
+no access out of bounds (tests/fused_sample.py: guard bytes, and under memcheck).
 Skipped (by conftest) where no CUDA device is present.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -320,3 +326,29 @@ def test_fused_makes_no_sync() -> None:
         draft.m.into_pool(hidden, positions, slots, pools[:L], pools[L:])
 
     assert_no_sync(calls)
+
+
+# ------------------------------------------------------------- out of bounds
+
+
+def test_fused_sample_cuda() -> None:
+    """tests/fused_sample.py in process: every destination's guard bytes intact, results as the GEMM path's."""
+    import fused_sample
+
+    assert fused_sample.main(["--device", "cuda"]) == 0
+
+
+def test_fused_sample_under_memcheck() -> None:
+    """compute-sanitizer's memcheck over the fused path's calls (tests/fused_sample.py)."""
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = Path(__file__).with_name("fused_sample.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script), "--device", "cuda"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    assert "fused sample done" in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]

@@ -251,49 +251,40 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        if self._takes_fused(hidden):
-            if torch.compiler.is_compiling():
-                # One op of the graph, which writes outputs allocated here (ops never allocate).
-                shape = (self.num_layers, hidden.shape[0], self.num_kv_heads, self.head_dim)
-                k_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if k_out is None else k_out
-                v_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if v_out is None else v_out
-                _FUSED_OPS(
-                    FusedCall(
-                        hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
-                        positions, self.num_layers, self.num_kv_heads, self.rope_style, k_out, v_out,
-                    )
-                )  # fmt: skip
-                return k_out, v_out
-            state = self._state()
-            # Kept apart from the GEMM path's plans: the op checks a stand-in for kv there.
-            key = ("fused", *fingerprint((hidden, positions, k_out, v_out, *state)))
-            plan = self._plans.get(key)
-            if plan is None:
-                PROJECTION.plan((state[0], hidden, positions, None), _checked)
-            weight, bias, k_norm_weight, eps, cos_sin_cache = state
-            call = DenseCall(
-                self._stand_in(hidden), k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads,
-                self.rope_style, k_out, v_out,
-            )  # fmt: skip
-            if plan is None:
-                plan = self._plans.keep(key, dense_layout(call))  # the op's production check
-            return project_kv(call, hidden, weight, bias, plan)
+        fused = self._takes_fused(hidden)
         if torch.compiler.is_compiling():
-            return materialize_kv(
-                self._project(hidden, positions, None), self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
-                num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
+            if not fused:
+                return materialize_kv(
+                    self._traced_projection(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache,
+                    positions, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
+                )  # fmt: skip
+            # One op of the graph, which writes outputs allocated here (ops never allocate).
+            shape = (self.num_layers, hidden.shape[0], self.num_kv_heads, self.head_dim)
+            k_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if k_out is None else k_out
+            v_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if v_out is None else v_out
+            _FUSED_OPS(
+                FusedCall(
+                    hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
+                    positions, self.num_layers, self.num_kv_heads, self.rope_style, k_out, v_out,
+                )
             )  # fmt: skip
+            return k_out, v_out
         state = self._state()
-        key = fingerprint((hidden, positions, k_out, v_out, *state))
+        weight, bias, k_norm_weight, eps, cos_sin_cache = state
+        # Each path keeps its own plans: on the fused path the op checks a stand-in for kv.
+        key = (fused, *fingerprint((hidden, positions, k_out, v_out, *state)))
         plan = self._plans.get(key)
-        # A layout checked before goes straight to the GEMM; a new one checks hidden and positions first.
-        kv = self._project(hidden, positions, None) if plan is None else self._gemm(hidden, state)
-        _, _, k_norm_weight, eps, cos_sin_cache = state
+        if plan is None:
+            # A new layout: the call's own arguments first, so that their messages speak of hidden.
+            PROJECTION.plan((weight, hidden, positions, None), _checked)
+        kv = self._stand_in(hidden) if fused else self._gemm(hidden, state)
         call = DenseCall(
             kv, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
         )
         if plan is None:
             plan = self._plans.keep(key, dense_layout(call))  # the op's production check, as materialize_kv runs it
+        if fused:
+            return project_kv(call, hidden, weight, bias, plan)
         return materialize_kv_planned(call, plan)
 
     @static_jaxtyping("T S N B")
@@ -335,52 +326,40 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        if self._takes_fused(hidden):
-            if torch.compiler.is_compiling():
-                _FUSED_POOL_OPS(
-                    FusedPoolCall(
-                        hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
-                        positions, cache_loc, k_pool, v_pool, self.num_layers, self.num_kv_heads, self.rope_style,
-                        k_scale, v_scale, kv_layout,
-                    )
+        fused = self._takes_fused(hidden)
+        if torch.compiler.is_compiling():
+            if not fused:
+                materialize_kv_into_pool(
+                    self._traced_projection(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache,
+                    positions, cache_loc, k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
+                    k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
                 )  # fmt: skip
                 return
-            state = self._state()
-            key = (
-                "fused",
-                *fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state)),
-            )
-            plan = self._plans.get(key)
-            if plan is None:
-                PROJECTION.plan((state[0], hidden, positions, cache_loc), _checked)
-            weight, bias, k_norm_weight, eps, cos_sin_cache = state
-            call = PoolCall(
-                self._stand_in(hidden), k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-                self.num_kv_heads, self.rope_style, k_scale, v_scale, kv_layout,
-            )  # fmt: skip
-            if plan is None:
-                plan = self._plans.keep(key, pool_layout(call))  # the op's production check
-            project_kv_into_pool(call, hidden, weight, bias, plan)
-            return
-        if torch.compiler.is_compiling():
-            materialize_kv_into_pool(
-                self._project(hidden, positions, cache_loc), self.k_norm_weight, self.eps, self.cos_sin_cache,
-                positions, cache_loc, k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
-                k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
+            _FUSED_POOL_OPS(
+                FusedPoolCall(
+                    hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
+                    positions, cache_loc, k_pool, v_pool, self.num_layers, self.num_kv_heads, self.rope_style,
+                    k_scale, v_scale, kv_layout,
+                )
             )  # fmt: skip
             return
         state = self._state()
-        key = fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state))
+        weight, bias, k_norm_weight, eps, cos_sin_cache = state
+        key = (fused, *fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state)))
         plan = self._plans.get(key)
-        kv = self._project(hidden, positions, cache_loc) if plan is None else self._gemm(hidden, state)
-        _, _, k_norm_weight, eps, cos_sin_cache = state
+        if plan is None:
+            PROJECTION.plan((weight, hidden, positions, cache_loc), _checked)
+        kv = self._stand_in(hidden) if fused else self._gemm(hidden, state)
         call = PoolCall(
             kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
             self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
         if plan is None:
             plan = self._plans.keep(key, pool_layout(call))  # the op's production check
-        materialize_kv_into_pool_planned(call, plan)
+        if fused:
+            project_kv_into_pool(call, hidden, weight, bias, plan)
+        else:
+            materialize_kv_into_pool_planned(call, plan)
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is untyped (it runs hooks, then forward): to a type
@@ -420,20 +399,17 @@ class KVMaterializer(nn.Module):
     def _gemm(
         self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
     ) -> Tensor:
-        """`_project` for a layout checked before (its key matched): the GEMM into the workspace, no check."""
+        """``[T, L, 2*H*D]``, eagerly: every layer's K/V projection of ``hidden``, one GEMM into the workspace.
+
+        The caller has checked the call (`PROJECTION`, for a layout not seen before).
+        """
         return project(self._rows, hidden, state[0], state[1], (self.num_layers, 2 * self.num_kv_heads * self.head_dim))
 
-    def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
-        """``[T, L, 2*H*D]``: every layer's K/V projection of ``hidden``, one GEMM.
-
-        Checks the call's arguments first, so that their messages speak of ``hidden``.
-        """
-        if torch.compiler.is_compiling():
-            # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
-            kv = F.linear(hidden, self.kv_weight, self.kv_bias)
-            return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
-        PROJECTION.plan((self.kv_weight, hidden, positions, cache_loc), _checked)
-        return self._gemm(hidden, self._state())
+    def _traced_projection(self, hidden: Tensor) -> Tensor:
+        """``[T, L, 2*H*D]`` under ``torch.compile``: one GEMM, its output the graph's (the op then checks the call)."""
+        # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
+        kv = F.linear(hidden, self.kv_weight, self.kv_bias)
+        return kv.view(hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
 
     @property
     def _workspace(self) -> Tensor | None:

@@ -1,0 +1,196 @@
+"""The fused projection path's calls as a plain script, for ``compute-sanitizer``.
+
+`KVMaterializer` pinned to ``projection_path="fused"`` writes dense outputs and
+every pool layout (flat, NHD and HND pages, per-layer lists, the halves of one
+allocation, FP8 with float and ``[L]`` scales), at token counts on both sides of
+the kernel's token blocks, hidden widths that are not a multiple of its K step,
+positions outside the cos/sin cache and slots that are negative or past the
+pool. Every destination sits inside a larger allocation whose bytes around it
+are guards: after each call the guards are unchanged, dense K/V hold the
+float64 oracle (`tests/test_fused_projection.py`'s, one ulp), and pools hold
+exactly what the GEMM + kernel path writes. With memcheck watching, an access
+out of bounds that lands in no guarded byte is seen too.
+
+Run from the repository root on a CUDA machine::
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/fused_sample.py --device cuda
+
+It prints ``fused sample done`` at the end; memcheck adds ``ERROR SUMMARY: 0 errors``.
+``--device cpu`` runs it under ``TRITON_INTERPRET=1`` (float16, as the interpreter's
+``tl.dot`` on bfloat16 is wrong). ``tests/test_gpu_fused.py::test_fused_sample_under_memcheck``
+(``gpu``) runs it under memcheck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from test_fused_projection import Draft, H, L, P, S, assert_matches_oracle
+
+import typedkv
+
+GUARD = 4096  # bytes before and after every destination
+FILL = 0x35  # finite in every pool dtype
+
+
+class Guarded:
+    """Tensors carved out of one allocation, ``GUARD`` filled bytes before, between and after them."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> None:
+        size = dtype.itemsize
+        sizes = [math.prod(shape) * size for shape in shapes]
+        self.memory = torch.full((sum(sizes) + GUARD * (len(shapes) + 1),), FILL, dtype=torch.uint8, device=device)
+        self.tensors: list[torch.Tensor] = []
+        self.guards: list[tuple[int, int]] = [(0, GUARD)]
+        at = GUARD
+        for shape, nbytes in zip(shapes, sizes, strict=True):
+            self.tensors.append(self.memory[at : at + nbytes].view(dtype).view(shape))
+            at += nbytes
+            self.guards.append((at, at + GUARD))
+            at += GUARD
+
+    def guards_intact(self) -> bool:
+        return all(bool((self.memory[lo:hi] == FILL).all()) for lo, hi in self.guards)
+
+
+_SHAPES: dict[str, tuple[list[tuple[int, ...]], bool, typedkv.KVLayout | None]] = {
+    # A layout's K (or V) tensors' shapes, whether they are per-layer, and the kv_layout to pass.
+    "flat": ([(L, S, H, 16)], False, None),
+    "NHD": ([(L, S // 8, 8, H, 16)], False, "NHD"),
+    "HND": ([(L, S // 8, H, 8, 16)], False, "HND"),
+    "list": ([(S, H, 16)] * L, True, None),
+    "list_HND": ([(S // 8, H, 8, 16)] * L, True, "HND"),
+}
+
+
+def _pools(layout: str, dtype: torch.dtype, device: torch.device) -> tuple[Guarded, Any, Any, typedkv.KVLayout | None]:
+    """K and V pools of ``layout`` in one guarded allocation (K's tensors first, then V's)."""
+    shapes, per_layer, kv_layout = _SHAPES[layout]
+    memory = Guarded(shapes * 2, dtype, device)
+    k, v = memory.tensors[: len(shapes)], memory.tensors[len(shapes) :]
+    return memory, (k if per_layer else k[0]), (v if per_layer else v[0]), kv_layout
+
+
+def _positions_out_of_range(positions: torch.Tensor) -> torch.Tensor:
+    """Two tokens' positions outside ``[0, P)``: K is NaN there, and nothing is read out of bounds."""
+    positions = positions.clone()
+    positions[0] = P + 3
+    if positions.shape[0] > 1:
+        positions[-1] = -2
+    return positions
+
+
+def dense_cases() -> Iterator[tuple[str, dict[str, Any], int]]:
+    for num_tokens in (1, 15, 17, 33, 70):
+        yield f"T={num_tokens}", {}, num_tokens
+    yield (
+        "hidden=200 gptj partial rotary bias",
+        {"hidden": 200, "rope_style": "gptj", "rotary_dim": 8, "bias": True},
+        19,
+    )
+    yield "rope only", {"norm": False}, 9
+    yield "head_dim 32 rotary 4", {"head_dim": 32, "rotary_dim": 4}, 5
+
+
+def run_dense(device: torch.device, dtype: torch.dtype) -> None:
+    for name, kw, num_tokens in dense_cases():
+        draft = Draft(dtype, **kw)
+        draft.m.to(device)
+        draft.m.projection_path = "fused"
+        x, positions = draft.call(num_tokens)
+        shape = (L, num_tokens, H, draft.head_dim)
+        out = Guarded([shape, shape], dtype, device)
+        draft.m(x.to(device), positions.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
+        assert out.guards_intact(), f"dense {name}: a guard byte changed"
+        got = (out.tensors[0].cpu(), out.tensors[1].cpu())
+        assert_matches_oracle(got, draft.oracle(x, positions), dtype)
+        # Positions outside the cache: NaN in K, V as before, the guards intact.
+        bad = _positions_out_of_range(positions)
+        draft.m(x.to(device), bad.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
+        assert out.guards_intact(), f"dense {name}, positions out of range: a guard byte changed"
+        assert torch.equal(out.tensors[1].cpu(), got[1])
+        assert bool(out.tensors[0][:, 0].isnan().all()), f"dense {name}: K of an out-of-range position is not NaN"
+
+
+SCALES: dict[str, dict[str, Any]] = {
+    "no scale": {},
+    "float scales": {"k_scale": 0.25, "v_scale": 2.0},
+    "tensor scales": {"k_scale": [0.5, 0.125, 1.0], "v_scale": [2.0, 1.0, 0.25]},
+}
+
+
+def pool_cases() -> Iterator[tuple[str, str, torch.dtype | None, str]]:
+    """(name, layout, pool dtype (None: the draft's), scales)."""
+    for layout in _SHAPES:
+        yield layout, layout, None, "no scale"
+    for layout in ("flat", "NHD", "list"):
+        for scales in SCALES:
+            yield f"{layout} fp8 {scales}", layout, torch.float8_e4m3fn, scales
+    yield "HND fp8 e5m2", "HND", torch.float8_e5m2, "float scales"
+
+
+def run_pools(device: torch.device, dtype: torch.dtype) -> None:
+    # Slots: negative (skipped), one == S and one far past it (skipped in production), the rest distinct.
+    cache_loc = torch.tensor([3, -1, 17, 23, S, 0, 9, -5, 12, 8, 10**6, 20, 1])
+    for name, layout, pool_dtype, scales in pool_cases():
+        draft = Draft(dtype, rotary_dim=8, bias=True, norm=pool_dtype is None)
+        draft.m.to(device)
+        x, positions = draft.call(cache_loc.shape[0])
+        positions = _positions_out_of_range(positions)
+        kw = {k: (torch.tensor(v, device=device) if isinstance(v, list) else v) for k, v in SCALES[scales].items()}
+        written = []
+        for path in ("fused", "gemm"):
+            memory, k_pool, v_pool, kv_layout = _pools(layout, pool_dtype or dtype, device)
+            draft.m.projection_path = path
+            draft.m.into_pool(
+                x.to(device), positions.to(device), cache_loc.to(device), k_pool, v_pool, kv_layout=kv_layout, **kw
+            )
+            assert memory.guards_intact(), f"pool {name}, {path} path: a guard byte changed"
+            written.append(memory)
+        _same_pools(name, *written)
+
+
+def _same_pools(name: str, fused: Guarded, gemm: Guarded) -> None:
+    """V bit for bit, rows no token names untouched; K within one storage step of the row's largest value.
+
+    K may differ in its last bit between the two kernels: their RMSNorm sums the row in another order.
+    """
+    half = len(fused.tensors) // 2
+    for i, (a, b) in enumerate(zip(fused.tensors, gemm.tensors, strict=True)):
+        a, b = a.cpu(), b.cpu()
+        if i >= half:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"pool {name}: V differs from GEMM + kernel"
+            continue
+        a64, b64 = a.double(), b.double()
+        assert torch.equal(a64.isnan(), b64.isnan()), f"pool {name}: K's NaNs differ from GEMM + kernel"
+        step = torch.finfo(a.dtype).eps
+        scale = b64.nan_to_num().abs().amax(-1, keepdim=True)
+        error = (a64 - b64).abs().nan_to_num()
+        assert bool((error <= step * scale).all()), f"pool {name}: K differs from GEMM + kernel by more than a step"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (under TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float16,)
+    typedkv.set_debug(False)  # production: slots past the pool are skipped, not rejected
+    start = time.perf_counter()
+    for dtype in dtypes:
+        run_dense(device, dtype)
+        print(f"dense outputs, {dtype}: {sum(1 for _ in dense_cases())} cases passed", flush=True)
+        run_pools(device, dtype)
+        print(f"pools, {dtype}: {sum(1 for _ in pool_cases())} cases passed", flush=True)
+    print(f"fused sample done in {time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
