@@ -70,7 +70,7 @@ for step in $STEPS; do
             python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_mla_gpu.py tests/test_mla_fuzz.py 2>&1 \
                 | tail -40 | tee "$OUT/mla_gpu.txt"
             python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
-            python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
+            PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         fused)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
                 | tail -60 | tee "$OUT/fused_gpu.txt"

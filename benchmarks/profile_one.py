@@ -22,7 +22,7 @@ def main() -> None:
     torch.cuda.synchronize()
     from typedkv import _impl
 
-    for plan in [p for name in (_impl.DENSE, _impl.POOL) for p in _impl.signature(name)._plans.values()]:
+    for plan in [p for impl in (_impl.DENSE, _impl.POOL) for p in impl.signature._plans.values()]:
         compiled = plan.launch.compiled if plan.launch is not None else None
         if compiled is not None:
             md = compiled.metadata

@@ -17,18 +17,20 @@ import torch
 
 import typedkv
 from typedkv import _bench, _launch, _reference
+from typedkv._value_checks import check_positions
 
 
 def correctness() -> list[str]:
     """Kernel vs the PyTorch reference on CUDA, fresh random data, several shapes and both pool kinds."""
     out = []
     torch.manual_seed(1)
-    for L, H, D, R, dtype, style in [
+    cases: list[tuple[int, int, int, int, torch.dtype, typedkv.RopeStyle]] = [
         (5, 8, 128, 128, torch.bfloat16, "neox"),
         (2, 8, 256, 64, torch.bfloat16, "gptj"),
         (3, 4, 80, 80, torch.float16, "neox"),
         (1, 3, 96, 32, torch.float32, "gptj"),
-    ]:
+    ]
+    for L, H, D, R, dtype, style in cases:
         T, P = 777, 5000
         kv = torch.randn(T, L, 2 * H * D, device="cuda", dtype=dtype)
         w = torch.rand(L, D, device="cuda") + 0.5
@@ -68,8 +70,8 @@ def correctness() -> list[str]:
 def host_breakdown() -> dict[str, float]:
     """Where host time goes at T = 16: plan lookup, per-call values, the launch, full calls."""
     x = _bench.make_inputs(_bench.MAIN, 16, torch.device("cuda"))
-    args = (x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
-    sig = typedkv._impl.signature(typedkv._impl.DENSE)
+    args = typedkv._impl.DenseCall(x.kv, x.weight, x.eps, x.cos_sin, x.positions, 8, "neox", x.k_out, x.v_out)
+    sig = typedkv._impl.DENSE.signature
 
     def timed(fn: Any, n: int = 5000) -> float:
         for _ in range(100):
@@ -83,17 +85,19 @@ def host_breakdown() -> dict[str, float]:
         return el
 
     typedkv.materialize_kv(x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out)
-    plan = sig.plan(args, lambda b: None)
+    plan = typedkv._impl.dense_layout(args)  # the production call's plan, its launch built by the call above
+    launch = plan.launch
+    assert launch is not None
     values = _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None)
     out = {
         "full_check_us": timed(lambda: sig.check(args)),
-        "plan_lookup_us": timed(lambda: sig.plan(args, lambda b: None)),
+        "plan_lookup_us": timed(lambda: typedkv._impl.dense_layout(args)),
         "varying_us": timed(
             lambda: _launch.varying(x.kv, x.weight, x.eps, x.cos_sin, x.positions, None, x.k_out, x.v_out, None)
         ),
-        "launch_call_us": timed(lambda: plan.launch(values)),
-        "direct_compiled": float(plan.launch.compiled is not None),
-        "positions_check_us": timed(lambda: typedkv._impl._check_positions(x.positions, 131072), n=1000),
+        "launch_call_us": timed(lambda: launch(values)),
+        "direct_compiled": float(launch.compiled is not None),
+        "positions_check_us": timed(lambda: check_positions(x.positions, 131072), n=1000),
     }
     bound = sig.check(args)
     out["debug_typecheck_us"] = timed(lambda: sig.debug_check(args, bound), n=300)
