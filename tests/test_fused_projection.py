@@ -370,6 +370,9 @@ def _misuses(draft: Draft) -> dict[str, Callable[[typedkv.KVMaterializer], objec
         "k_out_dtype": lambda m: m(x, positions, k_out=torch.empty(L, 5, H, 16)),
         "v_out_is_k_out": lambda m: m(x, positions, *(2 * [torch.empty(L, 5, H, 16, dtype=torch.float16)])),
         "hidden_width": lambda m: m(x[:, :20], positions),
+        "hidden_1d": lambda m: m(x[0], positions),
+        "hidden_0d": lambda m: m(x[0, 0], positions),
+        "hidden_0d_into_pool": lambda m: m.into_pool(x[0, 0], positions, slots, k_pool, v_pool),
         "positions_len": lambda m: m(x, positions[:3]),
         "positions_dtype": lambda m: m(x, positions.float()),
         "cache_loc_len": lambda m: m.into_pool(x, positions, slots[:4], k_pool, v_pool),
@@ -398,6 +401,15 @@ def test_misuse_same_error_on_both_paths(case: str) -> None:
             _misuses(draft)[case](draft.m)
         messages[path] = str(info.value)
     assert messages["fused"] == messages["gemm"]
+
+
+@pytest.mark.parametrize("case", ["hidden_1d", "hidden_0d", "hidden_0d_into_pool"])
+def test_misshapen_hidden_on_auto(case: str) -> None:
+    """The "auto" path reads hidden's T only once hidden is known to be [T, hidden]: an InputError, never an IndexError."""
+    draft = Draft(torch.float16)
+    draft.m.projection_path = "auto"
+    with pytest.raises(typedkv.InputError, match="hidden"):
+        _misuses(draft)[case](draft.m)
 
 
 def test_misuse_writes_nothing() -> None:

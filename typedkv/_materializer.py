@@ -375,8 +375,10 @@ class KVMaterializer(nn.Module):
     def _takes_fused(self, hidden: Tensor) -> bool:
         """Whether this call takes the fused path (the call's own arguments are checked on it, as on the GEMM's)."""
         path = self._path
-        # Not a tensor: the GEMM path's check says so, in its words.
-        if path == "gemm" or not isinstance(hidden, Tensor) or not _launch.use_kernel(hidden.device):
+        # Not a [T, hidden] tensor: the GEMM path's check says so, in its words.
+        if path == "gemm" or not isinstance(hidden, Tensor) or hidden.dim() != 2:
+            return False
+        if not _launch.use_kernel(hidden.device):
             return False  # CPU tensors: the reference, after the GEMM
         if torch.compiler.is_compiling():
             # The fused op checks while tracing; "auto" reads no device table there (GEMM + kernel).
