@@ -21,24 +21,31 @@ import torch
 from typedkv import KVMaterializer, _bench, _launch
 from typedkv._bench_e2e import Draft
 
-TOKENS = (16, 64, 1, 256, 2048, 16384)
+TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 
 
 def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
-    """The grid swept at ``num_tokens``: token blocks no wider than the batch needs, deeper pipelines at small T."""
+    """The grid swept at ``num_tokens``: around the best of the last sweep (benchmarks/NOTES.md).
+
+    At small T each configuration runs with K's RoPE rows loaded before the GEMM loop and after it.
+    """
     if num_tokens <= 16:
-        grid = itertools.product((16,), (64, 128, 256), (4, 8), (3, 4, 5, 6))
+        grid = [(16, 128, s) for s in (4, 5, 6)]
+    elif num_tokens <= 32:
+        grid = [(32, 128, 4), (32, 128, 5), (32, 64, 5), (32, 64, 6)]
     elif num_tokens <= 64:
-        grid = itertools.product((16, 32, 64), (64, 128), (4,), (3, 4, 5, 6))
+        grid = [(64, 64, 5), (64, 64, 6), (64, 128, 4)]
     else:
-        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
-    out = []
-    for block_m, block_k, warps, stages in grid:
-        # Shared memory of the pipeline (a hidden tile and a head's weight rows per stage, 2-byte dtypes)
-        # within an H200 program's 227 KiB.
-        if stages * (block_m + 128) * block_k * 2 <= 227 * 1024:
-            out.append(_launch.ProjectionConfig(block_m, block_k, warps, stages))
-    return out
+        return [
+            _launch.ProjectionConfig(block_m, block_k, warps, stages)
+            for block_m, block_k, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+            if stages * (block_m + 128) * block_k * 2 <= 227 * 1024
+        ]
+    return [
+        _launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope)
+        for block_m, block_k, stages in grid
+        for early_rope in (False, True)
+    ]
 
 
 def main() -> None:
@@ -95,7 +102,8 @@ def _sweep(
         us_two = _bench.gpu_time_us(two)
         print(
             f"T={num_tokens:<6} m={config.block_m:<3} k={config.block_k:<3} w={config.num_warps} "
-            f"s={config.num_stages}  fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
+            f"s={config.num_stages} early_rope={int(config.early_rope)}  "
+            f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
             f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}  "
             f"max|dk| {err_k:.3g} max|dv| {err_v:.3g}",
             flush=True,

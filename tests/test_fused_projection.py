@@ -429,8 +429,9 @@ def test_misuse_writes_nothing() -> None:
         _launch.ProjectionConfig(block_m=16, block_k=16, num_stages=1),
         _launch.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
         _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
+        _launch.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
     ],
-    ids=["m16-k16", "m32-k32", "m64-k128"],
+    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope"],
 )
 def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""

@@ -52,3 +52,15 @@ def test_launch_compiles_for_hopper(case: str) -> None:
 def test_snapshot_ignores_source_locations() -> None:
     ptx = '.file 1 "a.py"\n\t.loc 1 2 3\n$L__tmp4:\n\tmov.u32 %r1, 0; // a comment\n'
     assert _snapshot().normalise(ptx) == "\tmov.u32 %r1, 0;\n"
+
+
+@pytest.mark.parametrize("case", ["fused-T16-dense-neox-R128", "fused-T16-dense-gptj-R64", "fused-T16-list-fp8e4nv"])
+def test_fused_early_rope_compiles_for_hopper(case: str) -> None:
+    """The fused kernel with its RoPE rows loaded before the GEMM loop (`ProjectionConfig.early_rope`)."""
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    at = kernel.arg_names.index("EARLY_ROPE")
+    assert params[at] is False  # the default, as captured
+    ptx = snapshot.compile_ptx(kernel, (*params[:at], True, *params[at + 1 :]), num_warps)
+    assert ".entry project_kv_kernel" in ptx

@@ -139,6 +139,7 @@ def project_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    EARLY_ROPE: tl.constexpr,  # load K's RoPE rows before the GEMM loop (else after it)
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
 ):
@@ -184,6 +185,11 @@ def project_kv_kernel(
         rest = tl.arange(0, BLOCK_PASS)
         rest_ok = rest < PASS
         dims3 = R + rest
+        rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
+        if EARLY_ROPE:
+            # Their dependent loads (position, then cos/sin) in flight while the weights stream in,
+            # not after: at small T the epilogue's latency is a part of the time worth having.
+            pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
         acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_PASS), dtype=tl.float32)
@@ -199,10 +205,8 @@ def project_kv_kernel(
         x2 = _rounded(acc2, bias_head, dims2, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         if PASS > 0:
             x3 = _rounded(acc3, bias_head, dims3, rest_ok, store_ty, HAS_BIAS, SOFT_ROUND)
-        pos_ok, cos, sin = _rope_row(
-            (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r),
-            tok, tok_ok, pair, pair_ok, HALF,
-        )  # fmt: skip
+        if not EARLY_ROPE:
+            pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
         if NORM:
             if EPS_PER_LAYER:
                 eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)

@@ -477,6 +477,9 @@ class ProjectionConfig:
     block_k: int | None = None  # hidden columns per step of the K loop
     num_warps: int = 4
     num_stages: int | None = None  # software pipelining of the K loop (tl.range)
+    # K's RoPE rows loaded before the GEMM loop, their latency hidden behind it (registers:
+    # 2 * block_m * R/2 floats). Off until measured (benchmarks/fused_sweep.py compares).
+    early_rope: bool = False
 
     def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int]:
         """``(block_m, block_k, num_stages)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
@@ -592,7 +595,7 @@ def projection_launch(
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
         isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages,
+        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, config.early_rope,
         "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
