@@ -458,3 +458,32 @@ def test_compute_sanitizer_memcheck(tmp_path: Path) -> None:
     assert result.returncode == 0, report[-4000:]
     assert "sanitized run done" in report
     assert "ERROR SUMMARY: 0 errors" in report
+
+
+# ------------------------------------------------------------ compilations
+
+
+def compiled_variants(kernel: Any) -> int:
+    """How many variants of ``kernel`` Triton has compiled for the current device."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.production
+def test_new_token_count_compiles_nothing_cuda() -> None:
+    """T is not specialised on: once a layout's two regimes (K and V split at small T, or not) ran,
+    no new T compiles the kernel again (a kernel with T a constexpr would compile at each)."""
+    from typedkv import _bench, _launch
+
+    def call(num_tokens: int) -> None:
+        x = _bench.make_inputs(_bench.MAIN, num_tokens, torch.device("cuda"))
+        typedkv.materialize_kv(
+            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out
+        )
+
+    for num_tokens in (16, 8192):
+        call(num_tokens)
+    before = compiled_variants(_launch.materialize_kv_kernel)
+    for num_tokens in (1, 17, 100, 999, 5000, 12345):
+        call(num_tokens)
+    torch.cuda.synchronize()
+    assert compiled_variants(_launch.materialize_kv_kernel) == before

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from test_fused_projection import Draft, H, L, P, assert_matches_oracle
-from test_gpu import assert_no_sync
+from test_gpu import assert_no_sync, compiled_variants
 from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
@@ -352,3 +352,18 @@ def test_fused_sample_under_memcheck() -> None:
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
     assert "fused sample done" in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]
+
+
+@pytest.mark.production
+def test_new_token_count_compiles_nothing_fused() -> None:
+    """The fused kernel compiles once per launch configuration (`PROJECTION_BLOCKS`' T ranges), never per T."""
+    from typedkv import _launch
+
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
+    for num_tokens in (16, 32, 64, 512):  # one T in each range of the table
+        draft.m(*cuda_call(draft, num_tokens)[2:])
+    before = compiled_variants(_launch.project_kv_kernel)
+    for num_tokens in (1, 9, 17, 33, 65, 1000):
+        draft.m(*cuda_call(draft, num_tokens)[2:])
+    torch.cuda.synchronize()
+    assert compiled_variants(_launch.project_kv_kernel) == before
