@@ -157,10 +157,9 @@ def run_pools(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _same_pools(name: str, fused: Guarded, gemm: Guarded) -> None:
-    """V bit for bit, rows no token names untouched; K within one storage step of the row's largest value.
-
-    K may differ in its last bit between the two kernels: their RMSNorm sums the row in another order.
-    """
+    """The fused path's pools against GEMM + kernel's: V bit for bit, K within one storage step of each row's
+    largest value (their RMSNorms sum a row in other orders). Rows no token names hold the fill in both
+    (tests/test_fused_projection.py checks that the GEMM path leaves them so)."""
     half = len(fused.tensors) // 2
     for i, (a, b) in enumerate(zip(fused.tensors, gemm.tensors, strict=True)):
         a, b = a.cpu(), b.cpu()
