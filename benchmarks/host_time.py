@@ -3,7 +3,11 @@
 Run it from two checkouts to compare versions (benchmarks/NOTES.md): the
 production ``materialize_kv`` (as ``typedkv bench``'s host figure), the pool op
 with stacked and with per-layer pools, and a ``KVMaterializer`` call. The device
-is kept busy asynchronously; the figure is wall-clock time per call.
+is kept busy asynchronously; the figure is wall-clock time per call. Beside each
+call, a bare launch of a one-line Triton kernel defined here (the same in every
+version) is timed in the same process, and each call is also given as a ratio to
+it (``<call>_vs_bare``): this host's processes differ by a third in speed, so an
+A/B compares the ratios.
 """
 
 from __future__ import annotations
@@ -12,9 +16,16 @@ import json
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 import typedkv
 from typedkv._bench import MAIN, host_time_us, make_inputs
+
+
+@triton.jit
+def _touch(x_ptr):  # type: ignore[no-untyped-def]  # Triton reads parameter annotations: none here
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
 
 
 def main() -> None:
@@ -27,10 +38,17 @@ def main() -> None:
     k_layers, v_layers = list(k_pool.unbind(0)), [torch.empty_like(t) for t in k_pool.unbind(0)]
     weight = torch.randn(L, 2 * H * D, 1024, dtype=x.kv.dtype, device=device)
     m = typedkv.KVMaterializer(weight, x.weight, 1e-6, x.cos_sin, num_kv_heads=H)
+    fused = typedkv.KVMaterializer(weight, x.weight, 1e-6, x.cos_sin, num_kv_heads=H)
+    if hasattr(m, "projection_path"):
+        # GEMM + kernel, as versions without the fused path compute it; the fused path on its own line.
+        m.projection_path = "gemm"
+        fused.projection_path = "fused"
     hidden = torch.randn(16, 1024, dtype=x.kv.dtype, device=device)
     calls = {
-        "materialize_kv": lambda: typedkv.materialize_kv(
-            x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out
+        "materialize_kv": lambda: _discard(
+            typedkv.materialize_kv(
+                x.kv, x.weight, x.eps, x.cos_sin, x.positions, num_kv_heads=H, k_out=x.k_out, v_out=x.v_out
+            )
         ),
         "pool_stacked": lambda: typedkv.materialize_kv_into_pool(
             x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, k_pool, v_pool, num_kv_heads=H
@@ -38,11 +56,23 @@ def main() -> None:
         "pool_per_layer": lambda: typedkv.materialize_kv_into_pool(
             x.kv, x.weight, x.eps, x.cos_sin, x.positions, slots, k_layers, v_layers, num_kv_heads=H
         ),
-        "materializer_call": lambda: m(hidden, x.positions),
+        "materializer_call": lambda: _discard(m(hidden, x.positions)),
     }
-    result = {name: round(host_time_us(fn), 2) for name, fn in calls.items()}
+    if hasattr(fused, "projection_path"):
+        calls["materializer_call_fused"] = lambda: _discard(fused(hidden, x.positions))
+    cell = torch.zeros(1, device=device)
+    result: dict[str, float] = {}
+    for name, fn in calls.items():
+        us = host_time_us(fn)
+        bare = host_time_us(lambda: _discard(_touch[(1,)](cell)))
+        result[name] = round(us, 2)
+        result[f"{name}_vs_bare"] = round(us / bare, 3)
     print(json.dumps({"typedkv": typedkv.__file__, **result}))
     sys.stdout.flush()
+
+
+def _discard(_: object) -> None:
+    return None
 
 
 if __name__ == "__main__":
