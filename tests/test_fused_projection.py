@@ -485,3 +485,21 @@ def test_fused_sample_cpu() -> None:
     import fused_sample
 
     assert fused_sample.main(["--device", "cpu"]) == 0
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the fused path runs on CPU tensors under the interpreter only")
+def test_kept_layouts_hold_no_replaced_weights() -> None:
+    """What a materializer keeps per fused layout (plan, kv's stand-in) holds no weight memory: a
+    replaced weight buffer is freed, and the layouts kept still serve the new one."""
+    draft = Draft(torch.float16)
+    m = fused(draft)
+    x, positions = draft.call(5)
+    m(x, positions)
+    m.into_pool(x, positions, torch.arange(5), torch.empty(L, 8, H, 16).half(), torch.empty(L, 8, H, 16).half())
+    old = m.kv_weight.untyped_storage().data_ptr()
+    m.kv_weight = m.kv_weight.clone()  # the same layout: the kept layouts still match
+    got = m(x, positions)
+    stand_ins = [kept.stand_in for kept in m._plans._plans.values() if kept.stand_in is not None]
+    assert len(stand_ins) == 2
+    assert all(t.untyped_storage().data_ptr() != old for t in stand_ins)
+    assert_matches_oracle(got, draft.oracle(x, positions), torch.float16)

@@ -64,12 +64,12 @@ PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_weight", same_
 _LAUNCHES_MAX = 4096
 
 
-def stand_in(weight: Tensor, num_tokens: int, num_layers: int, width: int) -> Tensor:
-    """``[T, L, width]`` of ``weight``'s dtype and device, strides ``(0, 0, 1)``: kv's place in the op's checks.
+def stand_in(memory: Tensor, num_tokens: int, num_layers: int, width: int) -> Tensor:
+    """``[T, L, width]`` of ``memory``'s dtype and device, strides ``(0, 0, 1)``: kv's place in the op's checks.
 
-    A view of ``weight``'s first ``width`` elements (never read): no allocation.
+    A view of ``memory``'s first ``width`` elements (never read): no allocation.
     """
-    return weight.as_strided((num_tokens, num_layers, width), (0, 0, 1))
+    return memory.as_strided((num_tokens, num_layers, width), (0, 0, 1))
 
 
 # Fused launches by checked layout (the op's plan) and what the plan does not

@@ -13,7 +13,7 @@ projection and the K/V epilogue (`typedkv._fused_impl`), no workspace at all.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from ._fused_impl import (
     project_kv_into_pool,
     stand_in,
 )
-from ._impl import ROTARY_RULE, DenseCall, PoolCall, check_pool_kinds, dense_layout, pool_layout
+from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
 from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
 from ._messages import or_list
@@ -87,6 +87,13 @@ ProjectionPath = Literal["auto", "fused", "gemm"]
 
 # An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
 _STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
+
+
+class _Kept(NamedTuple):
+    """What a materializer keeps for a layout it checked: the op's plan, and on the fused path kv's stand-in."""
+
+    plan: Plan
+    stand_in: Tensor | None
 
 
 @static_jaxtyping("L KV H D hidden")
@@ -273,16 +280,18 @@ class KVMaterializer(nn.Module):
         weight, bias, k_norm_weight, eps, cos_sin_cache = state
         # Each path keeps its own plans: on the fused path the op checks a stand-in for kv.
         key = (fused, *fingerprint((hidden, positions, k_out, v_out, *state)))
-        plan = self._plans.get(key)
-        if plan is None:
+        kept: _Kept | None = self._plans.get(key)
+        if kept is None:
             # A new layout: the call's own arguments first, so that their messages speak of hidden.
             PROJECTION.plan((weight, hidden, positions, None), _checked)
-        kv = self._stand_in(hidden) if fused else self._gemm(hidden, state)
+        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
         call = DenseCall(
             kv, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
         )
-        if plan is None:
-            plan = self._plans.keep(key, dense_layout(call))  # the op's production check, as materialize_kv runs it
+        if kept is None:
+            # The op's production check, as materialize_kv runs it.
+            kept = self._plans.keep(key, _Kept(dense_layout(call), kv if fused else None))
+        plan = kept.plan
         if fused:
             return project_kv(call, hidden, weight, bias, plan)
         return materialize_kv_planned(call, plan)
@@ -346,16 +355,17 @@ class KVMaterializer(nn.Module):
         state = self._state()
         weight, bias, k_norm_weight, eps, cos_sin_cache = state
         key = (fused, *fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state)))
-        plan = self._plans.get(key)
-        if plan is None:
+        kept: _Kept | None = self._plans.get(key)
+        if kept is None:
             PROJECTION.plan((weight, hidden, positions, cache_loc), _checked)
-        kv = self._stand_in(hidden) if fused else self._gemm(hidden, state)
+        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
         call = PoolCall(
             kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
             self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
-        if plan is None:
-            plan = self._plans.keep(key, pool_layout(call))  # the op's production check
+        if kept is None:
+            kept = self._plans.keep(key, _Kept(pool_layout(call), kv if fused else None))  # the op's production check
+        plan = kept.plan
         if fused:
             project_kv_into_pool(call, hidden, weight, bias, plan)
         else:
@@ -385,9 +395,17 @@ class KVMaterializer(nn.Module):
             return path == "fused"
         return path == "fused" or _launch.projection_fused_faster(hidden.device, hidden.shape[0])
 
-    def _stand_in(self, hidden: Tensor) -> Tensor:
-        """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`)."""
-        return stand_in(self.kv_weight, hidden.shape[0], self.num_layers, 2 * self.num_kv_heads * self.head_dim)
+    def _stand_in(self, hidden: Tensor, kept: _Kept | None) -> Tensor:
+        """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`).
+
+        The one kept with the layout's plan, else a new one: a view of a row of its own (never read),
+        not of the weights, so that a replaced weight buffer is not kept alive with the plan.
+        """
+        if kept is not None and kept.stand_in is not None:
+            return kept.stand_in
+        width = 2 * self.num_kv_heads * self.head_dim
+        row = torch.empty(width, dtype=hidden.dtype, device=hidden.device)
+        return stand_in(row, hidden.shape[0], self.num_layers, width)
 
     def _state(self) -> tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]:
         """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``, read without nn.Module's attribute lookup."""
