@@ -67,9 +67,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -80,6 +77,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
+from memcheck import run_under_memcheck
 from reference64 import materialize_kv64
 from test_numerics import ELEMENT_ULPS, assert_bitwise_equal, assert_k_close, bits, pair_length
 from test_pool import FP8, LAYOUTS, to_fp8
@@ -859,18 +857,7 @@ def test_materialize_kv_into_pool_cuda(mode: str, spec: Spec) -> None:
 @pytest.mark.gpu
 def test_fuzz_sample_under_memcheck() -> None:
     """compute-sanitizer's memcheck over a few drawn calls of each op and mode (tests/fuzz_sample.py)."""
-    tool = shutil.which("compute-sanitizer")
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
-    script = Path(__file__).with_name("fuzz_sample.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script), "--examples", "8"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "fuzz sample done" in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]
+    run_under_memcheck(Path(__file__).with_name("fuzz_sample.py"), ["--examples", "8"], "fuzz sample done", 900)
 
 
 @pytest.mark.parametrize("mode", MODES)

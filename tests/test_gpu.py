@@ -8,10 +8,6 @@ run. Skipped (by conftest) where no CUDA device is present.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from memcheck import run_under_memcheck
 from test_numerics import STORAGE, STYLES, Case, _dims_and_rotary, assert_matches_reference, make_case
 from test_pool import (
     FP8,
@@ -444,20 +441,9 @@ print("sanitized run done")
 
 def test_compute_sanitizer_memcheck(tmp_path: Path) -> None:
     """compute-sanitizer's memcheck finds no invalid access, out-of-range positions and slots included."""
-    tool = shutil.which("compute-sanitizer")
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
     script = tmp_path / "sanitized.py"
     script.write_text(_SANITIZED)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "sanitized run done" in report
-    assert "ERROR SUMMARY: 0 errors" in report
+    run_under_memcheck(script, [], "sanitized run done", 600)
 
 
 # ------------------------------------------------------------ compilations

@@ -13,16 +13,13 @@ Skipped (by conftest) where no CUDA device is present.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from memcheck import run_under_memcheck
 from test_fused_projection import Draft, H, L, P, assert_matches_oracle
 from test_gpu import assert_no_sync, compiled_variants
 from torch import Tensor
@@ -340,18 +337,7 @@ def test_fused_sample_cuda() -> None:
 
 def test_fused_sample_under_memcheck() -> None:
     """compute-sanitizer's memcheck over the fused path's calls (tests/fused_sample.py)."""
-    tool = shutil.which("compute-sanitizer")
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
-    script = Path(__file__).with_name("fused_sample.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script), "--device", "cuda"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "fused sample done" in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]
+    run_under_memcheck(Path(__file__).with_name("fused_sample.py"), ["--device", "cuda"], "fused sample done", 900)
 
 
 @pytest.mark.production

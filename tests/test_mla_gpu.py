@@ -5,14 +5,11 @@ Run with ``pytest -m gpu tests/test_mla_gpu.py`` on a machine with a GPU.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from memcheck import run_under_memcheck
 from test_mla import FP8, LAYOUTS, STORAGE, STYLES, Inputs, assert_close_to_oracle, make_inputs, run_pool
 from torch import Tensor
 
@@ -156,15 +153,5 @@ def test_materializer_in_a_cuda_graph() -> None:
 
 def test_mla_fuzz_sample_under_memcheck() -> None:
     """compute-sanitizer's memcheck over a few drawn MLA calls in each mode (tests/mla_fuzz_sample.py)."""
-    tool = shutil.which("compute-sanitizer")
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
     script = Path(__file__).with_name("mla_fuzz_sample.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script), "--examples", "8"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "mla fuzz sample done" in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]
+    run_under_memcheck(script, ["--examples", "8"], "mla fuzz sample done", 900)
