@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from test_fused_projection import Draft, H, L, P, S, assert_matches_oracle
+from test_fused_projection import _POOLS, Draft, H, L, P, S, _layers, assert_matches_oracle
 
 import typedkv
 
@@ -59,19 +59,12 @@ class Guarded:
         return all(bool((self.memory[lo:hi] == FILL).all()) for lo, hi in self.guards)
 
 
-_SHAPES: dict[str, tuple[list[tuple[int, ...]], bool, typedkv.KVLayout | None]] = {
-    # A layout's K (or V) tensors' shapes, whether they are per-layer, and the kv_layout to pass.
-    "flat": ([(L, S, H, 16)], False, None),
-    "NHD": ([(L, S // 8, 8, H, 16)], False, "NHD"),
-    "HND": ([(L, S // 8, H, 8, 16)], False, "HND"),
-    "list": ([(S, H, 16)] * L, True, None),
-    "list_HND": ([(S // 8, H, 8, 16)] * L, True, "HND"),
-}
-
-
 def _pools(layout: str, dtype: torch.dtype, device: torch.device) -> tuple[Guarded, Any, Any, typedkv.KVLayout | None]:
-    """K and V pools of ``layout`` in one guarded allocation (K's tensors first, then V's)."""
-    shapes, per_layer, kv_layout = _SHAPES[layout]
+    """K and V pools of ``layout`` (tests/test_fused_projection.py's) carved from one guarded allocation,
+    K's tensors first, then V's."""
+    k_pool, _, kv_layout = _POOLS[layout](dtype)  # read for their shapes only
+    per_layer = not isinstance(k_pool, torch.Tensor)
+    shapes = [tuple(t.shape) for t in _layers(k_pool)]
     memory = Guarded(shapes * 2, dtype, device)
     k, v = memory.tensors[: len(shapes)], memory.tensors[len(shapes) :]
     return memory, (k if per_layer else k[0]), (v if per_layer else v[0]), kv_layout
@@ -127,7 +120,7 @@ SCALES: dict[str, dict[str, Any]] = {
 
 def pool_cases() -> Iterator[tuple[str, str, torch.dtype | None, str]]:
     """(name, layout, pool dtype (None: the draft's), scales)."""
-    for layout in _SHAPES:
+    for layout in _POOLS:
         yield layout, layout, None, "no scale"
     for layout in ("flat", "NHD", "list"):
         for scales in SCALES:
