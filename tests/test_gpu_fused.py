@@ -22,6 +22,7 @@ import torch
 from memcheck import run_under_memcheck
 from test_fused_projection import Draft, H, L, P, assert_matches_oracle
 from test_gpu import assert_no_sync, compiled_variants
+from test_gpu_integration import capture
 from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
@@ -228,18 +229,6 @@ def test_fp8_pools_cuda(layout: str, pool_dtype: torch.dtype, scale: str) -> Non
 # ------------------------------------------------------- graphs, compile, sync
 
 
-def _capture(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
 @pytest.mark.parametrize("pool", [False, True], ids=["dense", "into_pool"])
 def test_cuda_graph_fused(pool: bool) -> None:
     """A fused call captured at a fixed T, replayed with new inputs copied in: the eager fused bits."""
@@ -257,7 +246,7 @@ def test_cuda_graph_fused(pool: bool) -> None:
         k, v = draft.m(hidden, positions)
         return k, v
 
-    graph, out = _capture(step)
+    graph, out = capture(step)
     for seed in range(3):
         _, _, new_hidden, new_positions = cuda_call(draft, 48, seed=30 + seed)
         new_slots = torch.randperm(S, device="cuda")[:48]

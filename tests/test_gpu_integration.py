@@ -181,7 +181,7 @@ def test_compiled_reduce_overhead_cuda() -> None:
 # ---------------------------------------------------------------- CUDA graphs
 
 
-def _capture(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm up on a side stream (plans, kernels, workspace), then capture one ``step``."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -211,7 +211,7 @@ def test_cuda_graph_materializer(pool: bool) -> None:
         k, v = m(hidden, positions)
         return k, v
 
-    graph, out = _capture(step)
+    graph, out = capture(step)
     workspace = m._workspace
     for seed in range(3):
         new_hidden, new_positions, new_slots = make_call(T, 30 + seed)
