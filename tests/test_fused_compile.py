@@ -10,11 +10,11 @@ graph holds the GEMM and the K/V op, and the fused ops are exercised directly
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
+from test_compile import graph_ops
 from test_fused_projection import Draft, H, L, assert_matches_oracle
 from torch import Tensor
 
@@ -30,19 +30,6 @@ pytestmark = [
 ]
 
 FUSED_OPS = {op._opoverload for op in (*_materializer._FUSED_OPS.ops, *_materializer._FUSED_POOL_OPS.ops)}
-
-
-def graph_ops(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """The call targets of the one graph ``fn`` compiles to (``fullgraph``: a break raises)."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Tensor]) -> Callable[..., Any]:
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, fullgraph=True, backend=record)(*args)
-    assert len(graphs) == 1
-    return [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
 
 
 def pinned(**kw: Any) -> Draft:

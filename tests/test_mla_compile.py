@@ -9,11 +9,10 @@ Also run under ``TRITON_INTERPRET=1`` (tiny shapes).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
 import torch
+from test_compile import compiled, graph_ops
 from torch import Tensor
 
 import typedkv
@@ -39,22 +38,6 @@ EPS = torch.tensor([1e-6, 1e-2])
 CACHE = torch.randn(P, R, generator=g)
 POSITIONS = torch.tensor([4, 0, 31])
 CACHE_LOC = torch.tensor([7, -1, 2])
-
-
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True)
-
-
-def graph_ops(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Tensor]) -> Callable[..., Any]:
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, fullgraph=True, backend=record)(*args)
-    assert len(graphs) == 1
-    return [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
 
 
 def test_dense_compiled() -> None:
