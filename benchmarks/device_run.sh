@@ -5,7 +5,9 @@
 #   graphs_before  tests/test_gpu_graphs.py against .old/base/typedkv (the code before the fix)
 #   graphs         tests/test_gpu_graphs.py on this checkout
 #   gpu            the whole GPU suite on this checkout
-#   host           benchmarks/host_time.py, .old/base and this checkout alternated, 6 rounds
+#   host           benchmarks/host_time.py, .old/base and this checkout alternated, $HOST_ROUNDS rounds (6)
+#   mla_sweep      benchmarks/mla_sweep.py alone (at most $MLA_SWEEP_S s)
+#   fused_sweep    benchmarks/fused_sweep.py alone (T list in $FUSED_SWEEP_T; at most $FUSED_SWEEP_S s)
 #   fuzz           the GPU fuzz and thread suites (8 workers, at most 300 s)
 #   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)
@@ -37,7 +39,7 @@ for step in $STEPS; do
         gpu)
             python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
         host)
-            for round in 1 2 3 4 5 6; do
+            for round in $(seq "${HOST_ROUNDS:-6}"); do
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_time.py
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_time.py
             done 2>&1 | grep typedkv | tee "$OUT/host.txt" ;;
@@ -71,6 +73,10 @@ for step in $STEPS; do
                 | tail -40 | tee "$OUT/mla_gpu.txt"
             python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
+        mla_sweep)
+            timeout "${MLA_SWEEP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
+        fused_sweep)
+            timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt" ;;
         fused)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
                 | tail -60 | tee "$OUT/fused_gpu.txt"

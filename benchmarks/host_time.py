@@ -58,8 +58,13 @@ def main() -> None:
         ),
         "materializer_call": lambda: _discard(m(hidden, x.positions)),
     }
+    if hasattr(m, "into_pool"):
+        calls["materializer_into_per_layer"] = lambda: m.into_pool(hidden, x.positions, slots, k_layers, v_layers)
     if hasattr(fused, "projection_path"):
         calls["materializer_call_fused"] = lambda: _discard(fused(hidden, x.positions))
+        calls["materializer_into_per_layer_fused"] = lambda: fused.into_pool(
+            hidden, x.positions, slots, k_layers, v_layers
+        )
     cell = torch.zeros(1, device=device)
     result: dict[str, float] = {}
     for name, fn in calls.items():

@@ -1,9 +1,10 @@
 """Developer script for the H200: the MLA kernel's launch configuration against the copy roofline.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/mla_sweep.py``. For each
-MLA bench case at T = 16384 and 65536, every (elements per program, warps) pair is timed as
-`typedkv bench` times (CUDA-graph replays over rotating inputs) and printed as % of copy; the best
-pair is what `typedkv._launch.MLAConfig`'s defaults should be. Results feed benchmarks/NOTES.md.
+MLA bench case at T = 16384 and 65536, every (elements per program, warps, load order) of a grid
+around the last sweep's best is timed as `typedkv bench` times (CUDA-graph replays over rotating
+inputs) and printed as % of copy; the best is what `typedkv._launch.MLAConfig`'s defaults should
+be. Results feed benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ def main() -> None:
         nbytes = _bench.bytes_moved(case, num_tokens)
         sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
         inputs = [_bench.make_inputs(case, num_tokens, device) for _ in range(sets)]
-        for tile, warps in itertools.product((512, 1024, 2048, 4096), (1, 2, 4, 8)):
-            config = _launch.MLAConfig(tile, warps)
+        # Both load orders of each (tile, warps) back to back, so host noise hits both alike.
+        for tile, warps, latent_first in itertools.product((1024, 2048), (1, 2, 4), (False, True)):
+            config = _launch.MLAConfig(tile, warps, latent_first)
             calls = [_launch_of(case, x, config) for x in inputs]
             us = _bench.gpu_time_us(calls)
             print(
-                f"{case.name:>26} T={num_tokens:<6} tile={tile:<5} warps={warps}  {us:9.1f} us  "
-                f"{100 * nbytes / us / 1e3 / roof:5.1f}% of copy",
+                f"{case.name:>26} T={num_tokens:<6} tile={tile:<5} warps={warps} latent_first={latent_first:d}  "
+                f"{us:9.1f} us  {100 * nbytes / us / 1e3 / roof:5.1f}% of copy",
                 flush=True,
             )
         del inputs

@@ -305,6 +305,8 @@ class MLAConfig:
 
     tile: int = 1024
     num_warps: int | None = 1
+    # Issue the latent row's loads before the rope part (benchmarks/mla_sweep.py compares both orders).
+    latent_first: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -364,7 +366,7 @@ def mla_launch(
         slots is not None, page_size,
         table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
-        block_t, block_c, block_half, INTERPRETED, num_layers,
+        block_t, block_c, block_half, INTERPRETED, num_layers, config.latent_first,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
     return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)

@@ -109,6 +109,7 @@ def materialize_mla_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
+    LATENT_FIRST: tl.constexpr,  # issue the latent's loads before the rope part (else after its stores)
 ):
     # One program per (token block, layer); a token's layers on neighbouring
     # programs, so ckv is read front to back.
@@ -129,21 +130,32 @@ def materialize_mla_kv_kernel(
     if SCALE == 2:
         scale = tl.load(scale_ptr + layer * scale_stride).to(tl.float32)
 
-    # The rope part first: its position and cos/sin loads are dependent, and
-    # their latency then overlaps the latent's loads.
+    if LATENT_FIRST:
+        # Issued before the rope part's stores, which the compiler may not move
+        # loads across (dst may alias ckv as far as it knows): the latent's load
+        # latency then overlaps the rope part's two dependent loads.
+        dim = tl.arange(0, BLOCK_C)
+        dim_ok = dim < C
+        x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if NORM:
+            w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
+
+    # The rope part: its position and cos/sin loads are dependent.
     QUANT: tl.constexpr = (SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
     _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF)
 
-    dim = tl.arange(0, BLOCK_C)
-    dim_ok = dim < C
-    x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+    if not LATENT_FIRST:
+        dim = tl.arange(0, BLOCK_C)
+        dim_ok = dim < C
+        x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
     out = dst[:, None] + dim[None, :]
     out_ok = row_ok[:, None] & dim_ok[None, :]
     if NORM:
         if EPS_PER_LAYER:
             eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
-        w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
+        if not LATENT_FIRST:
+            w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
         xf = x.to(tl.float32)
         rstd = _rstd(tl.sum(xf * xf, axis=1), C, eps)
         y = xf * rstd[:, None] * w.to(tl.float32)[None, :]
