@@ -5,6 +5,8 @@
 #   graphs_before  tests/test_gpu_graphs.py against .old/base/typedkv (the code before the fix)
 #   graphs         tests/test_gpu_graphs.py on this checkout
 #   gpu            the whole GPU suite on this checkout
+#   gpu_fast       the GPU suite less its two longest tests (12 workers, at most $GPU_FAST_S s)
+#   gpu_long       those two tests (MLA fuzz in production mode, threads in debug mode; 2 workers)
 #   host           benchmarks/host_time.py, .old/base and this checkout alternated, $HOST_ROUNDS rounds (6)
 #   mla_sweep      benchmarks/mla_sweep.py alone (at most $MLA_SWEEP_S s)
 #   fused_sweep    benchmarks/fused_sweep.py alone (T list in $FUSED_SWEEP_T; at most $FUSED_SWEEP_S s)
@@ -36,6 +38,14 @@ for step in $STEPS; do
         graphs_before)
             (cd .old/base && python3 -m pytest -c "$ROOT/pyproject.toml" --rootdir "$ROOT" -m gpu -q -p no:cacheprovider \
                 "$ROOT/tests/test_gpu_graphs.py" 2>&1 | tail -40) | tee "$OUT/graphs_before.txt" ;;
+        gpu_fast)
+            timeout "${GPU_FAST_S:-440}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 12 --ignore=tests/typecheck tests \
+                --deselect "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" \
+                --deselect "tests/test_threads.py::test_threads_cuda[debug]" 2>&1 | tail -60 | tee "$OUT/gpu_fast.txt" ;;
+        gpu_long)
+            timeout "${GPU_LONG_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 \
+                "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" "tests/test_threads.py::test_threads_cuda[debug]" \
+                2>&1 | tail -30 | tee "$OUT/gpu_long.txt" ;;
         gpu)
             python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
         host)

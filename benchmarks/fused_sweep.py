@@ -102,7 +102,7 @@ def _sweep(
         us_two = _bench.gpu_time_us(two)
         print(
             f"T={num_tokens:<6} m={config.block_m:<3} k={config.block_k:<3} w={config.num_warps} "
-            f"s={config.num_stages} early_rope={int(config.early_rope)}  "
+            f"s={config.num_stages} early_rope={config.early_rope}  "
             f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
             f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}  "
             f"max|dk| {err_k:.3g} max|dv| {err_v:.3g}",

@@ -1,14 +1,16 @@
 """Developer script for the H200: the MLA kernel's launch configuration against the copy roofline.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/mla_sweep.py``. For each
-MLA bench case at T = 16384 and 65536, every (elements per program, warps, load order) of a grid
-around the last sweep's best is timed as `typedkv bench` times (CUDA-graph replays over rotating
+MLA bench case at T = 16384 and 65536, each launch configuration of a short list around the last
+sweep's best (elements per program, warps, load order, ckv's eviction policy) is timed as `typedkv bench` times (CUDA-graph replays over rotating
 inputs) and printed as % of copy; the best is what `typedkv._launch.MLAConfig`'s defaults should
-be. Results feed benchmarks/NOTES.md.
+be. The pool cases also run without the norm (the latent copied): a bound for the same scattered
+rows. Results feed benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -23,17 +25,23 @@ def main() -> None:
     roof = _bench.copy_roofline_gbps(device)
     print(f"copy: {roof:.0f} GB/s")
     cases = [c for c in _bench.GPU_CASES if c.kv_lora_rank and c.norm]
+    # Bounds: the pool cases with the latent copied bit for bit (no norm), the same scattered rows.
+    cases += [dataclasses.replace(c, name=f"{c.name} no-norm", norm=False) for c in cases if c.pool == "bf16"]
+    configs = [
+        _launch.MLAConfig(1024, 1, latent_first=False),
+        *(_launch.MLAConfig(t, w, True, e) for t, w in ((1024, 1), (2048, 2), (2048, 1)) for e in ("", "evict_first")),
+    ]
     for case, num_tokens in itertools.product(cases, (16384, 65536)):
         nbytes = _bench.bytes_moved(case, num_tokens)
         sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
         inputs = [_bench.make_inputs(case, num_tokens, device) for _ in range(sets)]
-        # Both load orders of each (tile, warps) back to back, so host noise hits both alike.
-        for tile, warps, latent_first in itertools.product((1024, 2048), (1, 2, 4), (False, True)):
-            config = _launch.MLAConfig(tile, warps, latent_first)
+        # Every configuration of a case back to back, so host noise hits them alike.
+        for config in configs:
             calls = [_launch_of(case, x, config) for x in inputs]
             us = _bench.gpu_time_us(calls)
             print(
-                f"{case.name:>26} T={num_tokens:<6} tile={tile:<5} warps={warps} latent_first={latent_first:d}  "
+                f"{case.name:>34} T={num_tokens:<6} tile={config.tile:<5} warps={config.num_warps} "
+                f"latent_first={config.latent_first:d} eviction={config.eviction or '-':<11}  "
                 f"{us:9.1f} us  {100 * nbytes / us / 1e3 / roof:5.1f}% of copy",
                 flush=True,
             )

@@ -460,22 +460,22 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
 
 
 def test_default_blocks_fit_shared_memory() -> None:
-    """Defaults come from the measured table by T; the pipeline, then block_k, shrink to fit shared memory."""
+    """Defaults come from the measured table by T (RoPE rows loaded early up to T = 16); the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True)
     # Fields given are kept as given.
-    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6)
+    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

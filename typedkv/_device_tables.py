@@ -65,14 +65,17 @@ def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresse
 _EPS: dict[tuple[tuple[float, ...], torch.device], tuple[Tensor, Tensor]] = {}
 
 
-def layer_eps(eps: float | Sequence[float] | Tensor, device: torch.device) -> float | Tensor:
-    """``eps`` as the kernel and the reference take it: a float, or an ``[L]`` tensor on ``device``.
+def layer_eps(eps: float | Sequence[float] | Tensor, on: Tensor) -> float | Tensor:
+    """``eps`` as the kernel and the reference take it: a float, or an ``[L]`` tensor on ``on``'s device.
 
     A sequence (checked already: numbers, one per layer) becomes a tensor even
     when its values are equal, so that one layout always launches alike.
+    ``on`` is the call's input tensor: its device is read only for a sequence
+    (a float or a tensor, the common case, costs no attribute lookup per call).
     """
     if isinstance(eps, (float, int, Tensor)):
         return eps
+    device = on.device
     key = (tuple(map(float, eps)), device)
     with _LOCK:
         entry = _EPS.get(key)

@@ -101,7 +101,7 @@ def project_kv(
     if plan.empty:
         return k_out, v_out
     dims = plan.bound.dims
-    eps = layer_eps(call.eps, hidden.device)
+    eps = layer_eps(call.eps, hidden)
     launch = _launch_of(
         plan,
         hidden,
@@ -136,7 +136,7 @@ def project_kv_into_pool(
     if geometry is None:
         return
     dims = plan.bound.dims
-    eps = layer_eps(call.eps, hidden.device)
+    eps = layer_eps(call.eps, hidden)
     k_dst, v_dst, table = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = (call.k_scale, call.v_scale)
     launch = _launch_of(

@@ -135,12 +135,13 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
-    dims = plan.bound.dims
-    shape = (dims["L"], dims["T"], dims["H"], dims["D"])
-    if k_out is None:
-        k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    if v_out is None:
-        v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if k_out is None or v_out is None:
+        dims = plan.bound.dims
+        shape = (dims["L"], dims["T"], dims["H"], dims["D"])
+        if k_out is None:
+            k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        if v_out is None:
+            v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
     return plan, k_out, v_out
 
 
@@ -150,7 +151,7 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None) -> tuple[Tensor, T
     if plan.empty:
         return k_out, v_out
     kv, dims = call.kv, plan.bound.dims
-    eps = layer_eps(call.eps, kv.device)
+    eps = layer_eps(call.eps, kv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
         # Inference only, as on the GPU: no autograd history on what is written.
@@ -239,7 +240,7 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
         return
     dims = plan.bound.dims
     kv, k_pool, v_pool = call.kv, call.k_pool, call.v_pool
-    eps = layer_eps(call.eps, kv.device)
+    eps = layer_eps(call.eps, kv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
         # Inference only, as on the GPU: no autograd history on what is written.

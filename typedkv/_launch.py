@@ -305,8 +305,11 @@ class MLAConfig:
 
     tile: int = 1024
     num_warps: int | None = 1
-    # Issue the latent row's loads before the rope part (benchmarks/mla_sweep.py compares both orders).
-    latent_first: bool = False
+    # Issue the latent row's loads before the rope part's stores: 2-4 points of copy more than
+    # after them, at every (tile, warps) of benchmarks/mla_sweep.py (H200, 2026-12-01, second sweep).
+    latent_first: bool = True
+    # ckv's loads' L2 eviction policy: "" (the default) or "evict_first" (ckv is read once).
+    eviction: str = ""
 
 
 @functools.lru_cache(maxsize=64)
@@ -366,7 +369,7 @@ def mla_launch(
         slots is not None, page_size,
         table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
-        block_t, block_c, block_half, INTERPRETED, num_layers, config.latent_first,
+        block_t, block_c, block_half, INTERPRETED, num_layers, config.latent_first, config.eviction,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
     return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)
@@ -480,15 +483,18 @@ class ProjectionConfig:
     num_warps: int = 4
     num_stages: int | None = None  # software pipelining of the K loop (tl.range)
     # K's RoPE rows loaded before the GEMM loop, their latency hidden behind it (registers:
-    # 2 * block_m * R/2 floats). Off until measured (benchmarks/fused_sweep.py compares).
-    early_rope: bool = False
+    # 2 * block_m * R/2 floats more through the loop).
+    early_rope: bool | None = None
 
-    def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int]:
-        """``(block_m, block_k, num_stages)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
+    def blocks(
+        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
+    ) -> tuple[int, int, int, bool]:
+        """``(block_m, block_k, num_stages, early_rope)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
         measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
         block_m = self.block_m or measured[0]
         block_k = self.block_k or measured[1]
         stages = self.num_stages or measured[2]
+        early_rope = measured[3] if self.early_rope is None else self.early_rope
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -498,20 +504,21 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return block_m, block_k, stages
+        return block_m, block_k, stages, early_rope
 
 
-# ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages)),
-# from benchmarks/fused_sweep.py on the H200 (benchmarks/NOTES.md). At small T
-# the weights dominate and the time is their read: one token block, so each
-# weight row is read once, and a deep pipeline (many bytes in flight per SM).
-# Fused / torch.mm alone with these: 1.05-1.08x at T <= 32, 1.13-1.16x at
-# T = 48-64; 1.35-1.40x at T = 2048 and 1.7x at 16384 with the last.
-PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int]], ...] = (
-    (16, (16, 128, 5)),
-    (32, (32, 128, 5)),
-    (64, (64, 64, 6)),
-    (math.inf, (128, 64, 3)),
+# ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages,
+# early_rope)), from benchmarks/fused_sweep.py on the H200 (benchmarks/NOTES.md).
+# At small T the weights dominate and the time is their read: one token block,
+# so each weight row is read once, and a deep pipeline (many bytes in flight per
+# SM). Fused / torch.mm alone with these: 1.02x at T = 16 (the RoPE rows loaded
+# early: 1.05x without), 1.07x at 32 (early: 1.33x, the extra registers spill),
+# 1.14-1.18x at T = 48-64; 1.35-1.40x at T = 2048 and 1.7x at 16384 with the last.
+PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool]], ...] = (
+    (16, (16, 128, 5, True)),
+    (32, (32, 128, 5, False)),
+    (64, (64, 64, 6, False)),
+    (math.inf, (128, 64, 3, False)),
 )
 
 
@@ -529,9 +536,9 @@ def _shared_memory(device: torch.device) -> int:
 # Where the fused projection beats GEMM + kernel, measured per device
 # (torch.cuda.get_device_name): [low, high) token counts. H200, dense outputs
 # (benchmarks/fused_sweep.py, benchmarks/NOTES.md), each / torch.mm alone:
-# fused 1.05-1.08x and GEMM + kernel 1.09-1.11x at T = 1, 16 and 32; from
-# T = 48 on GEMM + kernel is as fast or faster (1.12x against 1.13-1.16x at
-# 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
+# fused 1.02-1.08x and GEMM + kernel 1.09-1.12x at T = 1, 16 and 32; from
+# T = 48 on GEMM + kernel is as fast or faster (1.10-1.13x against 1.14-1.18x
+# at 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
 PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[int, int], ...]] = {"NVIDIA H200": ((1, 33),)}
 
 
@@ -583,7 +590,7 @@ def projection_launch(
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_m, block_k, num_stages = config.blocks(
+    block_m, block_k, num_stages, early_rope = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
     )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
@@ -597,7 +604,7 @@ def projection_launch(
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
         isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, config.early_rope,
+        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
         "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)

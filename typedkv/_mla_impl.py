@@ -86,7 +86,7 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None) -> Tensor:
         out = torch.empty((dims["L"], dims["T"], dims["C"] + dims["R"]), dtype=ckv.dtype, device=ckv.device)
     if plan.empty:
         return out
-    eps = layer_eps(call.eps, ckv.device)
+    eps = layer_eps(call.eps, ckv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
         # Inference only, as on the GPU: no autograd history on what is written.
@@ -143,7 +143,7 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> No
     num_slots = dims["N"] * page_size if "N" in dims else dims["S"]
     if debug_enabled():
         check_slots(call.cache_loc, num_slots)
-    eps = layer_eps(call.eps, ckv.device)
+    eps = layer_eps(call.eps, ckv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
         # Inference only, as on the GPU: no autograd history on what is written.
