@@ -2,9 +2,9 @@
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/mla_sweep.py``. For each
 MLA bench case at T = 16384 and 65536, each launch configuration of a short list around the last
-sweep's best (elements per program, warps, load order, ckv's eviction policy) is timed as `typedkv bench` times (CUDA-graph replays over rotating
-inputs) and printed as % of copy; the best is what `typedkv._launch.MLAConfig`'s defaults should
-be. The pool cases also run without the norm (the latent copied): a bound for the same scattered
+sweep's best (elements per program, warps) is timed as `typedkv bench` times (CUDA-graph replays
+over rotating inputs) and printed as % of copy; the best is what `typedkv._launch.MLAConfig`'s
+defaults should be. The pool cases also run without the norm (the latent copied): a bound for the same scattered
 rows. Results feed benchmarks/NOTES.md.
 """
 
@@ -27,10 +27,7 @@ def main() -> None:
     cases = [c for c in _bench.GPU_CASES if c.kv_lora_rank and c.norm]
     # Bounds: the pool cases with the latent copied bit for bit (no norm), the same scattered rows.
     cases += [dataclasses.replace(c, name=f"{c.name} no-norm", norm=False) for c in cases if c.pool == "bf16"]
-    configs = [
-        _launch.MLAConfig(1024, 1, latent_first=False),
-        *(_launch.MLAConfig(t, w, True, e) for t, w in ((1024, 1), (2048, 2), (2048, 1)) for e in ("", "evict_first")),
-    ]
+    configs = [_launch.MLAConfig(tile, warps) for tile, warps in ((1024, 1), (2048, 1), (2048, 2), (1024, 2))]
     for case, num_tokens in itertools.product(cases, (16384, 65536)):
         nbytes = _bench.bytes_moved(case, num_tokens)
         sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
@@ -40,8 +37,7 @@ def main() -> None:
             calls = [_launch_of(case, x, config) for x in inputs]
             us = _bench.gpu_time_us(calls)
             print(
-                f"{case.name:>34} T={num_tokens:<6} tile={config.tile:<5} warps={config.num_warps} "
-                f"latent_first={config.latent_first:d} eviction={config.eviction or '-':<11}  "
+                f"{case.name:>34} T={num_tokens:<6} tile={config.tile:<5} warps={config.num_warps}  "
                 f"{us:9.1f} us  {100 * nbytes / us / 1e3 / roof:5.1f}% of copy",
                 flush=True,
             )

@@ -299,17 +299,13 @@ class MLAConfig:
 
     The default is the best of benchmarks/mla_sweep.py on the H200 (2026-12-01,
     L=5, C=512, R=64, bf16): two tokens' latent rows per program on one warp --
-    dense 90.5% of copy at T = 65536 (4 warps: 75.5%), paged 83.4%, FP8 80.3%.
+    with the kernel's latent-first loads, dense 93.8% of copy at T = 65536 (2048
+    elements on 2 warps: the same; 4 warps: 82.5%), pages of 64 86.7%, FP8 86.0%.
     ``num_warps`` None: 4 for a tile of >= 1024 elements, else 1.
     """
 
     tile: int = 1024
     num_warps: int | None = 1
-    # Issue the latent row's loads before the rope part's stores: 2-4 points of copy more than
-    # after them, at every (tile, warps) of benchmarks/mla_sweep.py (H200, 2026-12-01, second sweep).
-    latent_first: bool = True
-    # ckv's loads' L2 eviction policy: "" (the default) or "evict_first" (ckv is read once).
-    eviction: str = ""
 
 
 @functools.lru_cache(maxsize=64)
@@ -369,7 +365,7 @@ def mla_launch(
         slots is not None, page_size,
         table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
-        block_t, block_c, block_half, INTERPRETED, num_layers, config.latent_first, config.eviction,
+        block_t, block_c, block_half, INTERPRETED, num_layers,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
     return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)

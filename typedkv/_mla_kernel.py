@@ -27,18 +27,7 @@ from ._epilogue import _cast, _destination_rows, _rope_row, _row_offset, _rstd, 
 
 @triton.jit
 def _rope_part(
-    src,
-    dst,
-    tok,
-    tok_ok,
-    row_ok,
-    rope,
-    scale,
-    QUANT,
-    R: tl.constexpr,
-    NEOX: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    EVICTION: tl.constexpr,
+    src, dst, tok, tok_ok, row_ok, rope, scale, QUANT, R: tl.constexpr, NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
     """The rope part of BLOCK_T rows: every one of its R dims rotates, NeoX or GPT-J pairs.
 
@@ -50,16 +39,12 @@ def _rope_part(
     pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
     m1 = tok_ok[:, None] & pair_ok[None, :]
     if NEOX:
-        x1 = tl.load(src[:, None] + pair[None, :], mask=m1, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-        x2 = tl.load(
-            src[:, None] + (pair + HALF)[None, :], mask=m1, other=0.0, eviction_policy=EVICTION
-        ).to(tl.float32)
+        x1 = tl.load(src[:, None] + pair[None, :], mask=m1, other=0.0).to(tl.float32)
+        x2 = tl.load(src[:, None] + (pair + HALF)[None, :], mask=m1, other=0.0).to(tl.float32)
     else:
         # One contiguous load, viewed as [.., R/2, 2] pairs (dims 2j and 2j + 1).
         rot = tl.arange(0, 2 * BLOCK_HALF)
-        x = tl.load(
-            src[:, None] + rot[None, :], mask=tok_ok[:, None] & (rot < R)[None, :], other=0.0, eviction_policy=EVICTION
-        )
+        x = tl.load(src[:, None] + rot[None, :], mask=tok_ok[:, None] & (rot < R)[None, :], other=0.0)
         x1, x2 = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], BLOCK_HALF, 2)))
     # NaN for a token whose position is outside [0, P); -0.0 changes no bits.
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None]
@@ -124,8 +109,6 @@ def materialize_mla_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
-    LATENT_FIRST: tl.constexpr,  # issue the latent's loads before the rope part (else after its stores)
-    EVICTION: tl.constexpr,  # ckv's loads' L2 eviction policy ("": the default, "evict_first": streamed)
 ):
     # One program per (token block, layer); a token's layers on neighbouring
     # programs, so ckv is read front to back.
@@ -146,36 +129,26 @@ def materialize_mla_kv_kernel(
     if SCALE == 2:
         scale = tl.load(scale_ptr + layer * scale_stride).to(tl.float32)
 
-    if LATENT_FIRST:
-        # Issued before the rope part's stores, which the compiler may not move
-        # loads across (dst may alias ckv as far as it knows): the latent's load
-        # latency then overlaps the rope part's two dependent loads.
-        dim = tl.arange(0, BLOCK_C)
-        dim_ok = dim < C
-        x = tl.load(
-            src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0, eviction_policy=EVICTION
-        )
-        if NORM:
-            w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
+    # The latent's loads are issued first, before the rope part's stores: the
+    # compiler may not move loads across a store (dst may alias ckv as far as it
+    # knows), and issued here their latency overlaps the rope part's two
+    # dependent loads (position, then cos/sin). Issued after those stores: 2-4
+    # points of copy less on the H200 (benchmarks/mla_sweep.py, 2026-12-01).
+    dim = tl.arange(0, BLOCK_C)
+    dim_ok = dim < C
+    x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+    if NORM:
+        w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
 
-    # The rope part: its position and cos/sin loads are dependent.
     QUANT: tl.constexpr = (SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
-    _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF, EVICTION)
+    _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF)
 
-    if not LATENT_FIRST:
-        dim = tl.arange(0, BLOCK_C)
-        dim_ok = dim < C
-        x = tl.load(
-            src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0, eviction_policy=EVICTION
-        )
     out = dst[:, None] + dim[None, :]
     out_ok = row_ok[:, None] & dim_ok[None, :]
     if NORM:
         if EPS_PER_LAYER:
             eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
-        if not LATENT_FIRST:
-            w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
         xf = x.to(tl.float32)
         rstd = _rstd(tl.sum(xf * xf, axis=1), C, eps)
         y = xf * rstd[:, None] * w.to(tl.float32)[None, :]
