@@ -54,13 +54,24 @@ def test_snapshot_ignores_source_locations() -> None:
     assert _snapshot().normalise(ptx) == "\tmov.u32 %r1, 0;\n"
 
 
-@pytest.mark.parametrize("case", ["fused-T16-dense-neox-R128", "fused-T16-dense-gptj-R64", "fused-T16-list-fp8e4nv"])
+@pytest.mark.parametrize(
+    "case",
+    ["fused-T16-dense-neox-R128", "fused-T16-dense-gptj-R64", "fused-T16-list-fp8e4nv", "fused-T8192-NHD16-bf16"],
+)
 def test_fused_early_rope_compiles_for_hopper(case: str) -> None:
-    """The fused kernel with its RoPE rows loaded before the GEMM loop (`ProjectionConfig.early_rope`)."""
+    """The fused kernel compiles with its RoPE rows loaded before the GEMM loop and after it (`ProjectionConfig`).
+
+    The defaults load them early up to T = 16 only (`typedkv._launch.PROJECTION_BLOCKS`);
+    the other order is compiled here too, and differs.
+    """
     pytest.importorskip("triton.backends.nvidia")
     snapshot = _snapshot()
     ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
     at = kernel.arg_names.index("EARLY_ROPE")
-    assert params[at] is False  # the default, as captured
-    ptx = snapshot.compile_ptx(kernel, (*params[:at], True, *params[at + 1 :]), num_warps)
-    assert ".entry project_kv_kernel" in ptx
+    assert params[at] is case.startswith("fused-T16-")  # the default, as captured
+    ptx = {
+        early: snapshot.compile_ptx(kernel, (*params[:at], early, *params[at + 1 :]), num_warps)
+        for early in (False, True)
+    }
+    assert all(".entry project_kv_kernel" in text for text in ptx.values())
+    assert ptx[False] != ptx[True]

@@ -482,9 +482,7 @@ class ProjectionConfig:
     # 2 * block_m * R/2 floats more through the loop).
     early_rope: bool | None = None
 
-    def blocks(
-        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
-    ) -> tuple[int, int, int, bool]:
+    def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int, bool]:
         """``(block_m, block_k, num_stages, early_rope)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
         measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
         block_m = self.block_m or measured[0]
