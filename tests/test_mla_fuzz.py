@@ -231,10 +231,14 @@ def assert_rows_match_dense(rows: Tensor, dense: Tensor, kv_lora_rank: int, norm
     """A pool's rows against `typedkv.materialize_mla_kv`'s for the same tokens (both ``[L, T', C+R]``).
 
     The rope part, and a latent without a norm, are the same bits. A normed latent
-    may differ by one unit in the last place: the dense op and the pool op are
-    separate compiled kernels, and the compiler lays the row out across threads by
-    each destination's alignment, so the norm's float32 sum of squares may add in
-    another order (seen on the H200: float32 rows, a pool of padded rows).
+    may not be: the dense op and the pool op are separate compiled kernels, and the
+    compiler lays the row out across threads by each destination's alignment, so
+    the norm's float32 sum of the C squares may add in another order (seen on the
+    H200: float32 rows 1-2 ulp apart, a pool of padded rows). Two orders of a sum of
+    C positive terms differ by at most 2(C-1) units of float32 rounding (2**-24)
+    relative to the sum; its inverse square root halves that, the product with the
+    weight adds a few roundings more, and the store's rounding to the storage dtype
+    one unit of that dtype.
     """
     assert rows.dtype == dense.dtype and rows.shape == dense.shape
     bits = _BITS[rows.dtype.itemsize]
@@ -244,14 +248,16 @@ def assert_rows_match_dense(rows: Tensor, dense: Tensor, kv_lora_rank: int, norm
     if not norm:
         assert latent.contiguous().view(bits).equal(latent_dense.contiguous().view(bits))
         return
-    ulp = torch.finfo(rows.dtype).eps * latent_dense.double().abs() + torch.finfo(rows.dtype).tiny
-    assert bool(((latent.double() - latent_dense.double()).abs() <= ulp).all())
+    relative = (kv_lora_rank + 4) * 2.0**-24 + torch.finfo(rows.dtype).eps
+    bound = relative * latent_dense.double().abs() + torch.finfo(rows.dtype).tiny
+    worst = ((latent.double() - latent_dense.double()).abs() - bound).max().item() if latent.numel() else 0.0
+    assert worst <= 0, f"a normed latent element is off the dense op's by {worst:.3g} more than its bound"
 
 
 # Calls the fuzz drew that once failed, kept as examples of their own.
 REGRESSIONS = [
     # On the H200 the pool op's float32 sum of squares added in another order than
-    # the dense op's: latent rows 1 ulp apart, which the check then required to be equal.
+    # the dense op's: latent rows 1-2 ulp apart, which the check then required to be equal.
     Spec(
         num_tokens=2, num_layers=2, kv_lora_rank=32, rotary_dim=8, dtype=torch.float32, rope_style="gptj", norm=True,
         eps_tensor=False, num_positions=0, bad_positions=(0, 1), wide_rows=False, layout="stacked_padded",
