@@ -2,6 +2,9 @@
 
 Run it alternately with two packages on PYTHONPATH (benchmarks/device_run.sh, step ``ab``): each
 line gives the case, T, microseconds and % of the copy roofline measured in the same process.
+``--v-first`` launches the K/V kernel with `typedkv._launch.KVConfig.v_first` (V's loads before
+K's stores; step ``ab_vfirst`` alternates it with the default in one checkout) and adds the paged
+cases.
 """
 
 from __future__ import annotations
@@ -9,15 +12,25 @@ from __future__ import annotations
 import sys
 
 import typedkv
-from typedkv import _bench
+from typedkv import _bench, _launch
 
 NAMES = ("L5 H8 D128", "L5 H8 D128 pool", "L5 H8 D128 pool fp8")
 
 
+PAGED = ("L5 H8 D128 NHD B64", "L5 H8 D128 HND B16")
+
+
 def main() -> None:
-    cases = [c for c in _bench.GPU_CASES if c.name in NAMES]
+    v_first = "--v-first" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--v-first"]
+    names = NAMES + PAGED if v_first or "--paged" in args else NAMES
+    args = [a for a in args if a != "--paged"]
+    if v_first:
+        # Every launch the ops build from here on takes the option (they cache one per layout).
+        _launch.launch_params.__kwdefaults__["config"] = _launch.KVConfig(v_first=True)
+    cases = [c for c in _bench.GPU_CASES if c.name in names]
     result = _bench.run_gpu((2048, 16384, 65536), cases, compare=False)
-    tag = sys.argv[1] if len(sys.argv) > 1 else typedkv.__file__
+    tag = args[0] if args else typedkv.__file__
     for row in result["rows"]:
         print(
             f"{tag} {row['case']:>20} T={row['tokens']:<6} {row['us']['typedkv']:8.2f} us "

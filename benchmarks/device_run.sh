@@ -17,6 +17,8 @@
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
+#   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default against
+#                  KVConfig(v_first=True) alternated, 3 rounds (flat and paged pools too)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -73,6 +75,11 @@ for step in $STEPS; do
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new
             done 2>/dev/null | tee "$OUT/ab.txt" ;;
+        ab_vfirst)
+            for round in 1 2 3; do
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py default --paged
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py v_first --v-first
+            done 2>/dev/null | tee "$OUT/ab_vfirst.txt" ;;
         sglang)
             python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sglang.py 2>&1 | tail -20 | tee "$OUT/sglang.txt"
             python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -40 | tee "$OUT/e2e.txt" ;;

@@ -10,6 +10,7 @@ code before and after a change), captured from public calls on CPU tensors.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -75,3 +76,22 @@ def test_fused_early_rope_compiles_for_hopper(case: str) -> None:
     }
     assert all(".entry project_kv_kernel" in text for text in ptx.values())
     assert ptx[False] != ptx[True]
+
+
+@pytest.mark.parametrize("case", ["dense-T8192-neox-R128", "pool-T8192-NHD16-bf16", "dense-T8192-D256-R64"])
+def test_v_first_issues_every_load_before_a_store(case: str) -> None:
+    """`KVConfig.v_first`, K and V in one program: V's loads come before K's first store in the PTX.
+
+    Off by default (the PTX of the default is the snapshot's); the compiler keeps a
+    load after a store that may alias it, which is what the option is for.
+    """
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    at = kernel.arg_names.index("V_FIRST")
+    assert params[at] is False  # the default, as captured
+    for v_first in (False, True):
+        ptx = snapshot.compile_ptx(kernel, (*params[:at], v_first, *params[at + 1 :]), num_warps)
+        ops = re.findall(r"\b(ld|st)\.global", ptx)
+        loads_first = ops.index("st") == ops.count("ld")
+        assert loads_first is v_first

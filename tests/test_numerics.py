@@ -303,35 +303,41 @@ def test_rope_only(num_tokens: int, head_dim: int, rotary_dim: int, dtype: torch
     assert_bitwise_equal(k[..., rotary_dim:], k_in[..., rotary_dim:], "k past R")
 
 
-# (BLOCK_T, SPLIT_KV, LAYER_FAST, FULL_ROW): configurations the kernel supports
-# (the launcher picks among them by size and shape; benchmarks/explore.py
-# sweeps them). FULL_ROW only applies to NeoX with R < D, as here.
+# (BLOCK_T, SPLIT_KV, LAYER_FAST, FULL_ROW, V_FIRST): configurations the kernel
+# supports (the launcher picks among them by size and shape; benchmarks/explore.py
+# sweeps them). FULL_ROW only applies to NeoX with R < D, as here; V_FIRST only
+# without SPLIT_KV.
 _KERNEL_CONFIGS = [
-    (1, True, True, True),
-    (1, False, False, False),
-    (4, True, False, True),
-    (8, False, True, False),
-    (16, True, True, True),
-    (2, False, True, True),
+    (1, True, True, True, False),
+    (1, False, False, False, False),
+    (4, True, False, True, False),
+    (8, False, True, False, False),
+    (16, True, True, True, False),
+    (2, False, True, True, False),
+    (1, False, True, False, True),
+    (4, False, True, True, True),
 ]
 
 
 @pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("rope_style", STYLES)
 @pytest.mark.parametrize(
-    ("block_t", "split_kv", "layer_fast", "full_row"),
+    ("block_t", "split_kv", "layer_fast", "full_row", "v_first"),
     _KERNEL_CONFIGS,
     ids=[
         f"BT{b}-{'split' if s else 'fused'}-{'layerfast' if f else 'tokenfast'}-{'row' if r else 'pieces'}"
-        for b, s, f, r in _KERNEL_CONFIGS
+        + ("-vfirst" if v else "")
+        for b, s, f, r, v in _KERNEL_CONFIGS
     ],
 )
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
 def test_kernel_configs(
-    block_t: int, split_kv: bool, layer_fast: bool, full_row: bool, rope_style: RopeStyle, norm: bool
+    block_t: int, split_kv: bool, layer_fast: bool, full_row: bool, v_first: bool, rope_style: RopeStyle, norm: bool
 ) -> None:
     """Every launch configuration computes the same thing, partial token blocks included."""
-    config = _launch.KVConfig(block_t=block_t, split_kv=split_kv, full_row=full_row, layer_fast=layer_fast)
+    config = _launch.KVConfig(
+        block_t=block_t, split_kv=split_kv, full_row=full_row, layer_fast=layer_fast, v_first=v_first
+    )
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
     case = make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, norm=norm)
     k_out, v_out = torch.empty(case.out_shape, dtype=case.kv.dtype), torch.empty(case.out_shape, dtype=case.kv.dtype)

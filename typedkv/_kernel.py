@@ -209,9 +209,16 @@ def _k_row(
 
 
 @triton.jit
+def _v_load(k_head, head_ok, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """V of BLOCK_T tokens, all heads, one layer, as stored in kv (``[T, H, BLOCK_D]``, 0 past the row)."""
+    dim = tl.arange(0, BLOCK_D)
+    vm = head_ok[:, :, None] & (dim < D)[None, None, :]
+    return tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
+
+
+@triton.jit
 def _v_part(
-    k_head,
-    head_ok,
+    v,
     row_ok,
     v_base,
     row,
@@ -225,7 +232,7 @@ def _v_part(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """V of BLOCK_T tokens, all heads, one layer: copied bit for bit (quantized for an FP8 pool).
+    """V of BLOCK_T tokens (``v``, from `_v_load`) stored: copied bit for bit (quantized for an FP8 pool).
 
     ``v_strides`` (page, slot) and ``QUANT`` as in `typedkv._epilogue`, for the V destination.
     """
@@ -233,8 +240,6 @@ def _v_part(
     head = tl.arange(0, BLOCK_H)
     out_ok = row_ok[:, None] & (head < H)[None, :]
     dim = tl.arange(0, BLOCK_D)
-    vm = head_ok[:, :, None] & (dim < D)[None, None, :]
-    v = tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
     # The destination is worked out here, not beside K's: with K and V in one program
     # (no SPLIT), V's pointers would stay live through K's math (measured: a flat bf16
     # pool 2% slower at T = 16384).
@@ -313,6 +318,7 @@ def materialize_kv_kernel(
     NUM_LAYERS: tl.constexpr,
     LAYER_FAST: tl.constexpr,
     FULL_ROW: tl.constexpr,
+    V_FIRST: tl.constexpr,  # K and V in one program: V's loads issued before K's stores (else after them)
 ):
     # One program per (token block, layer) on a 1-D grid; LAYER_FAST puts a
     # token's layers on neighbouring programs, so kv is read front to back.
@@ -349,6 +355,10 @@ def materialize_kv_kernel(
         v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
+    if V_FIRST:
+        # The compiler does not move a load across a store that may alias it: issued
+        # here, V's loads overlap K's dependent loads instead of waiting for K's stores.
+        v = _v_load(k_head, head_ok, H, D, BLOCK_D)
     if not SPLIT or part == 0:
         norm = (weight_ptr, weight_stride_l, weight_stride_d, eps)
         rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
@@ -364,7 +374,9 @@ def materialize_kv_kernel(
             )  # fmt: skip
     if not SPLIT or part == 1:
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        if not V_FIRST:
+            v = _v_load(k_head, head_ok, H, D, BLOCK_D)
         _v_part(
-            k_head, head_ok, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, v_scale, V_QUANT,
+            v, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, v_scale, V_QUANT,
             H, D, BLOCK_H, BLOCK_D,
         )  # fmt: skip

@@ -57,6 +57,9 @@ class KVConfig:
     split_kv: bool | None = None  # K and V in separate programs (grid axis 2)
     full_row: bool | None = None  # K as one tile (NeoX RoPE over part of the head only)
     layer_fast: bool = True  # a token's layers on neighbouring programs
+    # K and V in one program (no split_kv): V's loads issued before K's part instead of after
+    # K's stores. Off until measured (benchmarks/device_run.sh, step ab_vfirst).
+    v_first: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -152,7 +155,7 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        row,
+        row, config.v_first and not split,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
 
