@@ -27,7 +27,9 @@ def main() -> None:
     args = [a for a in args if a != "--paged"]
     if v_first:
         # Every launch the ops build from here on takes the option (they cache one per layout).
-        _launch.launch_params.__kwdefaults__["config"] = _launch.KVConfig(v_first=True)
+        defaults = _launch.launch_params.__kwdefaults__
+        assert defaults is not None
+        defaults["config"] = _launch.KVConfig(v_first=True)
     cases = [c for c in _bench.GPU_CASES if c.name in names]
     result = _bench.run_gpu((2048, 16384, 65536), cases, compare=False)
     tag = args[0] if args else typedkv.__file__

@@ -9,7 +9,8 @@
 #   gpu_long       those two tests (MLA fuzz in production mode, threads in debug mode; 2 workers)
 #   host           benchmarks/host_time.py, .old/base and this checkout alternated, $HOST_ROUNDS rounds (6)
 #   mla_sweep      benchmarks/mla_sweep.py alone (at most $MLA_SWEEP_S s)
-#   fused_sweep    benchmarks/fused_sweep.py alone (T list in $FUSED_SWEEP_T; at most $FUSED_SWEEP_S s)
+#   fused_sweep    benchmarks/fused_sweep.py alone (T list in $FUSED_SWEEP_T, with --pools for per-layer
+#                  pools through KVMaterializer.into_pool; at most $FUSED_SWEEP_S s)
 #   fuzz           the GPU fuzz and thread suites (8 workers, at most 300 s)
 #   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)

@@ -1,6 +1,6 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
-Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [T ...]``.
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools] [T ...]``.
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
 replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from typedkv import KVMaterializer, _bench, _launch
+from typedkv import KVMaterializer, _bench, _fused_impl, _launch
 from typedkv._bench_e2e import Draft
 
 TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
@@ -27,7 +27,8 @@ TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
     """The grid swept at ``num_tokens``: around the best of the last sweep (benchmarks/NOTES.md).
 
-    At small T each configuration runs with K's RoPE rows loaded before the GEMM loop and after it.
+    At small T each configuration runs with K's RoPE rows, and with the epilogue's other loads,
+    before the GEMM loop and after it.
     """
     if num_tokens <= 16:
         grid = [(16, 128, s) for s in (4, 5, 6)]
@@ -42,9 +43,10 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
             if stages * (block_m + 128) * block_k * 2 <= 227 * 1024
         ]
     return [
-        _launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope)
+        _launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads)
         for block_m, block_k, stages in grid
         for early_rope in (False, True)
+        for early_loads in (False, True)
     ]
 
 
@@ -61,9 +63,64 @@ def main() -> None:
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
     gemm.projection_path = "gemm"
-    for num_tokens in [int(t) for t in sys.argv[1:]] or TOKENS:
-        _sweep(num_tokens, draft, weight, norm, cos_sin, gemm)
+    pools = "--pools" in sys.argv
+    for num_tokens in [int(t) for t in sys.argv[1:] if t != "--pools"] or TOKENS:
+        if pools:
+            _sweep_pools(num_tokens, draft, weight, norm, cos_sin)
+        else:
+            _sweep(num_tokens, draft, weight, norm, cos_sin, gemm)
         torch.cuda.empty_cache()
+
+
+def _sweep_pools(
+    num_tokens: int, draft: Draft, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    """``--pools``: each configuration through `KVMaterializer.into_pool` into per-layer pools, as sglang keeps them.
+
+    The op builds its own launches: each configuration gets a fresh materializer, with
+    the launcher's default replaced and the fused launches it kept dropped. GEMM + kernel
+    (the same pools) and torch.mm alone are timed beside each.
+    """
+    device = weight.device
+    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
+    flat = weight.reshape(L * 2 * H * D, draft.hidden)
+    slots = 4 * max(num_tokens, 1024)
+    k_layers = [torch.empty(slots, H, D, device=device, dtype=draft.dtype) for _ in range(L)]
+    v_layers = [torch.empty(slots, H, D, device=device, dtype=draft.dtype) for _ in range(L)]
+    hidden = [torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype) for _ in range(4)]
+    positions = [torch.randint(0, draft.max_position, (num_tokens,), device=device) for _ in range(4)]
+    cache_loc = [torch.randperm(slots, device=device)[:num_tokens] for _ in range(4)]
+    gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
+    mm = [lambda h=h: _discard(torch.mm(h, flat.t(), out=gemm_out)) for h in hidden]
+    gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
+    gemm.projection_path = "gemm"
+    two = [
+        lambda h=h, p=p, c=c: gemm.into_pool(h, p, c, k_layers, v_layers)
+        for h, p, c in zip(hidden, positions, cache_loc, strict=True)
+    ]
+    defaults = _launch.projection_launch.__kwdefaults__
+    assert defaults is not None
+    default = defaults["config"]
+    for config in configs(num_tokens):
+        defaults["config"] = config
+        _fused_impl._LAUNCHES.clear()
+        m = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
+        m.projection_path = "fused"
+        calls = [
+            lambda h=h, p=p, c=c, m=m: m.into_pool(h, p, c, k_layers, v_layers)
+            for h, p, c in zip(hidden, positions, cache_loc, strict=True)
+        ]
+        us_mm = _bench.gpu_time_us(mm)
+        us = _bench.gpu_time_us(calls)
+        us_two = _bench.gpu_time_us(two)
+        print(
+            f"pools T={num_tokens:<6} m={config.block_m} k={config.block_k} s={config.num_stages} "
+            f"early_rope={config.early_rope} early_loads={config.early_loads}  fused {us:9.2f} us  mm {us_mm:9.2f}  "
+            f"gemm+kernel {us_two:9.2f}  fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}",
+            flush=True,
+        )
+    defaults["config"] = default
+    _fused_impl._LAUNCHES.clear()
 
 
 def _sweep(
@@ -102,7 +159,7 @@ def _sweep(
         us_two = _bench.gpu_time_us(two)
         print(
             f"T={num_tokens:<6} m={config.block_m:<3} k={config.block_k:<3} w={config.num_warps} "
-            f"s={config.num_stages} early_rope={config.early_rope}  "
+            f"s={config.num_stages} early_rope={config.early_rope} early_loads={config.early_loads}  "
             f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
             f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}  "
             f"max|dk| {err_k:.3g} max|dv| {err_v:.3g}",

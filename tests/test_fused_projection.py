@@ -41,7 +41,7 @@ from reference64 import materialize_kv64
 from torch import Tensor
 
 import typedkv
-from typedkv import _launch
+from typedkv import _fused_impl, _launch
 
 INTERPRETED = _launch.INTERPRETED
 # The interpreter's tl.dot is wrong on bfloat16 inputs; the reference takes all three.
@@ -287,6 +287,27 @@ def test_fp8_pools_match_gemm_path(layout: str, pool_dtype: torch.dtype, scale: 
 
 
 @pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
+@pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
+@pytest.mark.parametrize("layout", ["list", "list_HND", "NHD"])
+def test_early_loads_match_gemm_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ProjectionConfig.early_loads` (the epilogue's table entry, scales, eps, norm weights before the loop).
+
+    Per-layer eps, pass-through dims, per-layer pools (a layer table) and FP8 with
+    ``[L]`` scales: every load it moves, and the same bits as GEMM + kernel.
+    """
+    defaults = _launch.projection_launch.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(early_loads=True))
+    monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})  # no launch built with the default kept
+    draft = Draft(torch.float16, rotary_dim=8, eps=torch.tensor([1e-6, 0.5, 4.0]))
+    x, positions = draft.call(10)
+    for pool_dtype, scales in ((torch.float16, _SCALES["none"]), (torch.float8_e4m3fn, _SCALES["tensor"])):
+        fused_bits = _into_pool(draft, "fused", layout, pool_dtype, scales, x, positions)
+        gemm_bits = _into_pool(draft, "gemm", layout, pool_dtype, scales, x, positions)
+        assert all(torch.equal(a, b) for a, b in zip(fused_bits, gemm_bits, strict=True))
+
+
+@pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
 def test_pool_rows_hold_the_oracle() -> None:
     """A stacked pool's named rows hold the oracle's K/V (the comparisons above cannot catch a shared mistake)."""
     draft = Draft(torch.float16, rotary_dim=8, bias=True)
@@ -430,8 +451,9 @@ def test_misuse_writes_nothing() -> None:
         _launch.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
         _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
         _launch.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
+        _launch.ProjectionConfig(block_m=32, block_k=32, early_rope=False, early_loads=True),
     ],
-    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope"],
+    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads"],
 )
 def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""

@@ -95,3 +95,24 @@ def test_v_first_issues_every_load_before_a_store(case: str) -> None:
         ops = re.findall(r"\b(ld|st)\.global", ptx)
         loads_first = ops.index("st") == ops.count("ld")
         assert loads_first is v_first
+
+
+@pytest.mark.parametrize(
+    "case", ["fused-T16-list-fp8e4nv-tensor", "fused-T16-dense-eps-per-layer", "fused-T16-HND16-bf16"]
+)
+def test_fused_early_loads_compiles_for_hopper(case: str) -> None:
+    """`ProjectionConfig.early_loads` (the epilogue's table entry, scales, eps, norm weights before the loop).
+
+    Off by default (the snapshot's PTX); on, it compiles for sm_90 and moves loads.
+    """
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    at = kernel.arg_names.index("EARLY_LOADS")
+    assert params[at] is False  # the default, as captured
+    ptx = {
+        early: snapshot.compile_ptx(kernel, (*params[:at], early, *params[at + 1 :]), num_warps)
+        for early in (False, True)
+    }
+    assert all(".entry project_kv_kernel" in text for text in ptx.values())
+    assert ptx[False] != ptx[True]

@@ -64,10 +64,24 @@ def _rounded(acc, bias_head, rows, rows_ok, store_ty: tl.constexpr, HAS_BIAS: tl
 
 
 @triton.jit
-def _normed2(x, rstd, w_row, dims, dims_ok, weight_stride_d, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """``x * rstd * weight[dims]`` of ``[M, F]`` tiles, rounded to ``store_ty`` (as the unfused path stores it)."""
-    w = tl.load(w_row + dims * weight_stride_d, mask=dims_ok, other=0.0).to(tl.float32)
+def _weight_row(w_row, dims, dims_ok, weight_stride_d):
+    """The layer's K norm weight at head dims ``dims`` (``[F]``, float32; 0 outside ``dims_ok``)."""
+    return tl.load(w_row + dims * weight_stride_d, mask=dims_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normed2(x, rstd, w, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """``x * rstd * w`` of ``[M, F]`` tiles (``w`` from `_weight_row`), rounded to ``store_ty`` as the unfused path."""
     return _cast(x * rstd * w[None, :], store_ty, SOFT_ROUND).to(tl.float32)
+
+
+@triton.jit
+def _layer_base(ptr, layer_offsets_ptr, entry, layer, stride_l, LAYER_VEC: tl.constexpr, LAYER_TABLE: tl.constexpr):
+    """Where ``layer`` of a destination starts: ``ptr`` plus the table's ``entry`` (``LAYER_TABLE``) or the layer stride."""
+    if LAYER_TABLE:
+        return ptr + tl.load(layer_offsets_ptr + entry)
+    else:
+        return ptr + layer.to(tl.int64) * stride_l * LAYER_VEC
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel
@@ -140,6 +154,7 @@ def project_kv_kernel(
     BLOCK_PASS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     EARLY_ROPE: tl.constexpr,  # load K's RoPE rows before the GEMM loop (else after it)
+    EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
 ):
@@ -190,6 +205,20 @@ def project_kv_kernel(
             # Their dependent loads (position, then cos/sin) in flight while the weights stream in,
             # not after: at small T the epilogue's latency is a part of the time worth having.
             pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
+        if EARLY_LOADS:
+            # The epilogue's other loads in flight during the loop as well (one dependent
+            # load each after it otherwise: the layer table's entry, the scale, eps, weights).
+            k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
+            if K_SCALE == 2:
+                k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
+            if NORM:
+                if EPS_PER_LAYER:
+                    eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
+                w_row = weight_ptr + layer * weight_stride_l
+                w1 = _weight_row(w_row, dims1, pair_ok, weight_stride_d)
+                w2 = _weight_row(w_row, dims2, pair_ok, weight_stride_d)
+                if PASS > 0:
+                    w3 = _weight_row(w_row, dims3, rest_ok, weight_stride_d)
         acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_PASS), dtype=tl.float32)
@@ -208,18 +237,24 @@ def project_kv_kernel(
         if not EARLY_ROPE:
             pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
         if NORM:
-            if EPS_PER_LAYER:
+            if EPS_PER_LAYER and not EARLY_LOADS:
                 eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
             # RMSNorm in float32 over the whole head row, then rounded to the storage dtype, as the unfused path.
             sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
             if PASS > 0:
                 sum_sq += tl.sum(x3 * x3, axis=1)
             rstd = _rstd(sum_sq, D, eps)[:, None]
-            w_row = weight_ptr + layer * weight_stride_l
-            y1 = _normed2(x1, rstd, w_row, dims1, pair_ok, weight_stride_d, store_ty, SOFT_ROUND)
-            y2 = _normed2(x2, rstd, w_row, dims2, pair_ok, weight_stride_d, store_ty, SOFT_ROUND)
+            if not EARLY_LOADS:
+                w_row = weight_ptr + layer * weight_stride_l
+                w1 = _weight_row(w_row, dims1, pair_ok, weight_stride_d)
+            y1 = _normed2(x1, rstd, w1, store_ty, SOFT_ROUND)
+            if not EARLY_LOADS:
+                w2 = _weight_row(w_row, dims2, pair_ok, weight_stride_d)
+            y2 = _normed2(x2, rstd, w2, store_ty, SOFT_ROUND)
             if PASS > 0:
-                y3 = _normed2(x3, rstd, w_row, dims3, rest_ok, weight_stride_d, store_ty, SOFT_ROUND)
+                if not EARLY_LOADS:
+                    w3 = _weight_row(w_row, dims3, rest_ok, weight_stride_d)
+                y3 = _normed2(x3, rstd, w3, store_ty, SOFT_ROUND)
         else:
             y1 = x1
             y2 = x2
@@ -230,12 +265,10 @@ def project_kv_kernel(
         o1 = y1 * cos - y2 * sin + bad
         o2 = y2 * cos + y1 * sin + bad
 
-        if LAYER_TABLE:
-            k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
-        else:
-            k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
+        if not EARLY_LOADS:
+            k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
         k_dst = k_base + _row_offset(row, PAGE, (k_stride_page, k_stride_slot)) + head * k_stride_h
-        if K_SCALE == 2:
+        if K_SCALE == 2 and not EARLY_LOADS:
             k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         s1 = row_ok[:, None] & pair_ok[None, :]
@@ -254,6 +287,12 @@ def project_kv_kernel(
         head = slot - H
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < D
+        if EARLY_LOADS:
+            v_base = _layer_base(
+                v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
+            )
+            if V_SCALE == 2:
+                v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -261,13 +300,13 @@ def project_kv_kernel(
             acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
-        if LAYER_TABLE:
-            v_base = v_ptr + tl.load(layer_offsets_ptr + NUM_LAYERS + layer)
-        else:
-            v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
+        if not EARLY_LOADS:
+            v_base = _layer_base(
+                v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
+            )
         v_dst = v_base + _row_offset(row, PAGE, (v_stride_page, v_stride_slot)) + head * v_stride_h
         v_ok = row_ok[:, None] & dim_ok[None, :]
-        if V_SCALE == 2:
+        if V_SCALE == 2 and not EARLY_LOADS:
             v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         # Already on the storage grid: MODE 0's cast to the (same) dtype is exact.

@@ -484,6 +484,9 @@ class ProjectionConfig:
     # K's RoPE rows loaded before the GEMM loop, their latency hidden behind it (registers:
     # 2 * block_m * R/2 floats more through the loop).
     early_rope: bool | None = None
+    # The epilogue's other loads (per-layer pools' table entry, a tensor scale, eps, the K
+    # norm weights) before the loop too. Off until measured (benchmarks/fused_sweep.py).
+    early_loads: bool = False
 
     def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int, bool]:
         """``(block_m, block_k, num_stages, early_rope)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
@@ -602,7 +605,7 @@ def projection_launch(
         isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
-        "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+        config.early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return KernelLaunch(project_kv_kernel, grid, params, config.num_warps)
