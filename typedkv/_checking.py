@@ -62,12 +62,12 @@ class Bound:
         return {d.name: st for d, st in zip(self.specs[name].dims, tensor.stride(), strict=True) if d.name}
 
 
-def _meta(x: Any) -> Any:
+def _layout_facts(x: Any) -> Any:
     """What a check's verdict on ``x`` depends on (never the tensor's values or address)."""
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.shape, x.stride(), x.device)
     if isinstance(x, (list, tuple)):
-        return (type(x), tuple(map(_meta, x)))
+        return (type(x), tuple(map(_layout_facts, x)))
     if isinstance(x, float):
         return float  # any float passes; its value is the kernel's business
     if isinstance(x, (int, str, bool)) or x is None:
@@ -77,7 +77,7 @@ def _meta(x: Any) -> Any:
 
 def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
     """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept."""
-    return tuple(map(_meta, args))
+    return tuple(map(_layout_facts, args))
 
 
 def check_numbers(name: str, value: Sequence[Any], kinds: tuple[type, ...] = (float, int)) -> None:
@@ -176,7 +176,7 @@ class Signature:
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
         self._default_layout = default_layout
-        self._say = Messages(device_of, self._outputs, self._same_dtype, self._scalar_dims)
+        self._messages = Messages(device_of, self._outputs, self._same_dtype, self._scalar_dims)
         self._plans: dict[tuple[Any, ...], Any] = {}
 
     # ----------------------------------------------------------------- plan cache
@@ -242,7 +242,7 @@ class Signature:
                     continue
                 else:
                     raise InputError(
-                        f"{p.name}: expected {self._say.describe(p)}, got {type_name(value)}{scalar_fix(p, value)}"
+                        f"{p.name}: expected {self._messages.describe(p)}, got {type_name(value)}{scalar_fix(p, value)}"
                     )
             # Symbolic dims whose names were bound by a later argument, or are
             # solved from them here: the inputs' dims are all known before an
@@ -275,7 +275,7 @@ class Signature:
                 if missing:
                     self._solve(d, missing[0], size, name, label, spec, shape, bound)
                 elif eval(d.code, {}, dims) != size:
-                    raise InputError(self._say.shape_message(name, label, spec, tuple(shape), bound))
+                    raise InputError(self._messages.shape_message(name, label, spec, tuple(shape), bound))
         return still
 
     def _solve(
@@ -291,13 +291,13 @@ class Signature:
         if eval(d.code, {}, {**bound.dims, unknown: 2}) != 2 * per + offset or per <= 0:
             raise TypeError(f"typedkv: cannot solve {d.text} for {unknown} in the annotation of {name}")
         if offset and size < offset:
-            msg = self._say.shape_message(name, label, spec, tuple(shape), bound)
+            msg = self._messages.shape_message(name, label, spec, tuple(shape), bound)
             known = "; ".join(
                 f"{n}={bound.dims[n]} comes from {bound.bound_by[n]}" for n in sorted(set(d.needs) - {unknown})
             )
             raise InputError(f"{msg}: the size must be {d.text} with {unknown} >= 0, at least {offset}; {known}")
         if (size - offset) % per:
-            msg = self._say.shape_message(name, label, spec, tuple(shape), bound)
+            msg = self._messages.shape_message(name, label, spec, tuple(shape), bound)
             raise InputError(f"{msg}: the size must be {d.text} = {per}*{unknown}; {size} is not a multiple of {per}")
         bound.dims[unknown] = (size - offset) // per
         bound.bound_by[unknown] = label
@@ -326,7 +326,7 @@ class Signature:
         if given is None and len({s.layout for s in same_rank}) > 1:
             fitting = [s for s in same_rank if self._fits(s, value.shape, bound.dims)]
             if len(fitting) > 1:
-                raise InputError(self._say.ambiguous_layout(self._layout_of, label, fitting, value, bound.dims))
+                raise InputError(self._messages.ambiguous_layout(self._layout_of, label, fitting, value, bound.dims))
         layout = self._default_layout if given is None else given
         chosen = [s for s in same_rank if s.layout in (None, layout)]
         if len(chosen) == 1:
@@ -336,11 +336,11 @@ class Signature:
                 for other in same_rank:
                     if other.layout not in (None, layout) and self._fits(other, value.shape, bound.dims):
                         raise InputError(
-                            self._say.other_layout(self._layout_of, label, spec, other, layout, value, bound.dims)
+                            self._messages.other_layout(self._layout_of, label, spec, other, layout, value, bound.dims)
                         )
             return spec
         allowed = [s for s in specs if s.layout in (None, layout)]
-        shapes = " or ".join(self._say.expected(s, bound.dims) for s in allowed)
+        shapes = " or ".join(self._messages.expected(s, bound.dims) for s in allowed)
         msg = f"{label}: expected shape {shapes}"
         if self._layout_of is not None:
             msg += f" for {self._layout_of}={layout!r}"
@@ -349,7 +349,7 @@ class Signature:
         if others:
             msg += f": {self._layout_of}={others[0]!r} takes a tensor of {value.dim()} dims"
         else:
-            msg += self._say.combined_fix(p.name, label, self._combined_half(specs, value, bound.dims))
+            msg += self._messages.combined_fix(p.name, label, self._combined_half(specs, value, bound.dims))
         raise InputError(msg)
 
     @staticmethod
@@ -384,7 +384,7 @@ class Signature:
         # bool is an int to Python, never a head count or an eps to us.
         if isinstance(value, bool) or not isinstance(value, p.scalars):
             raise InputError(
-                f"{p.name}: expected {self._say.describe(p)}, got {type_name(value)}{scalar_fix(p, value)}"
+                f"{p.name}: expected {self._messages.describe(p)}, got {type_name(value)}{scalar_fix(p, value)}"
             )
         if isinstance(value, int) and value < 1 and any(p.name == a for _, _, a in self._scalar_dims):
             raise InputError(f"{p.name}: expected a positive int, got {value}")
@@ -435,17 +435,19 @@ class Signature:
         if like is not None:
             # An output must be exactly kv's dtype: say so, not the whole family.
             if value.dtype != args[like[0]].dtype:
-                raise InputError(self._say.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound))
+                raise InputError(
+                    self._messages.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound)
+                )
         elif storage is not None:
             # A pool holds kv's dtype or an FP8 one: say which, not the whole family.
             want = args[storage[0]].dtype
             fp8 = [d for d in spec.dtype_names if getattr(torch, d).itemsize == 1]
             if value.dtype != want and fmt_dtype(value.dtype) not in fp8:
-                raise InputError(self._say.storage_message(label, value.dtype, want, storage[1], fp8))
+                raise InputError(self._messages.storage_message(label, value.dtype, want, storage[1], fp8))
         elif value.dtype not in spec.dtypes:
             raise InputError(
                 f"{label}: expected dtype {or_list(spec.dtype_names)}, got {fmt_dtype(value.dtype)}"
-                + self._say.dtype_fix(name, label, spec, value.dtype)
+                + self._messages.dtype_fix(name, label, spec, value.dtype)
             )
         shape = value.shape
         dims = bound.dims
@@ -473,13 +475,15 @@ class Signature:
                 else:
                     deferred.append((name, label, spec, shape))
         if not ok:
-            raise InputError(self._say.shape_message(name, label, spec, tuple(shape), bound))
+            raise InputError(self._messages.shape_message(name, label, spec, tuple(shape), bound))
         for dim, size in new.items():
             dims[dim] = size
             bound.bound_by[dim] = label
         if value.device != bound.device:
             if like is not None:
-                raise InputError(self._say.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound))
+                raise InputError(
+                    self._messages.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound)
+                )
             raise InputError(
                 f"{label}: expected device {bound.device} ({self._device_of}'s device), got {value.device}: "
                 + (

@@ -107,9 +107,9 @@ class _Arg:
         """The public argument back from the schema's values; ``static``: traced numbers as Python numbers."""
         if self.number_or_tensor:
             value, tensor = next(values), next(values)
-            return tensor if tensor is not None else (_static(value) if static else value)
+            return tensor if tensor is not None else (_concrete(value) if static else value)
         value = next(values)
-        return _static(value) if static else value
+        return _concrete(value) if static else value
 
 
 class TorchOps:
@@ -189,7 +189,7 @@ class TorchOps:
         _warn_shared_allocation(written)
 
 
-def _static(value: Any) -> Any:
+def _concrete(value: Any) -> Any:
     """A traced scalar as the Python number the checks expect (a guard on its value).
 
     torch.compile passes an ``int`` or ``float`` argument that changed between
