@@ -39,6 +39,7 @@ from jaxtyping import Shaped, jaxtyped
 from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_param, runtime_hint, symbolic
 from ._errors import InputError
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
+from ._types import is_fp8
 
 
 @dataclass
@@ -441,7 +442,7 @@ class Signature:
         elif storage is not None:
             # A pool holds kv's dtype or an FP8 one: say which, not the whole family.
             want = args[storage[0]].dtype
-            fp8 = [d for d in spec.dtype_names if getattr(torch, d).itemsize == 1]
+            fp8 = [d for d in spec.dtype_names if is_fp8(getattr(torch, d))]
             if value.dtype != want and fmt_dtype(value.dtype) not in fp8:
                 raise InputError(self._messages.storage_message(label, value.dtype, want, storage[1], fp8))
         elif value.dtype not in spec.dtypes:

@@ -24,6 +24,7 @@ from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
 from ._messages import fmt_dtype
+from ._types import is_fp8
 from ._value_checks import check_positions, check_slots
 
 ROTARY_RULE = (
@@ -293,9 +294,6 @@ class _Geometry:
         return by_dim.get("L", 0), page, by_dim.get("B", 0), by_dim["H"]
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def _pool_layout(call: PoolCall, bound: Bound) -> None:
     """The relations between pools, kv and scales that shapes cannot say."""
     k_pool, v_pool = call.k_pool, call.v_pool
@@ -332,7 +330,7 @@ def _pool_layout(call: PoolCall, bound: Bound) -> None:
 
 def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:
     """Scales only for an FP8 pool (``dtype``): a scale beside a 16/32-bit pool would be silently unused."""
-    if dtype in _FP8:
+    if is_fp8(dtype):
         return
     for name, scale in scales.items():
         if scale is not None:

@@ -29,6 +29,7 @@ import triton.language as tl
 from ._fused_kernel import project_kv_kernel as project_kv_kernel
 from ._kernel import materialize_kv_kernel as materialize_kv_kernel
 from ._mla_kernel import materialize_mla_kv_kernel as materialize_mla_kv_kernel
+from ._types import is_fp8
 
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -451,14 +452,14 @@ def _pow2_divisor(value: int, cap: int) -> int:
 
 def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
     """``(largest finite, mantissa bits, smallest normal exponent)`` of an FP8 dtype."""
-    if dtype.itemsize != 1:
+    if not is_fp8(dtype):
         return 0.0, 0, 0
     info = torch.finfo(dtype)
     return info.max, round(-math.log2(info.eps)), round(math.log2(info.tiny))
 
 
 def _scale_mode(scale: float | torch.Tensor | None, dst: torch.Tensor) -> int:
-    if dst.dtype.itemsize != 1:
+    if not is_fp8(dst.dtype):
         return 0
     # An FP8 destination is always saturated; a missing scale means 1.0.
     return 2 if isinstance(scale, torch.Tensor) else 1

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._types import is_fp8
+
 
 def rmsnorm_rope(
     kv: torch.Tensor,
@@ -67,7 +69,7 @@ def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.d
     The division is ``x * (1 / scale)`` in float32, one reciprocal per layer, as
     the kernel computes it.
     """
-    if dtype.itemsize != 1:
+    if not is_fp8(dtype):
         return x.to(dtype)
     xf = x.float()
     if isinstance(scale, torch.Tensor):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
+import torch
 from jaxtyping import AbstractDtype
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "PoolFloat",
     "RopeStyle",
     "StorageFloat",
+    "is_fp8",
     "static_jaxtyping",
 ]
 
@@ -45,6 +47,15 @@ KVLayout = Literal["NHD", "HND"]
 
 FlashInfer's names. A pool without page dims (``[S, H, D]``) is NHD with pages of one slot.
 """
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The FP8 formats a pool may hold (`PoolFloat`'s one-byte dtypes)."""
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is an FP8 format: the one test every module uses (scales, quantized stores, messages)."""
+    return dtype in FP8_DTYPES
+
 
 _F = TypeVar("_F")
 
