@@ -33,6 +33,9 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 ROOT=$(pwd)
+fused_sweep() {
+    timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt"
+}
 for step in $STEPS; do
     echo "=== $step"
     case $step in
@@ -94,11 +97,11 @@ for step in $STEPS; do
         mla_sweep)
             timeout "${MLA_SWEEP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         fused_sweep)
-            timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt" ;;
+            fused_sweep ;;
         fused)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
                 | tail -60 | tee "$OUT/fused_gpu.txt"
-            timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt"
+            fused_sweep
             timeout "${FUSED_E2E_S:-150}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
                 | tee "$OUT/fused_e2e.txt" ;;
     esac

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -110,15 +110,7 @@ def _sweep_pools(
             lambda h=h, p=p, c=c, m=m: m.into_pool(h, p, c, k_layers, v_layers)
             for h, p, c in zip(hidden, positions, cache_loc, strict=True)
         ]
-        us_mm = _bench.gpu_time_us(mm)
-        us = _bench.gpu_time_us(calls)
-        us_two = _bench.gpu_time_us(two)
-        print(
-            f"pools T={num_tokens:<6} m={config.block_m} k={config.block_k} s={config.num_stages} "
-            f"early_rope={config.early_rope} early_loads={config.early_loads}  fused {us:9.2f} us  mm {us_mm:9.2f}  "
-            f"gemm+kernel {us_two:9.2f}  fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}",
-            flush=True,
-        )
+        print(f"pools T={num_tokens:<6} {_config_text(config)}  {_timed(mm, calls, two)}", flush=True)
     defaults["config"] = default
     _fused_impl._LAUNCHES.clear()
 
@@ -154,17 +146,31 @@ def _sweep(
         torch.cuda.synchronize()
         err_k = (k_out.float() - ref_k.float()).abs().max().item()
         err_v = (v_out.float() - ref_v.float()).abs().max().item()
-        us_mm = _bench.gpu_time_us(mm)
-        us = _bench.gpu_time_us(calls)
-        us_two = _bench.gpu_time_us(two)
         print(
-            f"T={num_tokens:<6} m={config.block_m:<3} k={config.block_k:<3} w={config.num_warps} "
-            f"s={config.num_stages} early_rope={config.early_rope} early_loads={config.early_loads}  "
-            f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
-            f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}  "
+            f"T={num_tokens:<6} {_config_text(config)}  {_timed(mm, calls, two)}  "
             f"max|dk| {err_k:.3g} max|dv| {err_v:.3g}",
             flush=True,
         )
+
+
+def _config_text(config: _launch.ProjectionConfig) -> str:
+    return (
+        f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
+        f"early_rope={config.early_rope} early_loads={config.early_loads}"
+    )
+
+
+def _timed(
+    mm: Sequence[Callable[..., None]], fused: Sequence[Callable[..., None]], two: Sequence[Callable[..., None]]
+) -> str:
+    """torch.mm alone, the fused calls and GEMM + kernel timed back to back, and both paths' ratios to mm."""
+    us_mm = _bench.gpu_time_us(mm)
+    us = _bench.gpu_time_us(fused)
+    us_two = _bench.gpu_time_us(two)
+    return (
+        f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
+        f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}"
+    )
 
 
 def _discard(_: object) -> None:
