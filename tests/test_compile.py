@@ -375,7 +375,7 @@ typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? 
 
 def test_schemas() -> None:
     """Every torch op's schema, derived from its public signature, is the one printed above."""
-    ops = [*_api._DENSE_OPS.ops, *_api._POOL_OPS.ops]
+    ops = [*_api.DENSE_OPS.ops, *_api.POOL_OPS.ops]
     assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
 
 
@@ -388,8 +388,8 @@ def test_call_bundles_follow_the_signatures() -> None:
 def test_opcheck() -> None:
     """torch.library.opcheck: schema (mutations as declared), fake tensors, autograd registration, AOT dispatch."""
     x = make_inputs()
-    (dense,) = _api._DENSE_OPS.ops
-    stacked, listed = _api._POOL_OPS.ops
+    (dense,) = _api.DENSE_OPS.ops
+    stacked, listed = _api.POOL_OPS.ops
     common = (x.kv, x.k_norm_weight)
     rest = (x.cos_sin_cache, x.positions)
     torch.library.opcheck(

@@ -118,11 +118,12 @@ def test_misuse_rejected_while_tracing() -> None:
         assert str(info.value) in str(traced.value), call.__name__
 
 
-# The fused ops' schemas, derived from the materializer's op signatures (typedkv._materializer).
+# The fused ops' schemas: the projection's arguments in kv's place, then the public function's
+# (typedkv._fused_impl.declaration reads them from materialize_kv / materialize_kv_into_pool).
 SCHEMAS = """
-typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_layers, SymInt num_kv_heads, str rope_style, Tensor(a11!) k_out, Tensor(a12!) v_out) -> ()
-typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a9!) k_pool, Tensor(a10!) v_pool, SymInt num_layers, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
-typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a9!)[] k_pool, Tensor(a10!)[] v_pool, SymInt num_layers, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a11!) k_out, Tensor(a12!) v_out) -> ()
+typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!)[] k_pool, Tensor(a11!)[] v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
 """
 
 
@@ -131,14 +132,25 @@ def test_schemas() -> None:
     assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
 
 
-def test_call_bundles_follow_the_op_signatures() -> None:
-    """The call bundles have the op signatures' parameters, in order (the ops rebuild them by position)."""
+def test_op_signatures_follow_the_public_functions() -> None:
+    """A fused op's parameters: the projection's (the bundle's first part), then the public function's after kv.
+
+    The ops rebuild the call by position: the projection bundle and the public function's bundle.
+    """
     import inspect
 
-    from typedkv._fused_impl import FusedCall, FusedPoolCall
+    from typedkv import _api, _impl
+    from typedkv._fused_impl import FUSED, FUSED_POOL, Projection
 
-    for fn, call in ((_materializer._fused_op, FusedCall), (_materializer._fused_pool_op, FusedPoolCall)):
-        assert call._fields == tuple(inspect.signature(fn).parameters), fn.__name__
+    for fused, public, op in (
+        (FUSED, _api.materialize_kv, _impl.DENSE),
+        (FUSED_POOL, _api.materialize_kv_into_pool, _impl.POOL),
+    ):
+        params = list(inspect.signature(public).parameters)
+        assert op.call._fields == tuple(params)
+        assert fused.signature.parameters == [*Projection._fields, *params[1:]]
+        # Each of the public function's parameters keeps its annotation (read anew: compared as written).
+        assert all(repr(fused.signature.hints[name]) == repr(op.signature.hints[name]) for name in params[1:])
 
 
 def test_opcheck() -> None:
@@ -148,14 +160,14 @@ def test_opcheck() -> None:
     x, positions = draft.call(3)
     (dense,) = _materializer._FUSED_OPS.ops
     stacked, listed = _materializer._FUSED_POOL_OPS.ops
-    head = (x, m.kv_weight, m.kv_bias, m.k_norm_weight, 1e-6, None, m.cos_sin_cache, positions)
+    head = (x, m.kv_weight, m.kv_bias, L, m.k_norm_weight, 1e-6, None, m.cos_sin_cache, positions)
     out = torch.empty(L, 3, H, 16, dtype=torch.float16)
-    torch.library.opcheck(dense, (*head, L, H, "neox", out, out.clone()))
+    torch.library.opcheck(dense, (*head, H, "neox", out, out.clone()))
     cache_loc = torch.tensor([4, -1, 0])
     pool = torch.zeros(L, 8, H, 16, dtype=torch.float16)
     tail = (None, None, None, None, "NHD")
-    torch.library.opcheck(stacked, (*head, cache_loc, pool, pool.clone(), L, H, "gptj", *tail))
-    torch.library.opcheck(listed, (*head, cache_loc, list(pool.clone()), list(pool.clone()), L, H, "neox", *tail))
+    torch.library.opcheck(stacked, (*head, cache_loc, pool, pool.clone(), H, "gptj", *tail))
+    torch.library.opcheck(listed, (*head, cache_loc, list(pool.clone()), list(pool.clone()), H, "neox", *tail))
 
 
 def test_changing_sizes_compile_dynamic() -> None:

@@ -176,3 +176,22 @@ def later():
     assert found == {
         "__init__", "_api", "_impl", "_checking", "_launch", "_kernel", "integrations.sglang", "_reference",
     }  # fmt: skip
+
+
+# How often a pool-op parameter is written in the core's code (docs/architecture.md's table):
+# the public signatures, docstrings and call bundles, and where the checks and kernels use it.
+# A pass-through that names it again (a positional forwarding call, a restated declaration)
+# raises the count and fails here.
+SPELLINGS = {"kv_layout": 7, "v_scale": 17}
+
+
+def test_pool_parameters_are_spelled_where_they_are_used_only() -> None:
+    import re
+
+    core = [path for name, path in _modules().items() if not name.startswith((ADAPTERS, "_bench"))]
+    for word, most in SPELLINGS.items():
+        pattern = re.compile(rf"\b{word}\b")
+        found = {path.name: len(pattern.findall(path.read_text())) for path in core}
+        total = sum(found.values())
+        where = {name: n for name, n in found.items() if n}
+        assert total <= most, f"{word} is spelled {total} times (at most {most}): {where}"

@@ -111,7 +111,7 @@ def test_misuse_rejected_while_tracing() -> None:
 
 def test_schemas() -> None:
     """The ops' schemas, derived from the annotations: what torch.compile and CUDA graphs see."""
-    schemas = {str(op._opoverload._schema) for ops in (_mla._DENSE_OPS, _mla._POOL_OPS) for op in ops.ops}
+    schemas = {str(op._opoverload._schema) for ops in (_mla.DENSE_OPS, _mla.POOL_OPS) for op in ops.ops}
     common = "Tensor ckv, Tensor? kv_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions"
     assert schemas == {
         f"typedkv::materialize_mla_kv_out({common}, str rope_style, Tensor(a7!) out) -> ()",
@@ -132,8 +132,8 @@ def test_call_bundles_follow_the_signatures() -> None:
 
 
 def test_opcheck() -> None:
-    (dense,) = _mla._DENSE_OPS.ops
-    stacked, listed = _mla._POOL_OPS.ops
+    (dense,) = _mla.DENSE_OPS.ops
+    stacked, listed = _mla.POOL_OPS.ops
     torch.library.opcheck(dense, (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)))
     torch.library.opcheck(
         stacked, (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None)

@@ -93,7 +93,7 @@ def materialize_kv(
     # In the signature's order (tests/test_compile.py checks the fields against it).
     call = _impl.DenseCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
     if torch.compiler.is_compiling():
-        return _DENSE_OPS(call)  # type: ignore[no-any-return]
+        return DENSE_OPS(call)  # type: ignore[no-any-return]
     return _impl.materialize_kv(call)
 
 
@@ -107,7 +107,7 @@ _impl.DENSE.declare(
     rules=(_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_out", "v_out"),
 )
-_DENSE_OPS = _torch_ops.TorchOps(
+DENSE_OPS = _torch_ops.TorchOps(
     _impl.DENSE, ("materialize_kv_out",), allocate=_torch_ops.allocate_dense_outputs, returns=("k_out", "v_out")
 )
 
@@ -196,7 +196,7 @@ def materialize_kv_into_pool(
         num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
     )  # fmt: skip
     if torch.compiler.is_compiling():
-        return _POOL_OPS(call)  # type: ignore[no-any-return]
+        return POOL_OPS(call)  # type: ignore[no-any-return]
     return _impl.materialize_kv_into_pool(call)
 
 
@@ -211,7 +211,7 @@ _impl.POOL.declare(
     inner_contiguous=("kv", "k_pool", "v_pool"),
     default_layout="NHD",
 )
-_POOL_OPS = _torch_ops.TorchOps(
+POOL_OPS = _torch_ops.TorchOps(
     _impl.POOL,
     ("materialize_kv_into_pool_stacked", "materialize_kv_into_pool_list"),
     check_kinds=_impl.check_pool_kinds,

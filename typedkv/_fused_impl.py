@@ -9,16 +9,20 @@ aliasing and debug checks), run on the call with a stand-in for ``kv``: a
 strides are 0 (nothing reads it). A misuse is therefore rejected with the op's
 own message, before anything is written, on either path.
 
-Under ``torch.compile`` the fused path is one torch op per call, declared by
-`typedkv._materializer` from this module's call bundles (`FusedCall`,
-`FusedPoolCall`) and `Implementation`\ s (`FUSED`, `FUSED_POOL`): the fake runs
-the checks above on fake tensors, the real implementation is the eager path.
+Under ``torch.compile`` the fused path is one torch op per call: ``FUSED`` and
+``FUSED_POOL`` are `typedkv._impl`'s ``DENSE`` and ``POOL`` with the projection's
+arguments in place of ``kv`` (`fused`); `typedkv._materializer` declares them with
+`declaration` (the public function's annotations, read, not restated). The
+fake runs the checks above on fake tensors, the real implementation is the
+eager path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+import inspect
+import typing
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +32,13 @@ from . import _launch
 from ._checking import Bound, Signature
 from ._device_tables import layer_eps
 from ._impl import (
+    DENSE,
+    POOL,
     DenseCall,
     Implementation,
     Plan,
     PoolCall,
-    check_dense,
-    check_pool,
     dense_plan,
-    materialize_kv,
-    materialize_kv_into_pool,
     pool_destinations,
     pool_plan,
 )
@@ -138,7 +140,7 @@ def project_kv_into_pool(
     dims = plan.bound.dims
     eps = layer_eps(call.eps, hidden)
     k_dst, v_dst, table = pool_destinations(call.k_pool, call.v_pool, addresses)
-    scales = (call.k_scale, call.v_scale)
+    scales = call.scales
     launch = _launch_of(
         plan,
         hidden,
@@ -164,60 +166,57 @@ def project_kv_into_pool(
 # ------------------------------------------------------------- torch ops
 
 
+def _projection_op(
+    hidden: StorageFloat[Tensor, "T hidden"],
+    kv_weight: StorageFloat[Tensor, "rows hidden"],
+    kv_bias: StorageFloat[Tensor, " rows"] | None,
+    num_layers: int,
+) -> None:
+    """A fused op's first parameters: the materializer's projection, in kv's place (`declaration`)."""
+
+
+class Projection(NamedTuple):
+    """A fused op call's projection: `_projection_op`'s parameters, in order."""
+
+    hidden: Tensor
+    kv_weight: Tensor  # [L*2*H*D, hidden]: every layer's rows, layer-major
+    kv_bias: Tensor | None
+    num_layers: int
+
+
 class FusedCall(NamedTuple):
-    """The fused dense path's op arguments (`KVMaterializer.forward` with the fused path, compiled)."""
+    """A fused op call: its projection, and the call as the op without projection takes it, kv the stand-in."""
 
-    hidden: Tensor
-    kv_weight: Tensor
-    kv_bias: Tensor | None
-    k_norm_weight: Tensor | None
-    eps: float | Tensor
-    cos_sin_cache: Tensor
-    positions: Tensor
-    num_layers: int
-    num_kv_heads: int
-    rope_style: str
-    k_out: Tensor
-    v_out: Tensor
-
-    def op_call(self) -> DenseCall:
-        """The call as `typedkv.materialize_kv` takes it, the stand-in for kv."""
-        return DenseCall(
-            _stand_in_of(self.kv_weight, self.hidden, self.num_layers), self.k_norm_weight, self.eps,
-            self.cos_sin_cache, self.positions, self.num_kv_heads, self.rope_style, self.k_out, self.v_out,
-        )  # fmt: skip
+    projection: Projection
+    op: Any  # a DenseCall or a PoolCall
 
 
-class FusedPoolCall(NamedTuple):
-    """The fused pool path's op arguments (`KVMaterializer.into_pool` with the fused path, compiled)."""
+def declaration(op: Callable[..., Any]) -> Callable[..., None]:
+    """The fused op's declaration, derived from ``op`` (a public function): `_projection_op`'s parameters, then ``op``'s after its ``kv``.
 
-    hidden: Tensor
-    kv_weight: Tensor
-    kv_bias: Tensor | None
-    k_norm_weight: Tensor | None
-    eps: float | Tensor
-    cos_sin_cache: Tensor
-    positions: Tensor
-    cache_loc: Tensor
-    k_pool: Tensor | Sequence[Tensor]
-    v_pool: Tensor | Sequence[Tensor]
-    num_layers: int
-    num_kv_heads: int
-    rope_style: str
-    k_scale: float | Tensor | None
-    v_scale: float | Tensor | None
-    kv_layout: str | None
+    Nothing calls it: `typedkv._torch_ops` reads its parameters and
+    annotations, as from any declaration, into the op's schema (printed by
+    ``tests/test_fused_compile.py``), so the fused ops restate no annotation of
+    the public function they fuse a projection into.
+    """
+    head = list(inspect.signature(_projection_op).parameters.values())
+    tail = list(inspect.signature(op).parameters.values())[1:]
+    hints = {
+        **typing.get_type_hints(_projection_op, include_extras=True),
+        **typing.get_type_hints(op, include_extras=True),
+    }
 
-    def op_call(self) -> PoolCall:
-        """The call as `typedkv.materialize_kv_into_pool` takes it, the stand-in for kv."""
-        return PoolCall(
-            _stand_in_of(self.kv_weight, self.hidden, self.num_layers), self.k_norm_weight, self.eps,
-            self.cos_sin_cache, self.positions, self.cache_loc, self.k_pool, self.v_pool, self.num_kv_heads,
-            self.rope_style, self.k_scale, self.v_scale, self.kv_layout,
-        )  # fmt: skip
+    def declared(*args: Any) -> None:
+        raise TypeError("a declaration, not a function")
+
+    declared.__name__ = declared.__qualname__ = f"project_{op.__name__}"
+    declared.__signature__ = inspect.Signature(head + tail)  # type: ignore[attr-defined]
+    declared.__annotations__ = {p.name: hints[p.name] for p in head + tail}
+    return declared
 
 
-def _stand_in_of(kv_weight: Tensor, hidden: Tensor, num_layers: int) -> Tensor:
+def _stand_in_of(projection: Projection) -> Tensor:
+    hidden, kv_weight, _, num_layers = projection
     return stand_in(kv_weight, hidden.shape[0], num_layers, kv_weight.shape[0] // num_layers)
 
 
@@ -225,43 +224,41 @@ def _accepted(bound: Bound) -> bool:
     return True
 
 
-def _kv(hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, num_layers: int) -> Tensor:
-    """``[T, L, 2*H*D]``: the projection as a GEMM (CPU tensors: the reference path has no fused kernel)."""
-    with torch.no_grad():
-        return F.linear(hidden, kv_weight, kv_bias).view(hidden.shape[0], num_layers, -1)
+def _projection_args(call: FusedCall) -> tuple[Any, ...]:
+    """`PROJECTION`'s arguments for a fused call (cache_loc None for the dense op)."""
+    op = call.op
+    return (call.projection.kv_weight, call.projection.hidden, op.positions, getattr(op, "cache_loc", None))
 
 
-def check_fused(call: FusedCall) -> Bound:
-    """The production check of a fused dense call: the materializer's, then `typedkv.materialize_kv`'s."""
-    PROJECTION.check((call.kv_weight, call.hidden, call.positions, None))
-    return check_dense(call.op_call())
+def fused(op: Implementation, project: Callable[..., Any]) -> Implementation:
+    """``op`` (`DENSE` or `POOL`) with the projection fused in, as one op: checked as ``op``, launched by ``project``.
+
+    The op's arguments are `_projection_op`'s, then ``op``'s after its kv (`declaration`).
+    CPU tensors take the GEMM, then ``op`` itself (there is no fused kernel to run).
+    """
+
+    def bundle(hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, num_layers: int, *args: Any) -> FusedCall:
+        projection = Projection(hidden, kv_weight, kv_bias, num_layers)
+        return FusedCall(projection, op.call(_stand_in_of(projection), *args))
+
+    def check(call: FusedCall) -> Bound:
+        """The production check of a fused call: the materializer's, then the op's."""
+        PROJECTION.check(_projection_args(call))
+        return op.check(call.op)
+
+    def run(call: FusedCall) -> None:
+        """A fused call, checked and launched (CPU tensors: GEMM, then the op)."""
+        PROJECTION.plan(_projection_args(call), _accepted)
+        hidden, kv_weight, kv_bias, num_layers = call.projection
+        if not _launch.use_kernel(hidden.device):
+            with torch.no_grad():
+                kv = F.linear(hidden, kv_weight, kv_bias).view(hidden.shape[0], num_layers, -1)
+            op.run(op.call(kv, *call.op[1:]))
+            return
+        project(call.op, hidden, kv_weight, kv_bias)
+
+    return Implementation(bundle, check, run)
 
 
-def run_fused(call: FusedCall) -> None:
-    """A fused dense call, checked and launched (CPU tensors: GEMM, then the reference)."""
-    PROJECTION.plan((call.kv_weight, call.hidden, call.positions, None), _accepted)
-    if not _launch.use_kernel(call.hidden.device):
-        kv = _kv(call.hidden, call.kv_weight, call.kv_bias, call.num_layers)
-        materialize_kv(call.op_call()._replace(kv=kv))
-        return
-    project_kv(call.op_call(), call.hidden, call.kv_weight, call.kv_bias)
-
-
-def check_fused_pool(call: FusedPoolCall) -> Bound:
-    """The production check of a fused pool call: the materializer's, then `typedkv.materialize_kv_into_pool`'s."""
-    PROJECTION.check((call.kv_weight, call.hidden, call.positions, call.cache_loc))
-    return check_pool(call.op_call())
-
-
-def run_fused_pool(call: FusedPoolCall) -> None:
-    """A fused pool call, checked and launched (CPU tensors: GEMM, then the reference)."""
-    PROJECTION.plan((call.kv_weight, call.hidden, call.positions, call.cache_loc), _accepted)
-    if not _launch.use_kernel(call.hidden.device):
-        kv = _kv(call.hidden, call.kv_weight, call.kv_bias, call.num_layers)
-        materialize_kv_into_pool(call.op_call()._replace(kv=kv))
-        return
-    project_kv_into_pool(call.op_call(), call.hidden, call.kv_weight, call.kv_bias)
-
-
-FUSED = Implementation(FusedCall, check_fused, run_fused)
-FUSED_POOL = Implementation(FusedPoolCall, check_fused_pool, run_fused_pool)
+FUSED = fused(DENSE, project_kv)
+FUSED_POOL = fused(POOL, project_kv_into_pool)

@@ -71,6 +71,11 @@ class PoolCall(NamedTuple):
     v_scale: float | Tensor | None
     kv_layout: str | None
 
+    @property
+    def scales(self) -> tuple[float | Tensor | None, float | Tensor | None]:
+        """K's and V's FP8 scales, in that order (as every kernel and the reference take them)."""
+        return self.k_scale, self.v_scale
+
 
 @dataclass
 class Plan:
@@ -251,13 +256,13 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
             )
             k_layers, v_layers = _layers(k_pool), _layers(v_pool)
             page, hnd = geometry.page_size, plan.bound.specs["k_pool"].layout == "HND"
-            for values, scale, layers in ((k, call.k_scale, k_layers), (v, call.v_scale, v_layers)):
+            for values, scale, layers in zip((k, v), call.scales, (k_layers, v_layers), strict=True):
                 _reference.write_pool(
                     _reference.quantize(values, scale, layers[0].dtype), call.cache_loc, layers, page, hnd
                 )
         return
     k_dst, v_dst, table = pool_destinations(k_pool, v_pool, addresses)
-    scales = (call.k_scale, call.v_scale)
+    scales = call.scales
     if plan.launch is None:
         plan.launch = _launch.Launch(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
@@ -395,7 +400,9 @@ class Implementation:
     here by the public face (`declare`), which imports this module, not the reverse.
     """
 
-    call: Callable[..., Any]  # the call's NamedTuple type
+    call: Callable[
+        ..., Any
+    ]  # builds a call from the op's arguments, in order: the call's NamedTuple type, or `typedkv._fused_impl.fused`'s
     check: Callable[[Any], Bound]
     run: Callable[[Any], Any]
 

@@ -225,7 +225,7 @@ def _v_part(
     PAGE: tl.constexpr,
     v_strides,
     v_stride_h,
-    v_scale,
+    scale,
     QUANT,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -234,7 +234,7 @@ def _v_part(
 ):
     """V of BLOCK_T tokens (``v``, from `_v_load`) stored: copied bit for bit (quantized for an FP8 pool).
 
-    ``v_strides`` (page, slot) and ``QUANT`` as in `typedkv._epilogue`, for the V destination.
+    ``v_strides`` (page, slot), ``scale`` and ``QUANT`` as in `typedkv._epilogue`, for the V destination.
     """
     V_SCALE: tl.constexpr = QUANT[0]
     head = tl.arange(0, BLOCK_H)
@@ -249,7 +249,7 @@ def _v_part(
     if V_SCALE == 0:
         tl.store(v_dst, v, mask=v_ok)
     else:
-        _store_scaled(v_dst, v.to(tl.float32), v_ok, v_scale, QUANT)
+        _store_scaled(v_dst, v.to(tl.float32), v_ok, scale, QUANT)
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel

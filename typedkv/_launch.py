@@ -184,8 +184,7 @@ def varying(
 
     ``scales``: K's and V's, as in `launch_params`.
     """
-    k_scale, v_scale = scales
-    if k_scale is None and v_scale is None and not isinstance(eps, torch.Tensor):
+    if scales[0] is None and scales[1] is None and not isinstance(eps, torch.Tensor):
         # The usual call (no FP8 scales, one eps) without the three pairs' calls: host time at decode sizes.
         return (
             kv, k_norm_weight, None, float(eps), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets,
@@ -193,7 +192,7 @@ def varying(
         )  # fmt: skip
     return (
         kv, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst,
-        layer_offsets, *_number_or_tensor(k_scale, 1.0), *_number_or_tensor(v_scale, 1.0),
+        layer_offsets, *_number_or_tensor(scales[0], 1.0), *_number_or_tensor(scales[1], 1.0),
     )  # fmt: skip
 
 

@@ -12,27 +12,18 @@ projection and the K/V epilogue (`typedkv._fused_impl`), no workspace at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple, cast, get_args
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple, cast, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _launch, _torch_ops
-from ._api import materialize_kv, materialize_kv_into_pool
+from ._api import DENSE_OPS, POOL_OPS, materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature, fingerprint
 from ._errors import InputError
-from ._fused_impl import (
-    FUSED,
-    FUSED_POOL,
-    PROJECTION,
-    FusedCall,
-    FusedPoolCall,
-    project_kv,
-    project_kv_into_pool,
-    stand_in,
-)
+from ._fused_impl import FUSED, FUSED_POOL, PROJECTION, declaration, project_kv, project_kv_into_pool, stand_in
 from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
 from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
@@ -87,6 +78,10 @@ ProjectionPath = Literal["auto", "fused", "gemm"]
 
 # An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
 _STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
+
+
+_State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
+"""``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
 
 
 class _Kept(NamedTuple):
@@ -258,43 +253,12 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        fused = self._takes_fused(hidden)
-        if torch.compiler.is_compiling():
-            if not fused:
-                return materialize_kv(
-                    self._traced_projection(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache,
-                    positions, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style, k_out=k_out, v_out=v_out,
-                )  # fmt: skip
-            # One op of the graph, which writes outputs allocated here (ops never allocate).
-            shape = (self.num_layers, hidden.shape[0], self.num_kv_heads, self.head_dim)
-            k_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if k_out is None else k_out
-            v_out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device) if v_out is None else v_out
-            _FUSED_OPS(
-                FusedCall(
-                    hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
-                    positions, self.num_layers, self.num_kv_heads, self.rope_style, k_out, v_out,
-                )
-            )  # fmt: skip
-            return k_out, v_out
-        state = self._state()
-        weight, bias, k_norm_weight, eps, cos_sin_cache = state
-        # Each path keeps its own plans: on the fused path the op checks a stand-in for kv.
-        key = (fused, *fingerprint((hidden, positions, k_out, v_out, *state)))
-        kept: _Kept | None = self._plans.get(key)
-        if kept is None:
-            # A new layout: the call's own arguments first, so that their messages speak of hidden.
-            PROJECTION.plan((weight, hidden, positions, None), _checked)
-        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
+        _, _, k_norm_weight, eps, cos_sin_cache = state = self._state()
+        # The call as typedkv.materialize_kv takes it, hidden in kv's place until the path fills it in.
         call = DenseCall(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
+            hidden, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
         )
-        if kept is None:
-            # The op's production check, as materialize_kv runs it.
-            kept = self._plans.keep(key, _Kept(dense_layout(call), kv if fused else None))
-        plan = kept.plan
-        if fused:
-            return project_kv(call, hidden, weight, bias, plan)
-        return materialize_kv_planned(call, plan)
+        return self._materialize(call, state, _DENSE_PATH)  # type: ignore[no-any-return]
 
     @static_jaxtyping("T S N B")
     def into_pool(
@@ -335,41 +299,42 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        fused = self._takes_fused(hidden)
-        if torch.compiler.is_compiling():
-            if not fused:
-                materialize_kv_into_pool(
-                    self._traced_projection(hidden), self.k_norm_weight, self.eps, self.cos_sin_cache,
-                    positions, cache_loc, k_pool, v_pool, num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,
-                    k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout,
-                )  # fmt: skip
-                return
-            _FUSED_POOL_OPS(
-                FusedPoolCall(
-                    hidden, self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
-                    positions, cache_loc, k_pool, v_pool, self.num_layers, self.num_kv_heads, self.rope_style,
-                    k_scale, v_scale, kv_layout,
-                )
-            )  # fmt: skip
-            return
-        state = self._state()
-        weight, bias, k_norm_weight, eps, cos_sin_cache = state
-        key = (fused, *fingerprint((hidden, positions, cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout, *state)))
-        kept: _Kept | None = self._plans.get(key)
-        if kept is None:
-            PROJECTION.plan((weight, hidden, positions, cache_loc), _checked)
-        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
+        _, _, k_norm_weight, eps, cos_sin_cache = state = self._state()
         call = PoolCall(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
+            hidden, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
             self.rope_style, k_scale, v_scale, kv_layout,
         )  # fmt: skip
+        self._materialize(call, state, _POOL_PATH)
+
+    def _materialize(self, call: DenseCall | PoolCall, state: _State, path: _Path) -> Any:
+        """One call of either method: ``call`` as the op takes it, with ``hidden`` in kv's place.
+
+        Eagerly, a layout seen before skips the checks that depend on it only
+        (`CheckedLayouts`); a new one is checked in full -- the call's own
+        arguments first, so that their messages speak of ``hidden`` -- before the
+        GEMM runs or anything is written. Under ``torch.compile``: one op.
+        """
+        hidden = call[0]
+        weight, bias = state[0], state[1]
+        fused = self._takes_fused(hidden)
+        if torch.compiler.is_compiling():
+            if fused:
+                return path.fused_ops((hidden, weight, bias, self.num_layers, *call[1:]))
+            return path.ops(type(call)(self._traced_projection(hidden), *call[1:]))
+        # Each path keeps its own plans: on the fused path the op checks a stand-in for kv.
+        key = (fused, *fingerprint((*call, weight, bias)))
+        kept: _Kept | None = self._plans.get(key)
         if kept is None:
-            kept = self._plans.keep(key, _Kept(pool_layout(call), kv if fused else None))  # the op's production check
-        plan = kept.plan
+            cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
+            PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
+        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
+        call = type(call)(kv, *call[1:])
+        if kept is None:
+            # The op's production check, as the public function runs it.
+            kept = self._plans.keep(key, _Kept(path.layout(call), kv if fused else None))
         if fused:
-            project_kv_into_pool(call, hidden, weight, bias, plan)
-        else:
-            materialize_kv_into_pool_planned(call, plan)
+            return path.project(call, hidden, weight, bias, kept.plan)
+        return path.planned(call, kept.plan)
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is untyped (it runs hooks, then forward): to a type
@@ -407,8 +372,10 @@ class KVMaterializer(nn.Module):
         row = torch.empty(width, dtype=hidden.dtype, device=hidden.device)
         return stand_in(row, hidden.shape[0], self.num_layers, width)
 
-    def _state(self) -> tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]:
-        """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``, read without nn.Module's attribute lookup."""
+    def _state(self) -> _State:
+        """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``, eagerly read without nn.Module's attribute lookup."""
+        if torch.compiler.is_compiling():
+            return self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache
         buffers = self._buffers
         eps = buffers["eps"] if "eps" in buffers else self.__dict__["eps"]
         return (
@@ -416,9 +383,7 @@ class KVMaterializer(nn.Module):
             cast(Tensor, buffers["cos_sin_cache"]),
         )  # fmt: skip
 
-    def _gemm(
-        self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
-    ) -> Tensor:
+    def _gemm(self, hidden: Tensor, state: _State) -> Tensor:
         """``[T, L, 2*H*D]``, eagerly: every layer's K/V projection of ``hidden``, one GEMM into the workspace.
 
         The caller has checked the call (`PROJECTION`, for a layout not seen before).
@@ -444,64 +409,49 @@ def _checked(bound: Bound) -> bool:
 # ------------------------------------------------- the fused path as torch ops
 
 
-def _fused_op(
-    hidden: StorageFloat[Tensor, "T hidden"],
-    kv_weight: StorageFloat[Tensor, "rows hidden"],
-    kv_bias: StorageFloat[Tensor, " rows"] | None,
-    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    positions: Index[Tensor, " T"],
-    num_layers: int,
-    num_kv_heads: int,
-    rope_style: RopeStyle,
-    k_out: StorageFloat[Tensor, "L T H D"],
-    v_out: StorageFloat[Tensor, "L T H D"],
-) -> None:
-    """`KVMaterializer.forward` on the fused path, as one op (`typedkv._fused_impl.FusedCall`)."""
+def _allocate_fused_outputs(arguments: list[Any], index: Mapping[str, int]) -> None:
+    """The fused dense op traced: ``[L, T, H, D]`` outputs for those left None (ops write, never allocate).
+
+    The arguments are a materializer's own (`KVMaterializer._materialize`):
+    ``D`` is read from its weight's ``L * 2*H*D`` rows.
+    """
+    hidden, kv_weight = arguments[index["hidden"]], arguments[index["kv_weight"]]
+    num_layers, num_kv_heads = arguments[index["num_layers"]], arguments[index["num_kv_heads"]]
+    shape = (num_layers, hidden.shape[0], num_kv_heads, kv_weight.shape[0] // (num_layers * 2 * num_kv_heads))
+    for name in ("k_out", "v_out"):
+        if arguments[index[name]] is None:
+            arguments[index[name]] = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
 
 
-def _fused_pool_op(
-    hidden: StorageFloat[Tensor, "T hidden"],
-    kv_weight: StorageFloat[Tensor, "rows hidden"],
-    kv_bias: StorageFloat[Tensor, " rows"] | None,
-    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    eps: float | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    positions: Index[Tensor, " T"],
-    cache_loc: Index[Tensor, " T"],
-    k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
-    v_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
-    num_layers: int,
-    num_kv_heads: int,
-    rope_style: RopeStyle,
-    k_scale: float | ParamFloat[Tensor, " L"] | None,
-    v_scale: float | ParamFloat[Tensor, " L"] | None,
-    kv_layout: KVLayout | None,
-) -> None:
-    """`KVMaterializer.into_pool` on the fused path, as one op (`typedkv._fused_impl.FusedPoolCall`)."""
-
-
-# Declared for the ops' schemas (`typedkv._torch_ops`); calls are checked by FUSED's and FUSED_POOL's own checks.
-FUSED.declare(_fused_op, scalar_dims={"H": "num_kv_heads"}, device_of="hidden", outputs=("k_out", "v_out"))
+# The fused ops take the projection's arguments in kv's place (`typedkv._fused_impl.declaration`):
+# declared for the ops' schemas; calls are checked by FUSED's and FUSED_POOL's own checks.
+FUSED.declare(
+    declaration(materialize_kv), scalar_dims={"H": "num_kv_heads"}, device_of="hidden", outputs=("k_out", "v_out")
+)
 FUSED_POOL.declare(
-    _fused_pool_op,
+    declaration(materialize_kv_into_pool),
     scalar_dims={"H": "num_kv_heads"},
     device_of="hidden",
     sequence_len={"k_pool": "L", "v_pool": "L"},
     outputs=("k_pool", "v_pool"),
 )
-_FUSED_OPS = _torch_ops.TorchOps(FUSED, ("project_kv_out",))
+_FUSED_OPS = _torch_ops.TorchOps(
+    FUSED, ("project_kv_out",), allocate=_allocate_fused_outputs, returns=("k_out", "v_out")
+)
 _FUSED_POOL_OPS = _torch_ops.TorchOps(
     FUSED_POOL, ("project_kv_into_pool_stacked", "project_kv_into_pool_list"), check_kinds=check_pool_kinds
 )
+
+
+class _Path(NamedTuple):
+    """What differs between `KVMaterializer.forward` and `into_pool`: the op they end in, and its steps."""
+
+    ops: _torch_ops.TorchOps  # traced, GEMM + kernel: the public function's op
+    fused_ops: _torch_ops.TorchOps  # traced, fused
+    layout: Callable[[Any], Plan]  # the op's plan of a call's layout (its production check)
+    planned: Callable[[Any, Plan], Any]  # the op, eagerly, given the plan
+    project: Callable[..., Any]  # the fused projection, eagerly, given the plan
+
+
+_DENSE_PATH = _Path(DENSE_OPS, _FUSED_OPS, dense_layout, materialize_kv_planned, project_kv)
+_POOL_PATH = _Path(POOL_OPS, _FUSED_POOL_OPS, pool_layout, materialize_kv_into_pool_planned, project_kv_into_pool)

@@ -88,7 +88,7 @@ def materialize_mla_kv(
     # In the signature's order (tests/test_mla_compile.py checks the fields against it).
     call = _mla_impl.DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
     if torch.compiler.is_compiling():
-        (written,) = _DENSE_OPS(call)
+        (written,) = DENSE_OPS(call)
         return written  # type: ignore[no-any-return]
     return _mla_impl.materialize_mla_kv(call)
 
@@ -121,7 +121,7 @@ def _allocate_out(arguments: list[Any], index: Mapping[str, int]) -> None:
         )
 
 
-_DENSE_OPS = _torch_ops.TorchOps(_mla_impl.DENSE, ("materialize_mla_kv_out",), allocate=_allocate_out, returns=("out",))
+DENSE_OPS = _torch_ops.TorchOps(_mla_impl.DENSE, ("materialize_mla_kv_out",), allocate=_allocate_out, returns=("out",))
 
 
 # An MLA pool's shapes: stacked over layers or a sequence of per-layer tensors;
@@ -186,7 +186,7 @@ def materialize_mla_kv_into_pool(
         ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale
     )
     if torch.compiler.is_compiling():
-        return _POOL_OPS(call)  # type: ignore[no-any-return]
+        return POOL_OPS(call)  # type: ignore[no-any-return]
     return _mla_impl.materialize_mla_kv_into_pool(call)
 
 
@@ -200,6 +200,6 @@ _mla_impl.POOL.declare(
     rules=(_mla_impl.ROTARY_RULE,),
     inner_contiguous=("ckv", "kv_pool"),
 )
-_POOL_OPS = _torch_ops.TorchOps(
+POOL_OPS = _torch_ops.TorchOps(
     _mla_impl.POOL, ("materialize_mla_kv_into_pool_stacked", "materialize_mla_kv_into_pool_list")
 )

@@ -10,8 +10,8 @@ the graph's own, never into the eager workspace.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +19,15 @@ from torch import Tensor, nn
 
 from . import _projection as projection
 from ._checking import Bound, Signature, fingerprint
-from ._mla import materialize_mla_kv, materialize_mla_kv_into_pool
+from ._mla import DENSE_OPS, POOL_OPS
 from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
 from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
 from ._mla_impl import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool_planned
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, stacked
 from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
+
+_State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
+"""``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
 
 if TYPE_CHECKING:
     # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
@@ -201,21 +204,10 @@ class MLAKVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        if torch.compiler.is_compiling():
-            return materialize_mla_kv(
-                self._project(hidden, positions, None), self.kv_norm_weight, self.eps, self.cos_sin_cache, positions,
-                rope_style=self.rope_style, out=out,
-            )  # fmt: skip
-        # As in KVMaterializer: a layout checked before goes straight to the GEMM and the launch.
-        state = self._state()
-        key = fingerprint((hidden, positions, out, *state))
-        plan = self._plans.get(key)
-        ckv = self._project(hidden, positions, None) if plan is None else self._gemm(hidden, state)
-        _, _, kv_norm_weight, eps, cos_sin_cache = state
-        call = DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, self.rope_style, out)
-        if plan is None:
-            plan = self._plans.keep(key, dense_layout(call))
-        return materialize_mla_kv_planned(call, plan)
+        _, _, kv_norm_weight, eps, cos_sin_cache = state = self._state()
+        # The call as typedkv.materialize_mla_kv takes it, hidden in ckv's place until the GEMM fills it in.
+        call = DenseCall(hidden, kv_norm_weight, eps, cos_sin_cache, positions, self.rope_style, out)
+        return self._materialize(call, state, _DENSE_PATH)  # type: ignore[no-any-return]
 
     @static_jaxtyping("T S N B")
     def into_pool(
@@ -248,23 +240,35 @@ class MLAKVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        if torch.compiler.is_compiling():
-            materialize_mla_kv_into_pool(
-                self._project(hidden, positions, cache_loc), self.kv_norm_weight, self.eps, self.cos_sin_cache,
-                positions, cache_loc, kv_pool, rope_style=self.rope_style, kv_scale=kv_scale,
-            )  # fmt: skip
-            return
-        state = self._state()
-        key = fingerprint((hidden, positions, cache_loc, kv_pool, kv_scale, *state))
-        plan = self._plans.get(key)
-        ckv = self._project(hidden, positions, cache_loc) if plan is None else self._gemm(hidden, state)
-        _, _, kv_norm_weight, eps, cos_sin_cache = state
+        _, _, kv_norm_weight, eps, cos_sin_cache = state = self._state()
         call = PoolCall(
-            ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, self.rope_style, kv_scale
+            hidden, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, self.rope_style, kv_scale
         )
+        self._materialize(call, state, _POOL_PATH)
+
+    def _materialize(self, call: DenseCall | PoolCall, state: _State, path: _Path) -> Any:
+        """One call of either method: ``call`` as the op takes it, with ``hidden`` in ckv's place.
+
+        As in `typedkv.KVMaterializer`: eagerly, a layout checked before goes
+        straight to the GEMM and the launch; a new one is checked in full -- the
+        call's own arguments first, so that their messages speak of ``hidden``
+        -- before the GEMM runs. Under ``torch.compile``: the GEMM, then the op.
+        """
+        hidden = call[0]
+        if torch.compiler.is_compiling():
+            # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
+            width = self.kv_lora_rank + self.rotary_dim
+            ckv = F.linear(hidden, state[0], state[1]).view(hidden.shape[0], self.num_layers, width)
+            return path.traced(type(call)(ckv, *call[1:]))
+        key = fingerprint((*call, state[0], state[1]))
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans.keep(key, pool_layout(call))
-        materialize_mla_kv_into_pool_planned(call, plan)
+            cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
+            _PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
+        call = type(call)(self._gemm(hidden, state), *call[1:])
+        if plan is None:
+            plan = self._plans.keep(key, path.layout(call))
+        return path.planned(call, plan)
 
     if TYPE_CHECKING:
         # As in KVMaterializer: to a type checker a call is forward itself.
@@ -276,20 +280,10 @@ class MLAKVMaterializer(nn.Module):
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
 
-    def _project(self, hidden: Tensor, positions: Tensor, cache_loc: Tensor | None) -> Tensor:
-        """``[T, L, C+R]``: every layer's kv_a projection of ``hidden``, one GEMM.
-
-        Checks the call's arguments first, so that their messages speak of ``hidden``.
-        """
-        width = self.kv_lora_rank + self.rotary_dim
+    def _state(self) -> _State:
+        """``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``, eagerly read without nn.Module's attribute lookup."""
         if torch.compiler.is_compiling():
-            # The workspace is state a compiled graph must not bake in; the graph plans its own buffers.
-            return F.linear(hidden, self.kv_a_weight, self.kv_a_bias).view(hidden.shape[0], self.num_layers, width)
-        _PROJECTION.plan((self.kv_a_weight, hidden, positions, cache_loc), _accepted)
-        return self._gemm(hidden, self._state())
-
-    def _state(self) -> tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]:
-        """``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``, without nn.Module's attribute lookup."""
+            return self.kv_a_weight, self.kv_a_bias, self.kv_norm_weight, self.eps, self.cos_sin_cache
         buffers = self._buffers
         eps = buffers["eps"] if "eps" in buffers else self.__dict__["eps"]
         return (
@@ -297,10 +291,11 @@ class MLAKVMaterializer(nn.Module):
             cast("float | Tensor", eps), cast(Tensor, buffers["cos_sin_cache"]),
         )  # fmt: skip
 
-    def _gemm(
-        self, hidden: Tensor, state: tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
-    ) -> Tensor:
-        """`_project` for a layout checked before (its key matched): the GEMM into the workspace, no check."""
+    def _gemm(self, hidden: Tensor, state: _State) -> Tensor:
+        """``[T, L, C+R]``, eagerly: every layer's kv_a projection of ``hidden``, one GEMM into the workspace.
+
+        The caller has checked the call (`_PROJECTION`, for a layout not seen before).
+        """
         return projection.project(
             self._rows, hidden, state[0], state[1], (self.num_layers, self.kv_lora_rank + self.rotary_dim)
         )
@@ -313,3 +308,15 @@ class MLAKVMaterializer(nn.Module):
 
 def _accepted(bound: Bound) -> bool:
     return True
+
+
+class _Path(NamedTuple):
+    """What differs between `MLAKVMaterializer.forward` and `into_pool`: the op they end in."""
+
+    traced: Callable[[Any], Any]  # under torch.compile: the op, as the public function calls it
+    layout: Callable[[Any], Any]  # the op's plan of a call's layout (its production check)
+    planned: Callable[[Any, Any], Any]  # the op, eagerly, given the plan
+
+
+_DENSE_PATH = _Path(lambda call: DENSE_OPS(call)[0], dense_layout, materialize_mla_kv_planned)
+_POOL_PATH = _Path(POOL_OPS, pool_layout, materialize_mla_kv_into_pool_planned)

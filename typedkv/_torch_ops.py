@@ -169,18 +169,19 @@ class TorchOps:
             return None
         return tuple(arguments[i] for i in self._returns)
 
-    def _call(self, values: Sequence[Any], static: bool) -> Any:
+    def _arguments(self, values: Sequence[Any], static: bool) -> list[Any]:
+        """The public arguments, in the signature's order, back from the schema's values."""
         flat = iter(values)
-        return self._implementation.call(*(a.take(flat, static) for a in self._args))
+        return [a.take(flat, static) for a in self._args]
 
     def _real(self, *values: Any) -> None:
-        self._implementation.run(self._call(values, static=False))
+        self._implementation.run(self._implementation.call(*self._arguments(values, static=False)))
 
     def _fake(self, *values: Any) -> None:
-        call = self._call(values, static=True)
-        self._implementation.check(call)
+        arguments = self._arguments(values, static=True)
+        self._implementation.check(self._implementation.call(*arguments))
         written: list[tuple[str, Tensor]] = []
-        for a, value in zip(self._args, call, strict=True):
+        for a, value in zip(self._args, arguments, strict=True):
             if a.written and value is not None:
                 name = a.param.name
                 written += (
