@@ -142,12 +142,12 @@ def test_op_signatures_follow_the_public_functions() -> None:
     from typedkv import _api, _impl
     from typedkv._fused_impl import FUSED, FUSED_POOL, Projection
 
-    for fused, public, op in (
-        (FUSED, _api.materialize_kv, _impl.DENSE),
-        (FUSED_POOL, _api.materialize_kv_into_pool, _impl.POOL),
+    for fused, public, op, call in (
+        (FUSED, _api.materialize_kv, _impl.DENSE, _impl.DenseCall),
+        (FUSED_POOL, _api.materialize_kv_into_pool, _impl.POOL, _impl.PoolCall),
     ):
         params = list(inspect.signature(public).parameters)
-        assert op.call._fields == tuple(params)
+        assert op.call is call and call._fields == tuple(params)
         assert fused.signature.parameters == [*Projection._fields, *params[1:]]
         # Each of the public function's parameters keeps its annotation (read anew: compared as written).
         assert all(repr(fused.signature.hints[name]) == repr(op.signature.hints[name]) for name in params[1:])
