@@ -20,6 +20,8 @@
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default against
 #                  KVConfig(v_first=True) alternated, 3 rounds (flat and paged pools too)
+#   peer           benchmarks/peer_cases.py: the standalone kernel at issue 18's peer-kernel cases, 2 rounds
+#   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -98,6 +100,11 @@ for step in $STEPS; do
             timeout "${MLA_SWEEP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         fused_sweep)
             fused_sweep ;;
+        peer)
+            PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
+        e2e)
+            timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
+                | tee "$OUT/e2e.txt" ;;
         fused)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
                 | tail -60 | tee "$OUT/fused_gpu.txt"

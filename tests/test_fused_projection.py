@@ -288,16 +288,17 @@ def test_fp8_pools_match_gemm_path(layout: str, pool_dtype: torch.dtype, scale: 
 
 @pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
 @pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
+@pytest.mark.parametrize("early_loads", [False, True])
 @pytest.mark.parametrize("layout", ["list", "list_HND", "NHD"])
-def test_early_loads_match_gemm_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ProjectionConfig.early_loads` (the epilogue's table entry, scales, eps, norm weights before the loop).
+def test_early_loads_match_gemm_path(layout: str, early_loads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ProjectionConfig.early_loads` (the epilogue's table entry, scales, eps, norm weights before the loop), each way.
 
     Per-layer eps, pass-through dims, per-layer pools (a layer table) and FP8 with
     ``[L]`` scales: every load it moves, and the same bits as GEMM + kernel.
     """
     defaults = _launch.projection_launch.__kwdefaults__
     assert defaults is not None
-    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(early_loads=True))
+    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(early_loads=early_loads))
     monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})  # no launch built with the default kept
     draft = Draft(torch.float16, rotary_dim=8, eps=torch.tensor([1e-6, 0.5, 4.0]))
     x, positions = draft.call(10)
@@ -482,22 +483,24 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
 
 
 def test_default_blocks_fit_shared_memory() -> None:
-    """Defaults come from the measured table by T (RoPE rows loaded early up to T = 16); the pipeline, then block_k, shrink to fit shared memory."""
+    """Defaults come from the measured table by T (RoPE rows loaded early up to T = 16, the other loads up to 32);
+    the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True)
     # Fields given are kept as given.
-    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False)
+    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

@@ -456,8 +456,9 @@ def compiled_variants(kernel: Any) -> int:
 
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_cuda() -> None:
-    """T is not specialised on: once a layout's two regimes (K and V split at small T, or not) ran,
-    no new T compiles the kernel again (a kernel with T a constexpr would compile at each)."""
+    """T is not specialised on: once a layout's three regimes (K and V split on 8 warps at the
+    smallest T, split on 4, or not split) ran, no new T compiles the kernel again (a kernel with
+    T a constexpr would compile at each)."""
     from typedkv import _bench, _launch
 
     def call(num_tokens: int) -> None:
@@ -466,7 +467,7 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
             x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out
         )
 
-    for num_tokens in (16, 8192):
+    for num_tokens in (16, 256, 8192):
         call(num_tokens)
     before = compiled_variants(_launch.materialize_kv_kernel)
     for num_tokens in (1, 17, 100, 999, 5000, 12345):

@@ -353,6 +353,32 @@ def test_kernel_configs(
     assert_matches_reference(case, k_out, v_out)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "num_layers", "config", "warps"),
+    [
+        (16, 5, _launch.KVConfig(), 8),  # 160 K/V programs: the fewest take 8 warps
+        (64, 5, _launch.KVConfig(), 8),
+        (256, 1, _launch.KVConfig(), 8),
+        (256, 5, _launch.KVConfig(), 4),  # 2560 programs
+        (128, 8, _launch.KVConfig(), 4),
+        (8192, 5, _launch.KVConfig(), 4),  # K and V in one program
+        (16, 5, _launch.KVConfig(num_warps=2), 2),  # a configuration's own is kept
+    ],
+)
+def test_launch_warps(num_tokens: int, num_layers: int, config: _launch.KVConfig, warps: int) -> None:
+    """The K/V kernel's warps per program, as measured on the H200 (`typedkv._launch.launch_params`)."""
+    H, D = 8, 128
+    kv = torch.empty(num_tokens, num_layers, 2 * H * D, dtype=torch.bfloat16)
+    out = torch.empty(num_layers, num_tokens, H, D, dtype=torch.bfloat16)
+    strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    _, _, num_warps = _launch.launch_params(
+        kv, None, 1e-6, torch.empty(8, D), positions, None, out, strides, out, strides, None,
+        num_kv_heads=H, head_dim=D, page_size=1, num_rows=num_tokens, neox=True, config=config,
+    )  # fmt: skip
+    assert num_warps == warps
+
+
 # --------------------------------------------------------------------------- argument kinds
 
 

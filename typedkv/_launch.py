@@ -44,6 +44,7 @@ _INTERPRETER_LOCK = threading.Lock()
 # axis 2) give the SMs twice as many programs; a token's layers on neighbouring
 # programs, so kv is read front to back.
 _SPLIT_BELOW_PROGRAMS = 4096
+_WIDE_BELOW_PROGRAMS = 1024  # K and V programs (split) below which they take 8 warps, not 4
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,12 @@ class KVConfig:
     split_kv: bool | None = None  # K and V in separate programs (grid axis 2)
     full_row: bool | None = None  # K as one tile (NeoX RoPE over part of the head only)
     layer_fast: bool = True  # a token's layers on neighbouring programs
+    num_warps: int | None = None  # warps per program (None: by the tile's size, as measured)
     # K and V in one program (no split_kv): V's loads issued before K's part instead of after
-    # K's stores. Off until measured (benchmarks/device_run.sh, step ab_vfirst).
-    v_first: bool = False
+    # K's stores, which the compiler does not move loads across. H200 (benchmarks/ab_time.py,
+    # alternated, 2026-12-01): main case 93.6 -> 95.1% of copy at T = 16384, flat pool 89.0 ->
+    # 92.1%, FP8 pool 82.8 -> 92.4%, pages of 64 90.2 -> 92.1%.
+    v_first: bool = True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -143,6 +147,12 @@ def launch_params(
         # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
         num_warps = min(8, max(1, block_h * block_d // 2048))
+    if split and num_warps == 4 and triton.cdiv(num_tokens, block_t) * num_layers * 2 < _WIDE_BELOW_PROGRAMS:
+        # Measured (benchmarks/peer_cases.py --sweep, H200): with this few programs, 8 warps
+        # each; T = 16 2.42 -> 2.14 us, T = 64 3.0 -> 2.77 us (L = 5, H = 8, D = 128), one layer
+        # at T = 256 3.0 -> 2.76 us; at 2048 programs and more (L = 8 at T = 128) 4 warps are faster.
+        num_warps = 8
+    num_warps = config.num_warps or num_warps
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
@@ -485,16 +495,19 @@ class ProjectionConfig:
     # 2 * block_m * R/2 floats more through the loop).
     early_rope: bool | None = None
     # The epilogue's other loads (per-layer pools' table entry, a tensor scale, eps, the K
-    # norm weights) before the loop too. Off until measured (benchmarks/fused_sweep.py).
-    early_loads: bool = False
+    # norm weights) before the loop too.
+    early_loads: bool | None = None
 
-    def blocks(self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int) -> tuple[int, int, int, bool]:
-        """``(block_m, block_k, num_stages, early_rope)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
+    def blocks(
+        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
+    ) -> tuple[int, int, int, bool, bool]:
+        """``(block_m, block_k, num_stages, early_rope, early_loads)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
         measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
         block_m = self.block_m or measured[0]
         block_k = self.block_k or measured[1]
         stages = self.num_stages or measured[2]
         early_rope = measured[3] if self.early_rope is None else self.early_rope
+        early_loads = measured[4] if self.early_loads is None else self.early_loads
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -504,21 +517,24 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return block_m, block_k, stages, early_rope
+        return block_m, block_k, stages, early_rope, early_loads
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages,
-# early_rope)), from benchmarks/fused_sweep.py on the H200 (benchmarks/NOTES.md).
-# At small T the weights dominate and the time is their read: one token block,
-# so each weight row is read once, and a deep pipeline (many bytes in flight per
-# SM). Fused / torch.mm alone with these: 1.02x at T = 16 (the RoPE rows loaded
-# early: 1.05x without), 1.07x at 32 (early: 1.33x, the extra registers spill),
-# 1.14-1.18x at T = 48-64; 1.35-1.40x at T = 2048 and 1.7x at 16384 with the last.
-PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool]], ...] = (
-    (16, (16, 128, 5, True)),
-    (32, (32, 128, 5, False)),
-    (64, (64, 64, 6, False)),
-    (math.inf, (128, 64, 3, False)),
+# early_rope, early_loads)), from benchmarks/fused_sweep.py on the H200
+# (benchmarks/NOTES.md). At small T the weights dominate and the time is their
+# read: one token block, so each weight row is read once, and a deep pipeline
+# (many bytes in flight per SM). Fused / torch.mm alone with these (2026-12-01,
+# each configuration beside torch.mm in one process): 0.97x at T = 16 (RoPE rows
+# and the epilogue's other loads before the loop; 1.00x with neither), 1.00x at
+# 32 (the other loads early; the RoPE rows early too: 1.25x, the extra registers
+# spill), 1.14-1.18x at T = 48-64 (loads early not measured there); 1.35-1.40x
+# at T = 2048 and 1.7x at 16384 with the last.
+PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool]], ...] = (
+    (16, (16, 128, 5, True, True)),
+    (32, (32, 128, 5, False, True)),
+    (64, (64, 64, 6, False, False)),
+    (math.inf, (128, 64, 3, False, False)),
 )
 
 
@@ -590,7 +606,7 @@ def projection_launch(
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_m, block_k, num_stages, early_rope = config.blocks(
+    block_m, block_k, num_stages, early_rope, early_loads = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
     )
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
@@ -605,7 +621,7 @@ def projection_launch(
         isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
-        config.early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+        early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return KernelLaunch(project_kv_kernel, grid, params, config.num_warps)

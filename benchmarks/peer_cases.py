@@ -1,0 +1,67 @@
+"""The standalone kernel at the peer-kernel cases of issue 18 (a developer script for the H200).
+
+Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [rounds]``. Each
+line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
+times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s that
+the issue records (a FlagGems-sglang Triton kernel, measured on this GPU model) and the ratio of
+the two. The peer figures are the issue's, not measured here. ``--sweep``: each case below
+T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program),
+the configurations alternated within each round.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import torch
+
+from typedkv import _bench, _impl, _launch
+
+# (case, T, the peer's GB/s): the issue's list.
+PEER = (
+    (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 16, 386.0),
+    (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 64, 953.0),
+    (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 256, 2146.0),
+    (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 1024, 3371.0),
+    (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 2048, 3499.0),
+    (_bench.Case("L1 H8 D128", 1, 8, 128, 128), 256, 823.0),
+    (_bench.Case("L8 H8 D128", 8, 8, 128, 128), 128, 2101.0),
+    (_bench.Case("L2 H8 D256 R64", 2, 8, 256, 64), 2048, 3180.0),
+)
+
+
+SWEEP = [None] + [_launch.KVConfig(split_kv=True, num_warps=warps) for warps in (4, 8, 16)]
+
+
+def main() -> None:
+    sweep = "--sweep" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--sweep"]
+    rounds = int(args[0]) if args else 2
+    device = torch.device("cuda")
+    defaults = _launch.launch_params.__kwdefaults__
+    assert defaults is not None
+    default = defaults["config"]
+    for _ in range(rounds):
+        for (case, tokens, peer), config in itertools.product(PEER, SWEEP if sweep else [None]):
+            if sweep and tokens >= 2048:
+                continue
+            # A launch is kept with its layout's plan: forget them, so that this configuration is built.
+            defaults["config"] = default if config is None else config
+            _impl.DENSE.signature._plans.clear()
+            # As typedkv bench: input sets rotated so that L2 holds none of them.
+            nbytes = _bench.bytes_moved(case, tokens)
+            sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+            calls = [_bench.typedkv_call(case, _bench.make_inputs(case, tokens, device)) for _ in range(sets)]
+            us = _bench.gpu_time_us(calls)
+            gbps = nbytes / us / 1e3
+            shown = "default" if config is None else f"split={config.split_kv} warps={config.num_warps}"
+            print(
+                f"peer {case.name:>16} T={tokens:<5} {shown:<28} {us:8.2f} us {gbps:7.1f} GB/s peer {peer:7.1f}  "
+                f"ratio {gbps / peer:5.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
