@@ -2,9 +2,9 @@
 
 Run it alternately with two packages on PYTHONPATH (benchmarks/device_run.sh, step ``ab``): each
 line gives the case, T, microseconds and % of the copy roofline measured in the same process.
-``--v-first`` launches the K/V kernel with `typedkv._launch.KVConfig.v_first` (V's loads before
-K's stores; step ``ab_vfirst`` alternates it with the default in one checkout) and adds the paged
-cases.
+``--v-last`` launches the K/V kernel with ``KVConfig(v_first=False)`` (V's loads after K's stores,
+the order before 2026-12-01; step ``ab_vfirst`` alternates it with the default in one checkout) and
+adds the paged cases.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ PAGED = ("L5 H8 D128 NHD B64", "L5 H8 D128 HND B16")
 
 
 def main() -> None:
-    v_first = "--v-first" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--v-first"]
-    names = NAMES + PAGED if v_first or "--paged" in args else NAMES
+    v_last = "--v-last" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--v-last"]
+    names = NAMES + PAGED if v_last or "--paged" in args else NAMES
     args = [a for a in args if a != "--paged"]
-    if v_first:
+    if v_last:
         # Every launch the ops build from here on takes the option (they cache one per layout).
         defaults = _launch.launch_params.__kwdefaults__
         assert defaults is not None
-        defaults["config"] = _launch.KVConfig(v_first=True)
+        defaults["config"] = _launch.KVConfig(v_first=False)
     cases = [c for c in _bench.GPU_CASES if c.name in names]
     result = _bench.run_gpu((2048, 16384, 65536), cases, compare=False)
     tag = args[0] if args else typedkv.__file__

@@ -18,8 +18,8 @@
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
-#   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default against
-#                  KVConfig(v_first=True) alternated, 3 rounds (flat and paged pools too)
+#   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
+#                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at issue 18's peer-kernel cases, 2 rounds
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
@@ -84,7 +84,7 @@ for step in $STEPS; do
         ab_vfirst)
             for round in 1 2 3; do
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py default --paged
-                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py v_first --v-first
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py v_last --v-last
             done 2>/dev/null | tee "$OUT/ab_vfirst.txt" ;;
         sglang)
             python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sglang.py 2>&1 | tail -20 | tee "$OUT/sglang.txt"
