@@ -52,7 +52,7 @@ else:
 
 
 def _projection(
-    kv_weight: StorageFloat[Tensor, "N hidden"],
+    kv_weight: StorageFloat[Tensor, "rows hidden"],
     hidden: StorageFloat[Tensor, "T hidden"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"] | None,

@@ -142,8 +142,8 @@ def launch_params(
     block_t, block_h, block_d, num_warps = block_config(num_kv_heads, head_dim)
     block_t = config.block_t or block_t
     split = split_kv(num_tokens, num_layers, block_t, config)
-    row = full_row(head_dim, rotary_dim, neox, config)
-    if row and not split:
+    one_tile_k = full_row(head_dim, rotary_dim, neox, config)
+    if one_tile_k and not split:
         # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
         num_warps = min(8, max(1, block_h * block_d // 2048))
@@ -166,7 +166,7 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        row, config.v_first and not split,
+        one_tile_k, config.v_first and not split,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
 

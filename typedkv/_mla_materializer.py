@@ -63,7 +63,7 @@ _WEIGHTS = Signature(
 
 
 def _projection(
-    kv_a_weight: StorageFloat[Tensor, "N hidden"],
+    kv_a_weight: StorageFloat[Tensor, "rows hidden"],
     hidden: StorageFloat[Tensor, "T hidden"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"] | None,
