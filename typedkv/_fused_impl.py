@@ -188,7 +188,7 @@ class FusedCall(NamedTuple):
     """A fused op call: its projection, and the call as the op without projection takes it, kv the stand-in."""
 
     projection: Projection
-    op: Any  # a DenseCall or a PoolCall
+    op: DenseCall | PoolCall
 
 
 def declaration(op: Callable[..., Any]) -> Callable[..., None]:
@@ -227,7 +227,8 @@ def _accepted(bound: Bound) -> bool:
 def _projection_args(call: FusedCall) -> tuple[Any, ...]:
     """`PROJECTION`'s arguments for a fused call (cache_loc None for the dense op)."""
     op = call.op
-    return (call.projection.kv_weight, call.projection.hidden, op.positions, getattr(op, "cache_loc", None))
+    cache_loc = op.cache_loc if isinstance(op, PoolCall) else None
+    return (call.projection.kv_weight, call.projection.hidden, op.positions, cache_loc)
 
 
 def fused(op: Implementation, project: Callable[..., Any]) -> Implementation:
