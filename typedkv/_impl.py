@@ -400,9 +400,8 @@ class Implementation:
     here by the public face (`declare`), which imports this module, not the reverse.
     """
 
-    call: Callable[
-        ..., Any
-    ]  # builds a call from the op's arguments, in order: the call's NamedTuple type, or `typedkv._fused_impl.fused`'s
+    # Builds a call from the op's arguments, in order: the call's NamedTuple type, or `typedkv._fused_impl.fused`'s.
+    call: Callable[..., Any]
     check: Callable[[Any], Bound]
     run: Callable[[Any], Any]
 
