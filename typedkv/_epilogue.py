@@ -154,3 +154,15 @@ def _row_offset(row, PAGE: tl.constexpr, strides):
     else:
         # A constant divisor: a multiply and shift, not a division.
         return (row // PAGE) * stride_page + (row % PAGE) * stride_slot
+
+
+@triton.jit
+def _layer_base(ptr, layer_offsets_ptr, entry, layer, stride_l, LAYER_VEC: tl.constexpr, LAYER_TABLE: tl.constexpr):
+    """Where ``layer`` of a destination starts: ``ptr`` plus the table's ``entry`` (``LAYER_TABLE``) or the layer stride.
+
+    The table holds element offsets from ``ptr`` (per-layer tensors); ``stride_l`` arrives divided by ``LAYER_VEC``.
+    """
+    if LAYER_TABLE:
+        return ptr + tl.load(layer_offsets_ptr + entry)
+    else:
+        return ptr + layer.to(tl.int64) * stride_l * LAYER_VEC

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _destination_rows, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _layer_base, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -73,15 +73,6 @@ def _weight_row(w_row, dims, dims_ok, weight_stride_d):
 def _normed2(x, rstd, w, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """``x * rstd * w`` of ``[M, F]`` tiles (``w`` from `_weight_row`), rounded to ``store_ty`` as the unfused path."""
     return _cast(x * rstd * w[None, :], store_ty, SOFT_ROUND).to(tl.float32)
-
-
-@triton.jit
-def _layer_base(ptr, layer_offsets_ptr, entry, layer, stride_l, LAYER_VEC: tl.constexpr, LAYER_TABLE: tl.constexpr):
-    """Where ``layer`` of a destination starts: ``ptr`` plus the table's ``entry`` (``LAYER_TABLE``) or the layer stride."""
-    if LAYER_TABLE:
-        return ptr + tl.load(layer_offsets_ptr + entry)
-    else:
-        return ptr + layer.to(tl.int64) * stride_l * LAYER_VEC
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel

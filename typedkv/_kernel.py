@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _destination_rows, _normed, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _layer_base, _normed, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -339,12 +339,8 @@ def materialize_kv_kernel(
 
     # Destination rows and layer bases.
     row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
-    if LAYER_TABLE:
-        k_base = k_ptr + tl.load(layer_offsets_ptr + layer)
-        v_base = v_ptr + tl.load(layer_offsets_ptr + NUM_LAYERS + layer)
-    else:
-        k_base = k_ptr + layer.to(tl.int64) * k_stride_l * LAYER_VEC
-        v_base = v_ptr + layer.to(tl.int64) * v_stride_l * LAYER_VEC
+    k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
+    v_base = _layer_base(v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE)
     k_dst = k_base + _row_offset(row, PAGE, (k_stride_page, k_stride_slot))[:, None] + (head * k_stride_h)[None, :]
     # Per-layer scalars read once here, honouring the tensors' strides.
     if EPS_PER_LAYER:
