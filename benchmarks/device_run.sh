@@ -20,7 +20,7 @@
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
-#   peer           benchmarks/peer_cases.py: the standalone kernel at issue 18's peer-kernel cases, 2 rounds
+#   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases, 2 rounds
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)

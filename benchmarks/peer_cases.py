@@ -1,10 +1,10 @@
-"""The standalone kernel at the peer-kernel cases of issue 18 (a developer script for the H200).
+"""The standalone kernel at the cases where a peer kernel was measured (a developer script for the H200).
 
 Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [rounds]``. Each
 line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
-times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s that
-the issue records (a FlagGems-sglang Triton kernel, measured on this GPU model) and the ratio of
-the two. The peer figures are the issue's, not measured here. ``--sweep``: each case below
+times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s recorded
+below (a FlagGems-sglang Triton kernel, measured on this GPU model in an earlier run) and the
+ratio of the two. The peer figures are not measured here. ``--sweep``: each case below
 T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program),
 the configurations alternated within each round.
 """
@@ -19,7 +19,7 @@ import torch
 
 from typedkv import _bench, _impl, _launch
 
-# (case, T, the peer's GB/s): the issue's list.
+# (case, T, the peer's GB/s), from the earlier H200 run.
 PEER = (
     (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 16, 386.0),
     (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 64, 953.0),
