@@ -4,7 +4,8 @@ Run it alternately with two packages on PYTHONPATH (benchmarks/device_run.sh, st
 line gives the case, T, microseconds and % of the copy roofline measured in the same process.
 ``--v-last`` launches the K/V kernel with ``KVConfig(v_first=False)`` (V's loads after K's stores,
 the order before 2026-12-01; step ``ab_vfirst`` alternates it with the default in one checkout) and
-adds the paged cases.
+adds the paged cases; ``--paged`` adds them alone, ``--mla`` adds the MLA kernel's pages of 64 (bf16
+and FP8).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ NAMES = ("L5 H8 D128", "L5 H8 D128 pool", "L5 H8 D128 pool fp8")
 
 
 PAGED = ("L5 H8 D128 NHD B64", "L5 H8 D128 HND B16")
+MLA = ("MLA L5 C512 R64 B64", "MLA L5 C512 R64 B64 fp8")
 
 
 def main() -> None:
     v_last = "--v-last" in sys.argv
     args = [a for a in sys.argv[1:] if a != "--v-last"]
     names = NAMES + PAGED if v_last or "--paged" in args else NAMES
-    args = [a for a in args if a != "--paged"]
+    names += MLA if "--mla" in args else ()
+    args = [a for a in args if a not in ("--paged", "--mla")]
     if v_last:
         # Every launch the ops build from here on takes the option (they cache one per layout).
         defaults = _launch.launch_params.__kwdefaults__

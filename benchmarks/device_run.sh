@@ -7,6 +7,8 @@
 #   gpu            the whole GPU suite on this checkout
 #   gpu_fast       the GPU suite less its two longest tests (12 workers, at most $GPU_FAST_S s)
 #   gpu_long       those two tests (MLA fuzz in production mode, threads in debug mode; 2 workers)
+#   mla_fuzz       the MLA fuzz on CUDA in production mode as $FUZZ_SHARDS (6) processes at once, each
+#                  with its own hypothesis seed and 200 / shards examples (it compiles a kernel for most)
 #   host           benchmarks/host_time.py, .old/base and this checkout alternated, $HOST_ROUNDS rounds (6)
 #   mla_sweep      benchmarks/mla_sweep.py alone (at most $MLA_SWEEP_S s)
 #   fused_sweep    benchmarks/fused_sweep.py alone (T list in $FUSED_SWEEP_T, with --pools for per-layer
@@ -17,7 +19,7 @@
 #   gpu_new        the GPU tests of paged pools, RoPE-only drafts, graph replay and memcheck (4 workers)
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
-#   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds
+#   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases, 2 rounds
@@ -54,6 +56,15 @@ for step in $STEPS; do
             timeout "${GPU_LONG_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 \
                 "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" "tests/test_threads.py::test_threads_cuda[debug]" \
                 2>&1 | tail -30 | tee "$OUT/gpu_long.txt" ;;
+        mla_fuzz)
+            shards=${FUZZ_SHARDS:-6}
+            for shard in $(seq "$shards"); do
+                TYPEDKV_FUZZ_SEEDED=1 TYPEDKV_FUZZ_EXAMPLES=$(( (200 + shards - 1) / shards )) timeout "${MLA_FUZZ_S:-300}" \
+                    python3 -m pytest -m gpu -q -p no:cacheprovider --hypothesis-seed="$shard" \
+                    "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" > "$OUT/mla_fuzz_$shard.txt" 2>&1 &
+            done
+            wait
+            tail -n 3 "$OUT"/mla_fuzz_*.txt ;;
         gpu)
             python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --ignore=tests/typecheck tests 2>&1 | tail -40 | tee "$OUT/gpu.txt" ;;
         host)
@@ -78,8 +89,8 @@ for step in $STEPS; do
             python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py 2>&1 | tail -40 | tee "$OUT/tp.txt" ;;
         ab)
             for round in 1 2 3; do
-                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old
-                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new
+                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old ${AB_ARGS:-}
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new ${AB_ARGS:-}
             done 2>/dev/null | tee "$OUT/ab.txt" ;;
         ab_vfirst)
             for round in 1 2 3; do

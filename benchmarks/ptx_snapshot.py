@@ -83,27 +83,36 @@ def compile_ptx(kernel: Any, params: tuple[Any, ...], num_warps: int) -> str:
     names = list(inspect.signature(kernel.fn).parameters)
     constexpr_at = _launch._constexpr_indices(kernel)
     unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
-    signature: dict[str, str] = {}
+    signature: dict[str, Any] = {}
     constexprs: dict[tuple[int, ...], Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+
+    def describe(path: tuple[int, ...], name: str, value: Any, free: bool) -> Any:
+        """Triton's type of one argument (a tuple's, by its leaves), recording constexprs and attributes."""
+        if isinstance(value, tuple):
+            return tuple(describe((*path, j), name, item, free) for j, item in enumerate(value))
+        if value is None or (isinstance(value, int) and value == 1 and free):
+            constexprs[path] = value
+            return "constexpr"
+        if isinstance(value, torch.Tensor):
+            attrs[path] = [["tt.divisibility", 16]]
+            return "*" + _TYPES[value.dtype]
+        if isinstance(value, bool):
+            return "i1"
+        if isinstance(value, int):
+            if free and value % 16 == 0:
+                attrs[path] = [["tt.divisibility", 16]]
+            return "i32" if -(2**31) <= value < 2**31 else "i64"
+        if isinstance(value, float):
+            return "fp32"
+        raise TypeError(f"{name}: no Triton type for {value!r}")
+
     for i, (name, value) in enumerate(zip(names, params, strict=True)):
-        free = name not in unspecialised and i not in unspecialised
-        if i in constexpr_at or value is None or (isinstance(value, int) and value == 1 and free):
+        if i in constexpr_at:
             signature[name] = "constexpr"
             constexprs[(i,)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if free and value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
         else:
-            raise TypeError(f"{name}: no Triton type for {value!r}")
+            signature[name] = describe((i,), name, value, name not in unspecialised and i not in unspecialised)
     source = compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return normalise(str(compiled.asm["ptx"]))

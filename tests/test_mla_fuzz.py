@@ -43,7 +43,9 @@ EXAMPLES = int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES") or (25 if _launch.INTERPR
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=True,
+    # The same examples on every run, unless a sharded run (several processes, each with
+    # TYPEDKV_FUZZ_SEEDED=1 and its own --hypothesis-seed) asks for different ones in each.
+    derandomize=not os.environ.get("TYPEDKV_FUZZ_SEEDED"),
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

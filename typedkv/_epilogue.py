@@ -1,12 +1,14 @@
 """The `@triton.jit` pieces every kernel shares: rounding and FP8 stores, RMSNorm, the RoPE row, pool addresses.
 
-Math only, no checking. `typedkv._kernel` (per-head K/V) and
-`typedkv._mla_kernel` (MLA latent rows) call them, so both store, round, norm
+Math only, no checking. `typedkv._kernel` (per-head K/V),
+`typedkv._fused_kernel` (the projection with the K/V epilogue) and
+`typedkv._mla_kernel` (MLA latent rows) call them, so all store, round, norm
 and address pools alike. Pieces that need many arguments take them grouped as
 tuples: ``QUANT`` (how a value is stored), ``rope`` (positions and the cos/sin
-cache), a pool's page ``strides``. A tuple holds either constexprs (its name in
-capitals, each read as ``X: tl.constexpr = T[i]``) or run-time values (unpacked):
-Triton 3.6 turns a mixed or unpacked tuple's constexprs into run-time values.
+cache), a pool's page ``strides``, an FP8 ``scale`` (`_layer_scale`). A tuple
+holds either constexprs (its name in capitals, each read as
+``X: tl.constexpr = T[i]``) or run-time values: Triton 3.6 turns the
+constexprs of a mixed tuple, or of one unpacked, into run-time values.
 """
 
 from __future__ import annotations
@@ -91,6 +93,20 @@ def _store_scaled(dst, x, mask, scale, QUANT):
             # the saturation on CUDA).
             q = x.to(dst.dtype.element_ty)
         tl.store(dst, q, mask=mask)
+
+
+@triton.jit
+def _layer_scale(scale, layer, MODE: tl.constexpr):
+    """A destination's FP8 scale for ``layer``, as `_store_scaled` takes it.
+
+    ``scale`` is the kernel's ``(tensor, its stride, float)`` argument: with
+    MODE 2 the tensor's entry for ``layer`` (read with its stride), else the
+    float (1.0 when none was given; MODE 0 ignores it).
+    """
+    if MODE == 2:
+        return tl.load(scale[0] + layer * scale[1]).to(tl.float32)
+    else:
+        return scale[2]
 
 
 @triton.jit

@@ -29,7 +29,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _destination_rows, _layer_base, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import (
+    _cast,
+    _destination_rows,
+    _layer_base,
+    _layer_scale,
+    _rope_row,
+    _row_offset,
+    _rstd,
+    _store_scaled,
+)
 
 
 @triton.jit
@@ -111,12 +120,7 @@ def project_kv_kernel(
     v_stride_slot,
     v_stride_h,
     layer_offsets_ptr,
-    k_scale_ptr,
-    k_scale_stride,
-    k_scale,
-    v_scale_ptr,
-    v_scale_stride,
-    v_scale,
+    scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
     num_tokens,
     num_positions,
     num_rows,
@@ -131,7 +135,7 @@ def project_kv_kernel(
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer * k_scale_stride]
+    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -200,8 +204,7 @@ def project_kv_kernel(
             # The epilogue's other loads in flight during the loop as well (one dependent
             # load each after it otherwise: the layer table's entry, the scale, eps, weights).
             k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
-            if K_SCALE == 2:
-                k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
+            scale = _layer_scale(scales[0], layer, K_SCALE)
             if NORM:
                 if EPS_PER_LAYER:
                     eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
@@ -259,21 +262,21 @@ def project_kv_kernel(
         if not EARLY_LOADS:
             k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
         k_dst = k_base + _row_offset(row, PAGE, (k_stride_page, k_stride_slot)) + head * k_stride_h
-        if K_SCALE == 2 and not EARLY_LOADS:
-            k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
+        if not EARLY_LOADS:
+            scale = _layer_scale(scales[0], layer, K_SCALE)
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         s1 = row_ok[:, None] & pair_ok[None, :]
         if NEOX:
-            _store_scaled(k_dst[:, None] + dims1[None, :], o1, s1, k_scale, K_QUANT)
-            _store_scaled(k_dst[:, None] + dims2[None, :], o2, s1, k_scale, K_QUANT)
+            _store_scaled(k_dst[:, None] + dims1[None, :], o1, s1, scale, K_QUANT)
+            _store_scaled(k_dst[:, None] + dims2[None, :], o2, s1, scale, K_QUANT)
         else:
             # Pairs interleaved back into one contiguous row of R dims.
             rot = tl.arange(0, 2 * BLOCK_HALF)
             o = tl.reshape(tl.join(o1, o2), (BLOCK_M, 2 * BLOCK_HALF))
-            _store_scaled(k_dst[:, None] + rot[None, :], o, row_ok[:, None] & (rot < R)[None, :], k_scale, K_QUANT)
+            _store_scaled(k_dst[:, None] + rot[None, :], o, row_ok[:, None] & (rot < R)[None, :], scale, K_QUANT)
         if PASS > 0:
             s3 = row_ok[:, None] & rest_ok[None, :]
-            _store_scaled(k_dst[:, None] + dims3[None, :], y3 + bad, s3, k_scale, K_QUANT)
+            _store_scaled(k_dst[:, None] + dims3[None, :], y3 + bad, s3, scale, K_QUANT)
     else:
         head = slot - H
         dim = tl.arange(0, BLOCK_D)
@@ -282,8 +285,7 @@ def project_kv_kernel(
             v_base = _layer_base(
                 v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
             )
-            if V_SCALE == 2:
-                v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
+            scale = _layer_scale(scales[1], layer, V_SCALE)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -297,8 +299,8 @@ def project_kv_kernel(
             )
         v_dst = v_base + _row_offset(row, PAGE, (v_stride_page, v_stride_slot)) + head * v_stride_h
         v_ok = row_ok[:, None] & dim_ok[None, :]
-        if V_SCALE == 2 and not EARLY_LOADS:
-            v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
+        if not EARLY_LOADS:
+            scale = _layer_scale(scales[1], layer, V_SCALE)
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         # Already on the storage grid: MODE 0's cast to the (same) dtype is exact.
-        _store_scaled(v_dst[:, None] + dim[None, :], v, v_ok, v_scale, V_QUANT)
+        _store_scaled(v_dst[:, None] + dim[None, :], v, v_ok, scale, V_QUANT)

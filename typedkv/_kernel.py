@@ -29,7 +29,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _destination_rows, _layer_base, _normed, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import (
+    _cast,
+    _destination_rows,
+    _layer_base,
+    _layer_scale,
+    _normed,
+    _rope_row,
+    _row_offset,
+    _rstd,
+    _store_scaled,
+)
 
 
 @triton.jit
@@ -284,12 +294,7 @@ def materialize_kv_kernel(
     v_stride_slot,
     v_stride_h,
     layer_offsets_ptr,
-    k_scale_ptr,
-    k_scale_stride,
-    k_scale,
-    v_scale_ptr,
-    v_scale_stride,
-    v_scale,
+    scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
     num_tokens,
     num_positions,
     num_rows,
@@ -302,7 +307,7 @@ def materialize_kv_kernel(
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by k_scale, 2: by k_scale_ptr[layer * k_scale_stride]
+    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -345,10 +350,7 @@ def materialize_kv_kernel(
     # Per-layer scalars read once here, honouring the tensors' strides.
     if EPS_PER_LAYER:
         eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
-    if K_SCALE == 2:
-        k_scale = tl.load(k_scale_ptr + layer * k_scale_stride).to(tl.float32)
-    if V_SCALE == 2:
-        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride).to(tl.float32)
+    scale = (_layer_scale(scales[0], layer, K_SCALE), _layer_scale(scales[1], layer, V_SCALE))  # K's, V's
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
     if V_FIRST:
@@ -361,11 +363,11 @@ def materialize_kv_kernel(
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if FULL_ROW:
             _k_row(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, k_scale, K_QUANT, D, R, NORM, BLOCK_D
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D
             )
         else:
             _k_part(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, k_scale, K_QUANT,
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT,
                 (H, D, R), (BLOCK_H, BLOCK_HALF, BLOCK_PASS), NEOX, NORM,
             )  # fmt: skip
     if not SPLIT or part == 1:
@@ -373,6 +375,6 @@ def materialize_kv_kernel(
         if not V_FIRST:
             v = _v_load(k_head, head_ok, H, D, BLOCK_D)
         _v_part(
-            v, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, v_scale, V_QUANT,
+            v, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, scale[1], V_QUANT,
             H, D, BLOCK_H, BLOCK_D,
         )  # fmt: skip

@@ -195,14 +195,14 @@ def varying(
     ``scales``: K's and V's, as in `launch_params`.
     """
     if scales[0] is None and scales[1] is None and not isinstance(eps, torch.Tensor):
-        # The usual call (no FP8 scales, one eps) without the three pairs' calls: host time at decode sizes.
+        # The usual call (no FP8 scales, one eps) without the helpers' calls: host time at decode sizes.
         return (
             kv, k_norm_weight, None, float(eps), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets,
-            None, 1.0, None, 1.0,
+            _NO_SCALES,
         )  # fmt: skip
     return (
         kv, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst,
-        layer_offsets, *_number_or_tensor(scales[0], 1.0), *_number_or_tensor(scales[1], 1.0),
+        layer_offsets, _scale_pair(scales),
     )  # fmt: skip
 
 
@@ -227,8 +227,9 @@ class KernelLaunch:
     Built from the first call's full argument list; later calls with the same
     layout (shapes, strides, dtypes, devices) fill in their own tensors and
     floats -- the slots that are not constexprs and hold a tensor, a float or
-    ``None`` (an absent tensor) -- in kernel order. Everything else (ints,
-    constexprs) is fixed by the layout. On CUDA the compiled kernel is called
+    ``None`` (an absent tensor), or a tuple holding one (Triton takes tuples
+    whole; their ints are the layout's) -- in kernel order. Everything else
+    (ints, constexprs) is fixed by the layout. On CUDA the compiled kernel is called
     directly once Triton has built it: every value Triton specialises on is
     fixed by the layout, except pointer alignment, which is checked on each call.
     """
@@ -238,11 +239,7 @@ class KernelLaunch:
         self.kernel = kernel
         self.grid = grid
         self.num_warps = num_warps
-        self.varying = tuple(
-            i
-            for i, p in enumerate(params)
-            if i not in constexprs and (p is None or isinstance(p, (torch.Tensor, float)))
-        )
+        self.varying = tuple(i for i, p in enumerate(params) if i not in constexprs and _per_call(p))
         varying = frozenset(self.varying)
         self.template = [None if i in varying else p for i, p in enumerate(params)]
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
@@ -269,7 +266,7 @@ class KernelLaunch:
             self._cuda(params, values)
 
     def _cuda(self, params: list[Any], values: tuple[Any, ...]) -> None:
-        aligned = not any(v.data_ptr() & 15 for v in values if isinstance(v, torch.Tensor))
+        aligned = _aligned(values)
         compiled = self.compiled
         if compiled is None or not aligned or not _hooks_idle():
             compiled = self.kernel[self.grid](*params, num_warps=self.num_warps)
@@ -285,6 +282,24 @@ class KernelLaunch:
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
         )
+
+
+def _per_call(value: Any) -> bool:
+    """Whether a kernel argument changes from call to call: a tensor, a float, None, or a tuple holding one."""
+    if isinstance(value, tuple):
+        return any(map(_per_call, value))
+    return value is None or isinstance(value, (torch.Tensor, float))
+
+
+def _aligned(values: tuple[Any, ...]) -> bool:
+    """Whether every tensor among ``values`` (inside tuples too) starts on 16 bytes, as Triton specialises."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.data_ptr() & 15:
+                return False
+        elif isinstance(value, tuple) and not _aligned(value):
+            return False
+    return True
 
 
 class Launch(KernelLaunch):
@@ -371,7 +386,7 @@ def mla_launch(
         *_input_params(kv_norm_weight, eps, cos_sin_cache, positions, slots),
         dst, stride_l // layer_vec, stride_page, stride_slot,
         layer_offsets,
-        *_scale_params(kv_scale),
+        _scale_params(kv_scale),
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         kv_lora_rank, rotary_dim, neox, kv_norm_weight is not None, isinstance(eps, torch.Tensor),
@@ -398,7 +413,7 @@ def mla_varying(
     """The MLA kernel's per-call arguments, in kernel order."""
     return (
         ckv, kv_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, dst, layer_offsets,
-        *_number_or_tensor(kv_scale, 1.0),
+        _scale_params(kv_scale),
     )  # fmt: skip
 
 
@@ -441,15 +456,26 @@ def _kv_destination_params(
     params = (
         k_dst, k_stride_l // layer_vec, k_stride_page, k_stride_slot, k_stride_h,
         v_dst, v_stride_l // layer_vec, v_stride_page, v_stride_slot, v_stride_h,
-        layer_offsets, *_scale_params(scales[0]), *_scale_params(scales[1]),
+        layer_offsets, _scale_pair(scales),
     )  # fmt: skip
     return params, layer_vec
 
 
 def _scale_params(scale: Scale) -> tuple[torch.Tensor | None, int, float]:
-    """An FP8 scale as the kernels take it: ``(tensor, its stride, float)``, the tensor read per layer when given."""
+    """An FP8 scale as the kernels take it (one tuple argument, `typedkv._epilogue._layer_scale`).
+
+    ``(tensor, its stride, float)``: the tensor read per layer when given, else the float (1.0 for None).
+    """
     scale_t, scale_f = _number_or_tensor(scale, 1.0)
     return scale_t, scale_t.stride(0) if scale_t is not None else 0, scale_f
+
+
+def _scale_pair(scales: tuple[Scale, Scale]) -> tuple[tuple[torch.Tensor | None, int, float], ...]:
+    """K's and V's scales as the K/V kernels' ``scales`` argument."""
+    return _scale_params(scales[0]), _scale_params(scales[1])
+
+
+_NO_SCALES = _scale_pair((None, None))
 
 
 def _pow2_divisor(value: int, cap: int) -> int:
@@ -644,5 +670,5 @@ def projection_varying(
     """The fused projection kernel's per-call arguments, in kernel order."""
     return (
         hidden, kv_weight, kv_bias, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots,
-        k_dst, v_dst, layer_offsets, *_number_or_tensor(scales[0], 1.0), *_number_or_tensor(scales[1], 1.0),
+        k_dst, v_dst, layer_offsets, _scale_pair(scales),
     )  # fmt: skip

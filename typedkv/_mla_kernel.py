@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._epilogue import _cast, _destination_rows, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import _cast, _destination_rows, _layer_scale, _rope_row, _row_offset, _rstd, _store_scaled
 
 
 @triton.jit
@@ -85,9 +85,7 @@ def materialize_mla_kv_kernel(
     dst_stride_page,
     dst_stride_slot,
     layer_offsets_ptr,
-    scale_ptr,
-    scale_stride,
-    scale,
+    kv_scale,  # the FP8 scale: (tensor or None, its stride, float), see _layer_scale
     num_tokens,
     num_positions,
     num_rows,
@@ -99,7 +97,7 @@ def materialize_mla_kv_kernel(
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,  # 0: layer l at l * dst_stride_l; else offsets from a table, multiples of this
-    SCALE: tl.constexpr,  # 0: store as is, 1: divide by scale, 2: by scale_ptr[layer * scale_stride]
+    SCALE: tl.constexpr,  # 0: store as is, 1: divide by kv_scale's float, 2: by its tensor's entry for the layer
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
@@ -126,8 +124,7 @@ def materialize_mla_kv_kernel(
     else:
         base = dst_ptr + layer.to(tl.int64) * dst_stride_l * LAYER_VEC
     dst = base + _row_offset(row, PAGE, (dst_stride_page, dst_stride_slot))
-    if SCALE == 2:
-        scale = tl.load(scale_ptr + layer * scale_stride).to(tl.float32)
+    scale = _layer_scale(kv_scale, layer, SCALE)
 
     # The latent's loads are issued first, before the rope part's stores: the
     # compiler may not move loads across a store (dst may alias ckv as far as it
