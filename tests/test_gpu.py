@@ -84,6 +84,26 @@ def test_outputs_into_slab_cuda() -> None:
     assert bool((slab[:, :, 33:] == 7.0).all())
 
 
+@pytest.mark.production
+def test_unaligned_kv_after_aligned_cuda() -> None:
+    """One layout, kv 16-byte aligned and then two bytes off (the same shape and strides).
+
+    The launch kept from the first call was compiled for aligned pointers (16-byte vector
+    loads); the second call must not reuse it, or the GPU faults on a misaligned address.
+    """
+    case = cuda(make_case(33, 3, 2, 128, 64, torch.bfloat16))
+    k, v = case.run()
+    assert_matches_reference(case, k, v)
+    buffer = torch.empty(case.kv.numel() + 1, dtype=case.kv.dtype, device="cuda")
+    shifted = buffer[1:].view(case.kv.shape)
+    shifted.copy_(case.kv)
+    assert shifted.data_ptr() % 16 and shifted.stride() == case.kv.stride()
+    shifted_case = replace(case, kv=shifted)
+    k, v = shifted_case.run()
+    torch.cuda.synchronize()
+    assert_matches_reference(shifted_case, k, v)
+
+
 def test_out_of_range_positions_cuda() -> None:
     """Production: a position outside [0, P) gives NaN K for that token and touches nothing else."""
     typedkv.set_debug(False)

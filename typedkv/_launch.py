@@ -240,6 +240,9 @@ class KernelLaunch:
         self.grid = grid
         self.num_warps = num_warps
         self.varying = tuple(i for i, p in enumerate(params) if i not in constexprs and _per_call(p))
+        # Where the tensors are among the per-call values (a path into a tuple argument): the
+        # layout fixes which slots hold a tensor, and only their alignment is checked per call.
+        self.tensors = tuple(path for j, i in enumerate(self.varying) for path in _tensor_paths(params[i], (j,)))
         varying = frozenset(self.varying)
         self.template = [None if i in varying else p for i, p in enumerate(params)]
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
@@ -266,7 +269,7 @@ class KernelLaunch:
             self._cuda(params, values)
 
     def _cuda(self, params: list[Any], values: tuple[Any, ...]) -> None:
-        aligned = _aligned(values)
+        aligned = _aligned(values, self.tensors)
         compiled = self.compiled
         if compiled is None or not aligned or not _hooks_idle():
             compiled = self.kernel[self.grid](*params, num_warps=self.num_warps)
@@ -291,13 +294,20 @@ def _per_call(value: Any) -> bool:
     return value is None or isinstance(value, (torch.Tensor, float))
 
 
-def _aligned(values: tuple[Any, ...]) -> bool:
-    """Whether every tensor among ``values`` (inside tuples too) starts on 16 bytes, as Triton specialises."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.data_ptr() & 15:
-                return False
-        elif isinstance(value, tuple) and not _aligned(value):
+def _tensor_paths(value: Any, path: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The paths of the tensors in ``value`` (itself at ``path``), inside tuples too."""
+    if isinstance(value, tuple):
+        return [found for k, item in enumerate(value) for found in _tensor_paths(item, (*path, k))]
+    return [path] if isinstance(value, torch.Tensor) else []
+
+
+def _aligned(values: tuple[Any, ...], tensors: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether the tensors at ``tensors``' paths in ``values`` start on 16 bytes, as Triton specialises."""
+    for path in tensors:
+        value: Any = values
+        for k in path:
+            value = value[k]
+        if value.data_ptr() & 15:
             return False
     return True
 
