@@ -1012,7 +1012,9 @@ def test_repeated_layout_uses_each_calls_values() -> None:
         run_pool(inp, cache_loc, LAYOUTS["list_views"], torch.float16, 8).check()
         # [L] scales (the kernel's scale argument a tuple holding the tensor): refilled on each call too.
         scales = torch.tensor([k_scale, 1.0]), torch.tensor([v_scale, 0.25])
-        run_pool(inp, cache_loc, LAYOUTS["stacked"], torch.float8_e4m3fn, 8, k_scale=scales[0], v_scale=scales[1]).check()
+        run_pool(
+            inp, cache_loc, LAYOUTS["stacked"], torch.float8_e4m3fn, 8, k_scale=scales[0], v_scale=scales[1]
+        ).check()
 
 
 # --------------------------------------------------------------------------- paged misuse

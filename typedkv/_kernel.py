@@ -53,7 +53,7 @@ def _k_part(
     k_dst,
     norm,
     rope,
-    k_scale,
+    scale,
     QUANT,
     SHAPE,
     BLOCKS,
@@ -64,7 +64,7 @@ def _k_part(
 
     ``norm`` is ``(weight_ptr, weight_stride_l, weight_stride_d, eps)``,
     ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H, BLOCK_HALF, BLOCK_PASS)``;
-    ``rope`` and ``QUANT`` as in `typedkv._epilogue`. K is handled as the rotary
+    ``rope``, ``scale`` (the layer's, `_layer_scale`) and ``QUANT`` as in `typedkv._epilogue`. K is handled as the rotary
     pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece
     is loaded once, contiguously, so no element is gathered twice. NeoX pairs
     dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
@@ -134,13 +134,13 @@ def _k_part(
     out_ok = row_ok[:, None] & (head < H)[None, :]
     s1 = out_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
-        _store_scaled(k_dst[:, :, None] + pair[None, None, :], o1, s1, k_scale, QUANT)
-        _store_scaled(k_dst[:, :, None] + (pair + HALF)[None, None, :], o2, s1, k_scale, QUANT)
+        _store_scaled(k_dst[:, :, None] + pair[None, None, :], o1, s1, scale, QUANT)
+        _store_scaled(k_dst[:, :, None] + (pair + HALF)[None, None, :], o2, s1, scale, QUANT)
     else:
         # Pairs interleaved back into one contiguous row of R dims.
         o = tl.reshape(tl.join(o1, o2), (o1.shape[0], o1.shape[1], 2 * BLOCK_HALF))
         _store_scaled(
-            k_dst[:, :, None] + rot[None, None, :], o, out_ok[:, :, None] & (rot < R)[None, None, :], k_scale, QUANT
+            k_dst[:, :, None] + rot[None, None, :], o, out_ok[:, :, None] & (rot < R)[None, None, :], scale, QUANT
         )
     if PASS > 0:
         if NORM:
@@ -148,7 +148,7 @@ def _k_part(
         else:
             y3 = x3 + bad
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
-        _store_scaled(k_dst[:, :, None] + (R + rest)[None, None, :], y3, s3, k_scale, QUANT)
+        _store_scaled(k_dst[:, :, None] + (R + rest)[None, None, :], y3, s3, scale, QUANT)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def _k_row(
     k_dst,
     norm,
     rope,
-    k_scale,
+    scale,
     QUANT,
     D: tl.constexpr,
     R: tl.constexpr,
@@ -215,7 +215,7 @@ def _k_row(
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
     out_ok = row_ok[:, None] & head_ok
-    _store_scaled(k_dst[:, :, None] + dim[None, None, :], o, out_ok[:, :, None] & in_row[None, None, :], k_scale, QUANT)
+    _store_scaled(k_dst[:, :, None] + dim[None, None, :], o, out_ok[:, :, None] & in_row[None, None, :], scale, QUANT)
 
 
 @triton.jit
