@@ -27,7 +27,10 @@ _DIVISIBLE = (
     "weight_stride_l",
     "cos_sin_stride_p",
 )
-_UNIT = ("weight_stride_c", "cos_sin_stride_r", "positions_stride", "slots_stride", "eps_stride", "scale_stride")
+_UNIT = ("weight_stride_c", "cos_sin_stride_r", "positions_stride", "slots_stride", "eps_stride")
+# The FP8 scale is one tuple argument, (tensor, its stride, float): its leaves typed one by one,
+# the stride a unit one, as Triton specialises a contiguous [L] scale.
+_SCALE = ("*fp32", "constexpr", "fp32")
 
 
 def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0, **constexprs: Any) -> str:
@@ -48,19 +51,22 @@ def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0
         "ckv_ptr": f"*{dtype}", "dst_ptr": f"*{dst}", "positions_ptr": "*i64", "slots_ptr": "*i64",
         "layer_offsets_ptr": "*i64",
     }  # fmt: skip
-    signature = {
+    signature: dict[str, Any] = {
         n: "constexpr"
         if n in const
-        else pointers.get(n, "*fp32" if n.endswith("_ptr") else "fp32" if n in ("eps", "scale") else "i32")
+        else _SCALE
+        if n == "kv_scale"
+        else pointers.get(n, "*fp32" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
         for n in names
     }
-    hints = [n for n in names if n.endswith("_ptr") or n in _DIVISIBLE]
+    hints = [(names.index(n),) for n in names if n.endswith("_ptr") or n in _DIVISIBLE]
+    scale_at = names.index("kv_scale")
     try:
         source = compiler.ASTSource(
             fn=kernel,
             signature=signature,
-            constexprs={(names.index(n),): v for n, v in const.items()},
-            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hints},
+            constexprs={(names.index(n),): v for n, v in const.items()} | {(scale_at, 1): 1},
+            attrs={path: [["tt.divisibility", 16]] for path in [*hints, (scale_at, 0)]},
         )
     except TypeError as err:  # the ahead-of-time API's shape moves between Triton releases
         pytest.skip(f"Triton {triton.__version__}'s ASTSource takes other arguments: {err}")
