@@ -33,8 +33,9 @@ C_PLUS_R = 576
 
 
 @triton.jit
-def _copy_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L: tl.constexpr, ROWS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """ROWS tokens' rows of one layer to their slots, as 512 + 64 columns."""
+def _block_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L: tl.constexpr, ROWS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """This program's ROWS tokens of one layer (a token's layers on neighbouring programs):
+    ``(tok, ok, src, dst)``, the rows' ckv and pool addresses (the slots loaded)."""
     pid = tl.program_id(0)
     layer = pid % L
     tok = (pid // L) * ROWS + tl.arange(0, ROWS)
@@ -42,6 +43,13 @@ def _copy_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L: tl.cons
     slot = tl.load(slots_ptr + tok, mask=ok, other=0).to(tl.int64)
     src = src_ptr + tok.to(tl.int64) * (L * 576) + layer * 576
     dst = dst_ptr + layer.to(tl.int64) * dst_stride_l + slot * 576
+    return tok, ok, src, dst
+
+
+@triton.jit
+def _copy_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L: tl.constexpr, ROWS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """ROWS tokens' rows of one layer to their slots, as 512 + 64 columns."""
+    _, ok, src, dst = _block_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L, ROWS)
     wide = tl.arange(0, 512)
     rope = 512 + tl.arange(0, 64)
     x = tl.load(src[:, None] + wide[None, :], mask=ok[:, None])
@@ -96,13 +104,7 @@ def _copy_rotate(
     ROWS: tl.constexpr,
 ):  # type: ignore[no-untyped-def]
     """As `_copy_rows`, the rope part rotated: a position load, then its cos/sin row, before that store."""
-    pid = tl.program_id(0)
-    layer = pid % L
-    tok = (pid // L) * ROWS + tl.arange(0, ROWS)
-    ok = tok < num_tokens
-    slot = tl.load(slots_ptr + tok, mask=ok, other=0).to(tl.int64)
-    src = src_ptr + tok.to(tl.int64) * (L * 576) + layer * 576
-    dst = dst_ptr + layer.to(tl.int64) * dst_stride_l + slot * 576
+    tok, ok, src, dst = _block_rows(src_ptr, slots_ptr, dst_ptr, num_tokens, dst_stride_l, L, ROWS)
     wide = tl.arange(0, 512)
     x = tl.load(src[:, None] + wide[None, :], mask=ok[:, None])
     pos = tl.load(pos_ptr + tok, mask=ok, other=0)
@@ -142,7 +144,7 @@ def main() -> None:
                 "torch index_copy_": [_torch_copy(x) for x in inputs],
                 "rows rows=2 warps=1": [_triton_copy(_copy_rows, x, 2, 1) for x in inputs],
                 "chunks rows=3 warps=1": [_triton_copy(_copy_chunks, x, 3, 1) for x in inputs],
-                "rotate rows=2 warps=1": [_rotate(x, 2, 1) for x in inputs],
+                "rotate rows=2 warps=1": [_triton_copy(_copy_rotate, x, 2, 1) for x in inputs],
             }
             for name, calls in variants.items():
                 if name.startswith("rotate"):
@@ -159,35 +161,28 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def _check(call: Callable[[], None], x: _bench.Inputs) -> None:
-    """One call copies every (token, layer) row of ckv to its slot, bit for bit."""
+def _rows_written(call: Callable[[], None], x: _bench.Inputs) -> torch.Tensor:
+    """The pool rows ``x.slots`` name, ``[L, T, C+R]``, after one call into a zeroed pool."""
     pool = x.k_pool.view(x.k_pool.shape[0], -1, C_PLUS_R)
     pool.zero_()
     call()
-    assert torch.equal(pool[:, x.slots], x.kv.transpose(0, 1)), "rows differ"
+    return pool[:, x.slots]
+
+
+def _check(call: Callable[[], None], x: _bench.Inputs) -> None:
+    """One call copies every (token, layer) row of ckv to its slot, bit for bit."""
+    assert torch.equal(_rows_written(call, x), x.kv.transpose(0, 1)), "rows differ"
 
 
 def _check_rotated(call: Callable[[], None], x: _bench.Inputs) -> None:
     """One call writes every row: the latent copied, the rope part rotated (NeoX halves)."""
-    pool = x.k_pool.view(x.k_pool.shape[0], -1, C_PLUS_R)
-    pool.zero_()
-    call()
-    got = pool[:, x.slots]
+    got = _rows_written(call, x)
     src = x.kv.transpose(0, 1)
     assert torch.equal(got[..., :512], src[..., :512]), "latent differs"
     cos, sin = x.cos_sin[x.positions, :32], x.cos_sin[x.positions, 32:]
     x1, x2 = src[..., 512:544].float(), src[..., 544:].float()
     want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(src.dtype)
     assert torch.allclose(got[..., 512:].float(), want.float(), atol=2e-2, rtol=2e-2), "rope part differs"
-
-
-def _rotate(x: _bench.Inputs, rows: int, warps: int) -> Callable[[], None]:
-    pool = x.k_pool
-    num_tokens, layers = x.kv.shape[0], x.kv.shape[1]
-    kernel: triton.JITFunction = _copy_rotate  # type: ignore[assignment]
-    grid = (triton.cdiv(num_tokens, rows) * layers,)
-    args = (x.kv, x.slots, pool, num_tokens, pool.stride(0), x.positions, x.cos_sin, x.cos_sin.shape[0])
-    return lambda: kernel[grid](*args, L=layers, ROWS=rows, num_warps=warps)
 
 
 def _torch_copy(x: _bench.Inputs) -> Callable[[], None]:
@@ -205,11 +200,15 @@ def _torch_copy(x: _bench.Inputs) -> Callable[[], None]:
 
 
 def _triton_copy(kernel: object, x: _bench.Inputs, rows: int, warps: int) -> Callable[[], None]:
+    """One launch of a copy kernel above; `_copy_rotate` also takes the positions and the cos/sin cache."""
     pool = x.k_pool
     num_tokens, layers = x.kv.shape[0], x.kv.shape[1]
     grid = (triton.cdiv(num_tokens, rows) * layers,)
     jit: triton.JITFunction = kernel  # type: ignore[assignment]
-    return lambda: jit[grid](x.kv, x.slots, pool, num_tokens, pool.stride(0), L=layers, ROWS=rows, num_warps=warps)
+    args: tuple[object, ...] = (x.kv, x.slots, pool, num_tokens, pool.stride(0))
+    if kernel is _copy_rotate:
+        args += (x.positions, x.cos_sin, x.cos_sin.shape[0])
+    return lambda: jit[grid](*args, L=layers, ROWS=rows, num_warps=warps)
 
 
 if __name__ == "__main__":
