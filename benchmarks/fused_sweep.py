@@ -35,7 +35,13 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
     elif num_tokens <= 32:
         grid = [(32, 128, 4), (32, 128, 5), (32, 64, 5), (32, 64, 6)]
     elif num_tokens <= 64:
-        grid = [(64, 64, 5), (64, 64, 6), (64, 128, 4)]
+        # RoPE rows early gained nothing here (2026-12-01); 8 warps not tried before.
+        return [
+            _launch.ProjectionConfig(block_m, block_k, warps, stages, False, early_loads)
+            for block_m, block_k, stages in [(64, 64, 5), (64, 64, 6), (64, 128, 4), (64, 32, 8)]
+            for warps in (4, 8)
+            for early_loads in (False, True)
+        ]
     else:
         return [
             _launch.ProjectionConfig(block_m, block_k, warps, stages)

@@ -1,0 +1,71 @@
+"""Developer script for a CUDA machine: where a public call's host time goes, on the host that runs it.
+
+Not part of the package. Usage: ``python benchmarks/host_profile.py [NAME ...]`` (names of
+`typedkv._bench.public_calls`, at T = 16; default: the materializer's calls and the per-layer
+pool op). For each call: its wall-clock microseconds and a bare one-line-kernel launch's, timed
+alternately as the bench does, then cProfile's top functions by their own time over 3000 calls
+(the profiler's overhead inflates every figure; compare shares, not microseconds). Beside them,
+the primitives a call pays for on this host: a CUDA ``torch.empty``, a direct launch of the
+compiled one-line kernel, ``torch.cuda.is_current_stream_capturing``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from typedkv import _bench
+
+
+@triton.jit
+def _touch(x_ptr):  # type: ignore[no-untyped-def]  # Triton reads parameter annotations: none here
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    calls = _bench.public_calls(device)
+    names = sys.argv[1:] or ["materializer_call", "materializer_into_pool_per_layer", "into_pool_per_layer"]
+    x = torch.zeros(1, device=device)
+    compiled = _touch[(1,)](x)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def bare() -> None:
+        _touch[(1,)](x)
+
+    def direct() -> None:
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, x)
+
+    primitives = {
+        "bare_launch": bare,
+        "direct_launch": direct,
+        "cuda_empty_16x5x8x128": lambda: torch.empty((5, 16, 8, 128), dtype=torch.bfloat16, device=device),
+        "is_capturing": torch.cuda.is_current_stream_capturing,
+    }
+    for name, fn in primitives.items():
+        print(f"{name:>40}: {_bench.host_time_us(fn):8.2f} us", flush=True)
+    for name in names:
+        fn = calls[name]
+        for _ in range(2):
+            print(
+                f"{name:>40}: {_bench.host_time_us(fn):8.2f} us  bare {_bench.host_time_us(bare):8.2f} us", flush=True
+            )
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(3000):
+            fn()
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+        print(text.getvalue().split("\n", 6)[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
