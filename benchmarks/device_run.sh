@@ -22,12 +22,18 @@
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
+#   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
+#   pdl_ab         programmatic dependent launch on and off, alternated in separate processes:
+#                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
+#                  end-to-end section; $PDL_E2E_ROUNDS, 2)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases, 2 rounds
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
 #                  benchmarks/mla_sweep.py (the MLA launch configuration)
+#   gpu_k          the GPU tests of $GPU_K_FILES (default tests) whose names match $GPU_K (pytest -k; 8 workers)
+#   fused_k        the fused projection's GPU tests whose names match $FUSED_K (pytest -k; 4 workers)
 #   fused          the fused projection's GPU tests (bf16 numerics, pools, FP8, graphs, compile, no sync; 8
 #                  workers), benchmarks/fused_sweep.py (launch configurations vs torch.mm; T list in
 #                  $FUSED_SWEEP_T, default its own), then the end-to-end bench (each projection path
@@ -111,11 +117,31 @@ for step in $STEPS; do
             timeout "${MLA_SWEEP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         fused_sweep)
             fused_sweep ;;
+        host_profile)
+            PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_profile.py ${HOST_PROFILE_CALLS:-} 2>&1 | tee "$OUT/host_profile.txt" ;;
+        pdl_ab)
+            for round in $(seq "${PDL_PEER_ROUNDS:-2}"); do
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py 1 2>&1 | sed 's/^/pdl   /'
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py --no-pdl 1 2>&1 | sed 's/^/nopdl /'
+            done | tee "$OUT/pdl_peer.txt"
+            for round in $(seq "${PDL_E2E_ROUNDS:-2}"); do
+                timeout 150 python3 -m typedkv bench --only e2e --out "$OUT/e2e_pdl_$round" 2>&1 | grep -A9 "^     T " \
+                    | sed 's/^/pdl   /'
+                timeout 150 python3 -c "import sys; from typedkv import _launch, _cli; _launch.PROGRAMMATIC_LAUNCH = False; \
+sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round']))" 2>&1 | grep -A9 "^     T " \
+                    | sed 's/^/nopdl /'
+            done | tee "$OUT/pdl_e2e.txt" ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
         e2e)
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
                 | tee "$OUT/e2e.txt" ;;
+        gpu_k)
+            timeout "${GPU_K_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/typecheck \
+                ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40 | tee "$OUT/gpu_k.txt" ;;
+        fused_k)
+            timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused.py \
+                -k "${FUSED_K:-}" 2>&1 | tail -40 | tee "$OUT/fused_k.txt" ;;
         fused)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gpu_fused.py 2>&1 \
                 | tail -60 | tee "$OUT/fused_gpu.txt"

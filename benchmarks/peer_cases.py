@@ -1,12 +1,13 @@
 """The standalone kernel at the cases where a peer kernel was measured (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [rounds]``. Each
+Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [rounds]``. Each
 line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
 times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s recorded
 below (a FlagGems-sglang Triton kernel, measured on this GPU model in an earlier run) and the
 ratio of the two. The peer figures are not measured here. ``--sweep``: each case below
 T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program),
-the configurations alternated within each round.
+the configurations alternated within each round. ``--no-pdl``: launches without programmatic
+dependent launch (`typedkv._launch.PROGRAMMATIC_LAUNCH`), for an A/B in separate processes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ SWEEP = [None] + [_launch.KVConfig(split_kv=True, num_warps=warps) for warps in 
 
 def main() -> None:
     sweep = "--sweep" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--sweep"]
+    if "--no-pdl" in sys.argv:
+        _launch.PROGRAMMATIC_LAUNCH = False
+    args = [a for a in sys.argv[1:] if a not in ("--sweep", "--no-pdl")]
     rounds = int(args[0]) if args else 2
     device = torch.device("cuda")
     defaults = _launch.launch_params.__kwdefaults__

@@ -85,6 +85,43 @@ def test_outputs_into_slab_cuda() -> None:
 
 
 @pytest.mark.production
+def test_programmatic_launch_reads_the_prior_kernels_output_cuda() -> None:
+    """Each call's kv written by the kernel just before it on the stream (a programmatic dependent launch on
+    Hopper: launched while that kernel runs, waiting for it before the first load): the reference's K/V,
+    eagerly and in a replayed CUDA graph, the two inputs alternating."""
+    from typedkv import _impl, _launch
+
+    base = cuda(make_case(4096, 5, 8, 128, 128, torch.bfloat16, seed=1))
+    cases = [base, replace(base, kv=cuda(make_case(4096, 5, 8, 128, 128, torch.bfloat16, seed=2)).kv)]
+    want = [case.run() for case in cases]
+    for case, (k, v) in zip(cases, want, strict=True):
+        assert_matches_reference(case, k, v)
+    kv = torch.empty_like(cases[0].kv)
+    live = replace(cases[0], kv=kv)
+    k_out, v_out = (torch.empty_like(t) for t in want[0])
+
+    def step(i: int) -> None:
+        torch.mul(cases[i % 2].kv, 1.0, out=kv)  # an elementwise kernel writes kv, then ours reads it
+        live.run(k_out=k_out, v_out=v_out)
+
+    for i in range(6):
+        step(i)
+        assert torch.equal(k_out, want[i % 2][0]) and torch.equal(v_out, want[i % 2][1])
+    launches = [plan.launch for plan in _impl.DENSE.signature._plans.values() if plan.launch is not None]
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert launches and all(launch.programmatic is (hopper and _launch.PROGRAMMATIC_LAUNCH) for launch in launches)
+    assert all(launch.compiled.metadata.launch_pdl is launch.programmatic for launch in launches if launch.compiled)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(1)
+        step(0)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(k_out, want[0][0]) and torch.equal(v_out, want[0][1])
+
+
+@pytest.mark.production
 def test_unaligned_kv_after_aligned_cuda() -> None:
     """One layout, kv 16-byte aligned and then two bytes off (the same shape and strides).
 

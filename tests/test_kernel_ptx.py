@@ -119,3 +119,18 @@ def test_fused_early_loads_compiles_for_hopper(case: str) -> None:
     }
     assert all(".entry project_kv_kernel" in text for text in ptx.values())
     assert ptx[False] != ptx[True]
+
+
+@pytest.mark.parametrize("case", ["dense-T16-neox-R128", "fused-T16-list-fp8e4nv-tensor", "mla-T16-dense-bf16"])
+def test_programmatic_launch_waits_first(case: str) -> None:
+    """On Hopper every launch is a programmatic dependent one (`typedkv._launch.programmatic_launch`):
+    the kernel's first instruction that touches memory is ``griddepcontrol.wait`` (WAIT_PRIOR), and
+    without it there is none (the CPU capture here, as on GPUs before Hopper)."""
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    assert kernel.arg_names[-1] == "WAIT_PRIOR" and params[-1] is False
+    for wait in (False, True):
+        ptx = snapshot.compile_ptx(kernel, (*params[:-1], wait), num_warps)
+        first = re.search(r"griddepcontrol\.wait|\b(ld|st|atom|red)\.global", ptx)
+        assert first is not None and (first.group(0) == "griddepcontrol.wait") is wait

@@ -28,6 +28,7 @@ from __future__ import annotations
 # parameter annotations when it compiles); mypy skips this module's bodies.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ._epilogue import (
     _cast,
@@ -152,7 +153,10 @@ def project_kv_kernel(
     EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
+    if WAIT_PRIOR:
+        gdc_wait()  # before any load: hidden may be the prior kernel's output
     # Token blocks on grid axis 0, (layer, head slot) on axis 1: the programs
     # launched together share their weight rows, which L2 then serves.
     block = tl.program_id(0)

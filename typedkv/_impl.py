@@ -151,8 +151,11 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     return plan, k_out, v_out
 
 
-def materialize_kv(call: DenseCall, plan: Plan | None = None) -> tuple[Tensor, Tensor]:
-    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `dense_plan`."""
+def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool = False) -> tuple[Tensor, Tensor]:
+    """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `dense_plan`.
+
+    ``after_gemm``: the call's kv was just written by the caller's own GEMM (`KernelLaunch`).
+    """
     plan, k_out, v_out = dense_plan(call, plan)
     if plan.empty:
         return k_out, v_out
@@ -177,7 +180,8 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None) -> tuple[Tensor, T
             None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
         )  # fmt: skip
     plan.launch(
-        _launch.varying(kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None)
+        _launch.varying(kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None),
+        after_gemm,
     )
     return k_out, v_out
 
@@ -239,8 +243,11 @@ def pool_destinations(
     return k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
 
 
-def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
-    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `pool_plan`."""
+def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:
+    """`typedkv.materialize_kv_into_pool`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `pool_plan`.
+
+    ``after_gemm``: the call's kv was just written by the caller's own GEMM (`KernelLaunch`).
+    """
     plan, geometry, addresses = pool_plan(call, plan)
     if geometry is None:
         return
@@ -274,7 +281,8 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
     plan.launch(
         _launch.varying(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, k_dst, v_dst, table, scales
-        )
+        ),
+        after_gemm,
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 # (pyproject.toml: [[tool.mypy.overrides]] for typedkv._kernel).
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ._epilogue import (
     _cast,
@@ -324,7 +325,10 @@ def materialize_kv_kernel(
     LAYER_FAST: tl.constexpr,
     FULL_ROW: tl.constexpr,
     V_FIRST: tl.constexpr,  # K and V in one program: V's loads issued before K's stores (else after them)
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
+    if WAIT_PRIOR:
+        gdc_wait()  # before any load: what the kernel reads may be the prior kernel's output
     # One program per (token block, layer) on a 1-D grid; LAYER_FAST puts a
     # token's layers on neighbouring programs, so kv is read front to back.
     pid = tl.program_id(0)

@@ -98,6 +98,25 @@ def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
 
 
+# Programmatic dependent launch (Hopper and later): a kernel is launched while the
+# kernel before it on the stream is still running, its programs start as SMs free
+# up, and each waits (griddepcontrol.wait, every kernel's WAIT_PRIOR) for that
+# kernel's completion before its first load. The launch and the programs' start
+# overlap the prior kernel's tail instead of following it. A switch for A/B runs.
+PROGRAMMATIC_LAUNCH = True
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether launches on ``device`` are programmatic dependent launches (each kernel's ``WAIT_PRIOR``)."""
+    return PROGRAMMATIC_LAUNCH and device.type == "cuda" and not INTERPRETED and _capability(device) >= (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
 def use_kernel(device: torch.device) -> bool:
     """Whether tensors on ``device`` go through the Triton kernel (else the reference)."""
     return device.type == "cuda" or INTERPRETED
@@ -166,7 +185,7 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        one_tile_k, config.v_first and not split,
+        one_tile_k, config.v_first and not split, programmatic_launch(kv.device),
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
 
@@ -247,10 +266,24 @@ class KernelLaunch:
         self.template = [None if i in varying else p for i, p in enumerate(params)]
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
         self.direct = self.device.type == "cuda" and not INTERPRETED
-        self.compiled: Any = None
+        # Every kernel's last parameter is WAIT_PRIOR: when set, calls may launch it as a
+        # programmatic dependent launch (`programmatic_launch`), a variant compiled apart.
+        self.programmatic = params[-1] is True
+        self._compiled: list[Any] = [None, None]  # [plain launch, programmatic launch]
 
-    def __call__(self, values: tuple[Any, ...]) -> None:
-        """Launch with this call's tensors and floats, in kernel order."""
+    @property
+    def compiled(self) -> Any:
+        """The compiled kernel a default call runs directly (None before the first aligned call)."""
+        return self._compiled[self.programmatic]
+
+    def __call__(self, values: tuple[Any, ...], after_gemm: bool = False) -> None:
+        """Launch with this call's tensors and floats, in kernel order.
+
+        ``after_gemm``: the call's own GEMM was launched just before (a materializer's GEMM
+        path): a plain launch. After cuBLAS's GEMM a programmatic one was measured slower at
+        small T (H200: 0.2-0.6 us at T = 1-256), its early programs holding SMs the GEMM's
+        last ones wait for.
+        """
         params = self.template.copy()
         for i, value in zip(self.varying, values, strict=True):
             params[i] = value
@@ -262,20 +295,22 @@ class KernelLaunch:
             else:
                 kernel[self.grid](*params, num_warps=self.num_warps)
             return
+        programmatic = self.programmatic and not after_gemm
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):
-                self._cuda(params, values)
+                self._cuda(params, values, programmatic)
         else:
-            self._cuda(params, values)
+            self._cuda(params, values, programmatic)
 
-    def _cuda(self, params: list[Any], values: tuple[Any, ...]) -> None:
+    def _cuda(self, params: list[Any], values: tuple[Any, ...], programmatic: bool) -> None:
         aligned = _aligned(values, self.tensors)
-        compiled = self.compiled
+        compiled = self._compiled[programmatic]
         if compiled is None or not aligned or not _hooks_idle():
-            compiled = self.kernel[self.grid](*params, num_warps=self.num_warps)
+            options = _PROGRAMMATIC if programmatic else {}
+            compiled = self.kernel[self.grid](*params, num_warps=self.num_warps, **options)
             # Only a kernel compiled for aligned pointers serves later aligned calls.
             if aligned and not hasattr(compiled, "result"):
-                self.compiled = compiled
+                self._compiled[programmatic] = compiled
             return
         if _current_stream is not None:
             stream = _current_stream(self.device.index)
@@ -285,6 +320,9 @@ class KernelLaunch:
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
         )
+
+
+_PROGRAMMATIC = {"launch_pdl": True}  # Triton's launch option: a programmatic dependent launch
 
 
 def _per_call(value: Any) -> bool:
@@ -403,7 +441,7 @@ def mla_launch(
         slots is not None, page_size,
         table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
-        block_t, block_c, block_half, INTERPRETED, num_layers,
+        block_t, block_c, block_half, INTERPRETED, num_layers, programmatic_launch(ckv.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
     return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)
@@ -658,6 +696,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
         early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+        programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return KernelLaunch(project_kv_kernel, grid, params, config.num_warps)

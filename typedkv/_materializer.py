@@ -334,7 +334,8 @@ class KVMaterializer(nn.Module):
             kept = self._plans.keep(key, _Kept(path.layout(call), kv if fused else None))
         if fused:
             return path.project(call, hidden, weight, bias, kept.plan)
-        return path.planned(call, kept.plan)
+        # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
+        return path.planned(call, kept.plan, True)
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is untyped (it runs hooks, then forward): to a type
@@ -449,7 +450,7 @@ class _Path(NamedTuple):
     ops: _torch_ops.TorchOps  # traced, GEMM + kernel: the public function's op
     fused_ops: _torch_ops.TorchOps  # traced, fused
     layout: Callable[[Any], Plan]  # the op's plan of a call's layout (its production check)
-    planned: Callable[[Any, Plan], Any]  # the op, eagerly, given the plan
+    planned: Callable[[Any, Plan, bool], Any]  # the op, eagerly, given the plan (and: right after the GEMM)
     project: Callable[..., Any]  # the fused projection, eagerly, given the plan
 
 

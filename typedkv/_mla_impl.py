@@ -69,10 +69,11 @@ def dense_layout(call: DenseCall) -> Plan:
     return plan
 
 
-def materialize_mla_kv(call: DenseCall, plan: Plan | None = None) -> Tensor:
+def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool = False) -> Tensor:
     """`typedkv.materialize_mla_kv`, eagerly: checked, then launched (or run by the reference).
 
     ``plan``: the call's `dense_layout`, when the caller has it already (a materializer keeps its calls' plans).
+    ``after_gemm``: the call's ckv was just written by the caller's own GEMM (`typedkv._launch.KernelLaunch`).
     """
     sig = DENSE.signature
     if plan is None:
@@ -102,7 +103,8 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None) -> Tensor:
             kv_lora_rank=dims["C"], page_size=1, num_rows=dims["T"], neox=neox, kv_scale=None,
         )  # fmt: skip
     launch(
-        _launch.mla_varying(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, None, out, None, None)
+        _launch.mla_varying(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, None, out, None, None),
+        after_gemm,
     )
     return out
 
@@ -123,10 +125,10 @@ def pool_layout(call: PoolCall) -> Plan:
     return plan
 
 
-def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> None:
+def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:
     """`typedkv.materialize_mla_kv_into_pool`, eagerly: checked, then launched (or run by the reference).
 
-    ``plan``: the call's `pool_layout`, when the caller has it already.
+    ``plan``: the call's `pool_layout`, when the caller has it already; ``after_gemm`` as in `materialize_mla_kv`.
     """
     sig = POOL.signature
     if plan is None:
@@ -179,7 +181,8 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None) -> No
     launch(
         _launch.mla_varying(
             ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, table, call.kv_scale
-        )
+        ),
+        after_gemm,
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 # parameter annotations when it compiles.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ._epilogue import _cast, _destination_rows, _layer_scale, _rope_row, _row_offset, _rstd, _store_scaled
 
@@ -107,7 +108,10 @@ def materialize_mla_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
+    if WAIT_PRIOR:
+        gdc_wait()  # before any load: what the kernel reads may be the prior kernel's output
     # One program per (token block, layer); a token's layers on neighbouring
     # programs, so ckv is read front to back.
     pid = tl.program_id(0)

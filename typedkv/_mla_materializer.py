@@ -268,7 +268,8 @@ class MLAKVMaterializer(nn.Module):
         call = type(call)(self._gemm(hidden, state), *call[1:])
         if plan is None:
             plan = self._plans.keep(key, path.layout(call))
-        return path.planned(call, plan)
+        # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
+        return path.planned(call, plan, True)
 
     if TYPE_CHECKING:
         # As in KVMaterializer: to a type checker a call is forward itself.
@@ -315,7 +316,7 @@ class _Path(NamedTuple):
 
     traced: Callable[[Any], Any]  # under torch.compile: the op, as the public function calls it
     layout: Callable[[Any], Any]  # the op's plan of a call's layout (its production check)
-    planned: Callable[[Any, Any], Any]  # the op, eagerly, given the plan
+    planned: Callable[[Any, Any, bool], Any]  # the op, eagerly, given the plan (and: right after the GEMM)
 
 
 _DENSE_PATH = _Path(lambda call: DENSE_OPS(call)[0], dense_layout, materialize_mla_kv_planned)
