@@ -60,7 +60,7 @@ def capture(call: Callable[[], object]) -> list[Captured]:
     seen: list[Captured] = []
     use_kernel, run = _launch.use_kernel, _launch.KernelLaunch.__call__
 
-    def record(self: Any, values: tuple[Any, ...]) -> None:
+    def record(self: Any, values: tuple[Any, ...], after_gemm: bool = False) -> None:
         params = self.template.copy()
         for i, value in zip(self.varying, values, strict=True):
             params[i] = value

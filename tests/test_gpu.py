@@ -205,12 +205,20 @@ def test_paged_cuda(layout: str, norm: bool, fmt: torch.dtype) -> None:
     cache_loc[5] = num_slots + 7  # past the last page: skipped in production
     scales = (torch.tensor([0.5, 2.0, 0.125]), torch.tensor([1.5, 0.25, 1.0])) if fmt in FP8 else (None, None)
     typedkv.set_debug(False)
-    want = run_pool(inp, cache_loc, LAYOUTS[layout], fmt, num_slots, k_scale=scales[0], v_scale=scales[1])
-    spec = LAYOUTS[layout]
-    bases = [b.cuda() for b in spec.alloc(3, num_slots, 4, 128, fmt)]
+    _check_pool_cuda(inp, cache_loc, LAYOUTS[layout], fmt, num_slots, scales)
+
+
+def _check_pool_cuda(
+    inp: Inputs, cache_loc: Tensor, spec: Any, fmt: torch.dtype, num_slots: int, scales: tuple[Any, Any]
+) -> None:
+    """``inp`` into ``spec``'s pools on CUDA against the CPU path's bytes (`run_pool`): V bit for bit, K
+    within one step of the pool format, every byte no slot names untouched."""
+    L, T, H, D = inp.num_layers, inp.num_tokens, inp.num_kv_heads, inp.head_dim
+    want = run_pool(inp, cache_loc, spec, fmt, num_slots, k_scale=scales[0], v_scale=scales[1])
+    bases = [b.cuda() for b in spec.alloc(L, num_slots, H, D, fmt)]
     for base in bases:
         base.view(torch.uint8).fill_(SENTINEL)
-    k_pool, v_pool = spec.view(bases, 4, 128)
+    k_pool, v_pool = spec.view(bases, H, D)
     gpu = _on(inp, "cuda")
     gpu.into_pool(
         cache_loc.cuda(), k_pool, v_pool, kv_layout=spec.kv_layout,
@@ -229,12 +237,29 @@ def test_paged_cuda(layout: str, norm: bool, fmt: torch.dtype) -> None:
             err = (got.float() - expected.float()).abs()
             assert bool((err <= step).all()), f"K off by {float((err / step).max()):.2f} of the bound"
     # Every byte but the written slots still the sentinel: overwrite those with it, then look.
-    filler = torch.empty(3, num_tokens, 4, 128, dtype=fmt, device="cuda")
+    filler = torch.empty(L, T, H, D, dtype=fmt, device="cuda")
     filler.view(torch.uint8).fill_(SENTINEL)
     for pool in (k_pool, v_pool):
         write_slots(pool, filler, want.kept, want.slots, spec)
     for base in bases:
         assert bool((base.view(torch.uint8) == SENTINEL).all()), "a byte no slot names was written"
+
+
+@pytest.mark.production
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_per_layer_pools_off_16_bytes_after_aligned_cuda(fmt: torch.dtype) -> None:
+    """Per-layer pools on 16 bytes, then one element off them, then on again: one layout (shapes, strides).
+
+    The launch kept from the first call stores whole vectors (every layer's offset from
+    layer 0 a multiple of 16 bytes); the second call must not reuse it, or the GPU faults
+    on a misaligned address. Each call against the CPU path's bytes.
+    """
+    typedkv.set_debug(False)
+    inp = make_inputs(40, 3, 4, 128, 64, torch.bfloat16, seed=21, num_positions=512)
+    cache_loc = slots_for(40, 96, seed=22)
+    for layout in ("list_views", "list_unaligned", "list_views"):
+        _check_pool_cuda(inp, cache_loc, LAYOUTS[layout], fmt, 96, (None, None))
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])

@@ -151,6 +151,8 @@ def _pool(layout: str, dtype: torch.dtype, head_dim: int) -> tuple[Any, Any, typ
             None,
         ),
         "combined": lambda: _halves(torch.empty(2, *flat, dtype=dtype, device="cuda")),
+        # Each layer one element into its own row: no layer on 16 bytes (the launch that stores element by element).
+        "list_unaligned": lambda: _unaligned_layers(torch.empty(2 * L, S * H * head_dim + 1, dtype=dtype, device="cuda")),
     }  # fmt: skip
     k_pool, v_pool, kv_layout = pools[layout]()
     for t in [k_pool, v_pool] if isinstance(k_pool, Tensor) else [*k_pool, *v_pool]:
@@ -160,6 +162,11 @@ def _pool(layout: str, dtype: torch.dtype, head_dim: int) -> tuple[Any, Any, typ
 
 def _halves(memory: Tensor) -> tuple[Tensor, Tensor, None]:
     return memory[0], memory[1], None
+
+
+def _unaligned_layers(rows: Tensor) -> tuple[list[Tensor], list[Tensor], None]:
+    layers = [row[1:].view(S, H, -1) for row in rows]
+    return layers[:L], layers[L:], None
 
 
 def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
@@ -172,7 +179,7 @@ def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
     return stacked.reshape(L, S, H, -1)[:, slots].cpu()
 
 
-@pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined"])
+@pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined", "list_unaligned"])
 @pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) -> None:
     """Production mode: named rows hold the oracle's K/V, slots negative or >= S skipped, nothing else written."""
@@ -195,7 +202,7 @@ def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) 
 
 @pytest.mark.parametrize("scale", ["none", "float", "tensor"])
 @pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-@pytest.mark.parametrize("layout", ["flat", "NHD", "list"])
+@pytest.mark.parametrize("layout", ["flat", "NHD", "list", "list_unaligned"])
 def test_fp8_pools_cuda(layout: str, pool_dtype: torch.dtype, scale: str) -> None:
     """FP8 pools: V as the GEMM path stores it, K at most one FP8 step from it; saturating."""
     typedkv.set_debug(False)
@@ -342,3 +349,23 @@ def test_new_token_count_compiles_nothing_fused() -> None:
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
     assert compiled_variants(_launch.project_kv_kernel) == before
+
+
+@pytest.mark.production
+def test_per_layer_pools_off_16_bytes_after_aligned_cuda() -> None:
+    """Per-layer pools on 16 bytes, then one element off them, then on again (one layout): the oracle's rows.
+
+    The fused launch kept for the first call stores whole vectors; reused for the second,
+    the GPU would fault on a misaligned address.
+    """
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, bias=True)
+    x, positions, xc, pc = cuda_call(draft, 16)
+    cache_loc = torch.randperm(S)[:16]
+    k64, v = draft.oracle(x, positions)
+    for layout in ("list", "list_unaligned", "list"):
+        k_pool, v_pool, _ = _pool(layout, torch.bfloat16, 128)
+        draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool)
+        torch.cuda.synchronize()
+        got = (_rows(k_pool, cache_loc, layout), _rows(v_pool, cache_loc, layout))
+        assert_matches_oracle(got, (k64, v), torch.bfloat16)

@@ -134,3 +134,20 @@ def test_programmatic_launch_waits_first(case: str) -> None:
         ptx = snapshot.compile_ptx(kernel, (*params[:-1], wait), num_warps)
         first = re.search(r"griddepcontrol\.wait|\b(ld|st|atom|red)\.global", ptx)
         assert first is not None and (first.group(0) == "griddepcontrol.wait") is wait
+
+
+@pytest.mark.parametrize("case", ["pool-T8192-list-bf16", "fused-T16-list-bf16", "pool-T8192-list-fp8e4nv"])
+def test_per_layer_pools_store_whole_vectors(case: str) -> None:
+    """Per-layer pools whose layers start on 16 bytes (as the caught ones here): the stores are vectors,
+    as for one stacked pool; the table's offsets are then multiples of 16 bytes (`LAYER_TABLE`), and with
+    a multiple of 1 (a layer off 16 bytes) the stores are element by element."""
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    at = kernel.arg_names.index("LAYER_TABLE")
+    assert params[at] == 16 // (1 if "fp8" in case else 2)
+    for multiple in (params[at], 1):
+        ptx = snapshot.compile_ptx(kernel, (*params[:at], multiple, *params[at + 1 :]), num_warps)
+        stores = set(re.findall(r"st\.global(?:\.v\d)?\.b(?:8|16|32|64)\b", ptx))
+        narrow = {"st.global.b8", "st.global.b16"}
+        assert (stores & narrow == set()) is (multiple > 1), stores

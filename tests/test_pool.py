@@ -288,6 +288,13 @@ def _list_wide_rows(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Poo
     return k, v
 
 
+def _list_unaligned(bases: list[Tensor], heads: int, head_dim: int) -> tuple[Pool, Pool]:
+    # Each layer one element into its own row of the allocation: layer 0 off 16 bytes, and no offset
+    # between layers a whole 16-byte vector (the kernels' table launch that stores element by element).
+    layers = [row[1:].view(-1, heads, head_dim) for row in bases[0]]
+    return layers[: len(layers) // 2], layers[len(layers) // 2 :]
+
+
 LAYOUTS = {
     layout.name: layout
     for layout in (
@@ -327,6 +334,7 @@ LAYOUTS = {
             lambda L, S, H, D, dt: [torch.empty(L, S, H * D + 16, dtype=dt), torch.empty(L, S, H * D + 32, dtype=dt)],
             _list_wide_rows,
         ),
+        Layout("list_unaligned", lambda L, S, H, D, dt: [torch.empty(2 * L, S * H * D + 1, dtype=dt)], _list_unaligned),
     )
 }
 
@@ -1009,7 +1017,10 @@ def test_repeated_layout_uses_each_calls_values() -> None:
     for inp, k_scale, v_scale, loc in ((first, 0.5, 3.0, [0, 1, 2, 3, 4]), (second, 2.0, 0.125, [6, -1, 5, 4, 7])):
         cache_loc = torch.tensor(loc)
         run_pool(inp, cache_loc, LAYOUTS["stacked"], torch.float8_e5m2, 8, k_scale=k_scale, v_scale=v_scale).check()
-        run_pool(inp, cache_loc, LAYOUTS["list_views"], torch.float16, 8).check()
+        # Per-layer pools on 16 bytes, then off them, then on again: one layout (shapes and strides),
+        # two launches (whole-vector stores need every layer on 16 bytes).
+        for layout in ("list_views", "list_unaligned", "list_views"):
+            run_pool(inp, cache_loc, LAYOUTS[layout], torch.float16, 8).check()
         # [L] scales (the kernel's scale argument a tuple holding the tensor): refilled on each call too.
         scales = torch.tensor([k_scale, 1.0]), torch.tensor([v_scale, 0.25])
         run_pool(

@@ -217,7 +217,7 @@ def _per_layer_pools(num_layers: int = 2) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def _table(k_layers: list[Tensor], v_layers: list[Tensor]) -> Tensor:
-    return _device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])
+    return _device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])[0]
 
 
 def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,21 +16,26 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-# Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device.
+# Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device,
+# and whether every layer starts on 16 bytes (then each offset is a multiple of
+# 16 bytes' elements, and the kernels store whole vectors).
 # Built once per set of pool addresses (a pinned host copy, no sync) and reused;
 # the last _TABLES_MAX sets are kept. A table a CUDA graph was captured with is
 # read on every replay, so it moves to _PINNED and is never freed: otherwise its
 # memory could go to another tensor (or another table) and the graph would write
 # through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
 # pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
-_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor]] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, bool]] = OrderedDict()
 _TABLES_MAX = 16
-_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor, bool]] = {}
 _LOCK = threading.Lock()
 
 
-def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresses: Sequence[int]) -> Tensor:
-    """The ``[2, L]`` element offsets of each layer's K and V tensor from layer 0's, on their device.
+def layer_table(
+    k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresses: Sequence[int]
+) -> tuple[Tensor, bool]:
+    """The ``[2, L]`` element offsets of each layer's K and V tensor from layer 0's, on their device,
+    and whether every one of those tensors starts on 16 bytes.
 
     ``addresses``: every tensor's ``data_ptr()``, K's then V's (the caller has them already).
     """
@@ -46,7 +51,7 @@ def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresse
             host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
             # The pinned source lives as long as the table: a copy made during
             # capture is a graph node that reads it again on every replay.
-            entry = (host.to(device, non_blocking=True), host)
+            entry = (host.to(device, non_blocking=True), host, not any(a & 15 for a in addresses))
         if capturing:
             _TABLES.pop(key, None)
             _PINNED[key] = entry
@@ -55,7 +60,7 @@ def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresse
             _TABLES.move_to_end(key)
             if len(_TABLES) > _TABLES_MAX:
                 _TABLES.popitem(last=False)
-        return entry[0]
+        return entry[0], entry[2]
 
 
 # eps given as a sequence of per-layer numbers -> an [L] float32 tensor on the

@@ -176,9 +176,11 @@ def _row_offset(row, PAGE: tl.constexpr, strides):
 def _layer_base(ptr, layer_offsets_ptr, entry, layer, stride_l, LAYER_VEC: tl.constexpr, LAYER_TABLE: tl.constexpr):
     """Where ``layer`` of a destination starts: ``ptr`` plus the table's ``entry`` (``LAYER_TABLE``) or the layer stride.
 
-    The table holds element offsets from ``ptr`` (per-layer tensors); ``stride_l`` arrives divided by ``LAYER_VEC``.
+    The table holds element offsets from ``ptr`` (per-layer tensors), each a multiple of ``LAYER_TABLE``
+    elements (16 bytes' worth when every layer starts on 16 bytes: the stores stay whole vectors);
+    ``stride_l`` arrives divided by ``LAYER_VEC``.
     """
     if LAYER_TABLE:
-        return ptr + tl.load(layer_offsets_ptr + entry)
+        return ptr + tl.multiple_of(tl.load(layer_offsets_ptr + entry), LAYER_TABLE)
     else:
         return ptr + layer.to(tl.int64) * stride_l * LAYER_VEC

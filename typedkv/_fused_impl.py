@@ -75,15 +75,21 @@ def stand_in(memory: Tensor, num_tokens: int, num_layers: int, width: int) -> Te
 
 
 # Fused launches by checked layout (the op's plan) and what the plan does not
-# fix: hidden's width and strides, the weight's strides, whether there is a bias.
+# fix: hidden's width and strides, the weight's strides, whether there is a bias,
+# and the per-layer pools' table multiple (`typedkv._impl.pool_destinations`).
 # A plan is kept with its launch, so its id is not reused while the entry lives.
 _LAUNCHES: dict[tuple[object, ...], tuple[Plan, _launch.KernelLaunch]] = {}
 
 
 def _launch_of(
-    plan: Plan, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, build: Callable[[], _launch.KernelLaunch]
+    plan: Plan,
+    hidden: Tensor,
+    kv_weight: Tensor,
+    kv_bias: Tensor | None,
+    table_multiple: int,
+    build: Callable[[], _launch.KernelLaunch],
 ) -> _launch.KernelLaunch:
-    key = (id(plan), hidden.shape[1], hidden.stride(), kv_weight.stride(), kv_bias is None)
+    key = (id(plan), hidden.shape[1], hidden.stride(), kv_weight.stride(), kv_bias is None, table_multiple)
     entry = _LAUNCHES.get(key)
     if entry is None:
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
@@ -109,6 +115,7 @@ def project_kv(
         hidden,
         kv_weight,
         kv_bias,
+        0,
         # Dense outputs are pools of T rows, one token per row, no pages.
         lambda: _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
@@ -139,20 +146,21 @@ def project_kv_into_pool(
         return
     dims = plan.bound.dims
     eps = layer_eps(call.eps, hidden)
-    k_dst, v_dst, table = pool_destinations(call.k_pool, call.v_pool, addresses)
+    k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
     launch = _launch_of(
         plan,
         hidden,
         kv_weight,
         kv_bias,
+        table_multiple,
         lambda: _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
             table, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"],
             page_size=geometry.page_size, num_rows=geometry.num_slots, neox=call.rope_style == "neox",
-            scales=scales,
+            scales=scales, table_multiple=table_multiple,
         ),
     )  # fmt: skip
     launch(

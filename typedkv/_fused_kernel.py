@@ -135,7 +135,7 @@ def project_kv_kernel(
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
-    LAYER_TABLE: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,  # 0: layer l at l * stride; else offsets from a table, multiples of this
     K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,

@@ -230,17 +230,21 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
 
 def pool_destinations(
     k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor], addresses: list[int] | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(k_dst, v_dst, layer table)`` of checked pools: stacked tensors as they are, or layer 0's plus offsets.
+) -> tuple[Tensor, Tensor, Tensor | None, int]:
+    """``(k_dst, v_dst, layer table, table multiple)`` of checked pools: stacked tensors as they are, or
+    layer 0's plus offsets.
 
-    ``addresses``: `pool_plan`'s, read once per call.
+    ``addresses``: `pool_plan`'s, read once per call. The table multiple (the launches' ``table_multiple``):
+    0 without a table; else every offset is a multiple of that many elements -- 16 bytes' worth when
+    every layer starts on 16 bytes (whole vectors stored), else 1.
     """
     if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
-        return k_pool, v_pool, None
+        return k_pool, v_pool, None, 0
     # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
     # layer 0's address plus an offset table for the others.
     k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-    return k_list[0], v_list[0], layer_table(k_list, v_list, cast(list[int], addresses))
+    table, aligned = layer_table(k_list, v_list, cast(list[int], addresses))
+    return k_list[0], v_list[0], table, 16 // k_list[0].element_size() if aligned else 1
 
 
 def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:
@@ -268,17 +272,22 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
                     _reference.quantize(values, scale, layers[0].dtype), call.cache_loc, layers, page, hnd
                 )
         return
-    k_dst, v_dst, table = pool_destinations(k_pool, v_pool, addresses)
+    k_dst, v_dst, table, table_multiple = pool_destinations(k_pool, v_pool, addresses)
     scales = call.scales
-    if plan.launch is None:
-        plan.launch = _launch.Launch(
+    # The plan keeps the launch of layers on 16 bytes (or of stacked pools); a call whose per-layer
+    # pools are not gets a launch of its own, uncached, which stores element by element.
+    launch = plan.launch if table_multiple != 1 else None
+    if launch is None:
+        launch = _launch.Launch(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
             table, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=geometry.page_size,
-            num_rows=geometry.num_slots, neox=neox, scales=scales,
+            num_rows=geometry.num_slots, neox=neox, scales=scales, table_multiple=table_multiple,
         )  # fmt: skip
-    plan.launch(
+        if table_multiple != 1:
+            plan.launch = launch
+    launch(
         _launch.varying(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, k_dst, v_dst, table, scales
         ),

@@ -142,6 +142,7 @@ def launch_params(
     neox: bool,
     scales: tuple[Scale, Scale] = (None, None),
     config: KVConfig = KVConfig(),
+    table_multiple: int = 1,
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
@@ -154,7 +155,9 @@ def launch_params(
     (``None``: layer ``l`` starts at ``l * stride``). ``k_norm_weight`` None:
     no K norm. ``scales``: K's and V's FP8 scales (float, ``[L]`` tensor or
     None), for FP8 destinations only. ``config``: the launch configuration (the
-    default: chosen by size).
+    default: chosen by size). ``table_multiple``: every offset in ``layer_offsets``
+    is a multiple of this many elements, for every call of the launch (the caller
+    checks; 16 bytes' worth lets the kernel store whole vectors).
     """
     num_tokens, num_layers, _ = kv.shape
     rotary_dim = cos_sin_cache.shape[1]
@@ -181,7 +184,7 @@ def launch_params(
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, isinstance(eps, torch.Tensor),
-        slots is not None, page_size, layer_offsets is not None, _scale_mode(scales[0], k_dst),
+        slots is not None, page_size, _table_mode(layer_offsets, table_multiple), _scale_mode(scales[0], k_dst),
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
@@ -439,7 +442,7 @@ def mla_launch(
         # constexprs
         kv_lora_rank, rotary_dim, neox, kv_norm_weight is not None, isinstance(eps, torch.Tensor),
         slots is not None, page_size,
-        table_multiple if layer_offsets is not None else 0, _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
+        _table_mode(layer_offsets, table_multiple), _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
         block_t, block_c, block_half, INTERPRETED, num_layers, programmatic_launch(ckv.device),
     )  # fmt: skip
@@ -524,6 +527,11 @@ def _scale_pair(scales: tuple[Scale, Scale]) -> tuple[tuple[torch.Tensor | None,
 
 
 _NO_SCALES = _scale_pair((None, None))
+
+
+def _table_mode(layer_offsets: torch.Tensor | None, table_multiple: int) -> int:
+    """A kernel's ``LAYER_TABLE``: 0 without a layer table, else the multiple its offsets are of."""
+    return 0 if layer_offsets is None else table_multiple
 
 
 def _pow2_divisor(value: int, cap: int) -> int:
@@ -666,12 +674,13 @@ def projection_launch(
     neox: bool,
     scales: tuple[Scale, Scale] = (None, None),
     config: ProjectionConfig = ProjectionConfig(),
+    table_multiple: int = 1,
 ) -> KernelLaunch:
     """The fused projection's launch; called with `projection_varying`'s values.
 
     ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each
     layer's K rows, then its V rows; ``kv_bias`` ``[L*2*H*D]`` or None) replace
-    `launch_params`' ``kv``; the destinations and the rest are as there.
+    `launch_params`' ``kv``; the destinations and the rest (``table_multiple`` too) are as there.
     """
     num_tokens, hidden_size = hidden.shape
     rotary_dim = cos_sin_cache.shape[1]
@@ -692,7 +701,7 @@ def projection_launch(
         num_tokens, cos_sin_cache.shape[0], num_rows,
         # constexprs
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
-        isinstance(eps, torch.Tensor), slots is not None, page_size, layer_offsets is not None,
+        isinstance(eps, torch.Tensor), slots is not None, page_size, _table_mode(layer_offsets, table_multiple),
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
         early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,

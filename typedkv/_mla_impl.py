@@ -165,8 +165,8 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         # aligned (offsets of whole vectors: stores stay vectorised); a call
         # with a layer that is not gets a launch of its own, uncached.
         addresses = cast(list[int], addresses)
-        dst, table = kv_pool[0], layer_table(kv_pool, kv_pool, addresses + addresses)
-        aligned = not any(a & 15 for a in addresses)
+        dst = kv_pool[0]
+        table, aligned = layer_table(kv_pool, kv_pool, addresses + addresses)
     launch = plan.launch if aligned else None
     if launch is None:
         by_dim = plan.bound.strides("kv_pool", dst)
