@@ -15,6 +15,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from typedkv import _launch
 
@@ -151,3 +154,18 @@ def test_per_layer_pools_store_whole_vectors(case: str) -> None:
         stores = set(re.findall(r"st\.global(?:\.v\d)?\.b(?:8|16|32|64)\b", ptx))
         narrow = {"st.global.b8", "st.global.b16"}
         assert (stores & narrow == set()) is (multiple > 1), stores
+
+
+@triton.jit
+def _no_wait(x_ptr, LAST: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads annotations: none here
+    tl.store(x_ptr, tl.load(x_ptr) + LAST)
+
+
+def test_only_a_kernel_that_waits_launches_programmatically() -> None:
+    """`KernelLaunch` launches programmatically a kernel whose ``WAIT_PRIOR`` is set, and no other kernel
+    (one launched so without its wait could read the prior kernel's output before it is written)."""
+    snapshot = _snapshot()
+    ((kernel, grid, params, num_warps),) = snapshot.capture(snapshot.cases()["dense-T16-neox-R128"])
+    assert _launch.KernelLaunch(kernel, grid, (*params[:-1], True), num_warps).programmatic
+    assert not _launch.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
+    assert not _launch.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic

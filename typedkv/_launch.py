@@ -269,9 +269,10 @@ class KernelLaunch:
         self.template = [None if i in varying else p for i, p in enumerate(params)]
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
         self.direct = self.device.type == "cuda" and not INTERPRETED
-        # Every kernel's last parameter is WAIT_PRIOR: when set, calls may launch it as a
-        # programmatic dependent launch (`programmatic_launch`), a variant compiled apart.
-        self.programmatic = params[-1] is True
+        # A kernel whose WAIT_PRIOR is set waits for the prior kernel before its first load:
+        # calls may launch it as a programmatic dependent launch, a variant compiled apart.
+        at = _wait_prior_index(kernel)
+        self.programmatic = at is not None and params[at] is True
         self._compiled: list[Any] = [None, None]  # [plain launch, programmatic launch]
 
     @property
@@ -359,6 +360,13 @@ class Launch(KernelLaunch):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         grid, params, num_warps = launch_params(*args, **kwargs)
         super().__init__(materialize_kv_kernel, grid, params, num_warps)
+
+
+@functools.cache
+def _wait_prior_index(kernel: Any) -> int | None:
+    """The position of ``kernel``'s ``WAIT_PRIOR`` parameter (`programmatic_launch`), or None."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    return names.index("WAIT_PRIOR") if "WAIT_PRIOR" in names else None
 
 
 @functools.cache
