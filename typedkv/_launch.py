@@ -285,7 +285,7 @@ class KernelLaunch:
 
         ``after_gemm``: the call's own GEMM was launched just before (a materializer's GEMM
         path): a plain launch. After cuBLAS's GEMM a programmatic one was measured slower at
-        small T (H200: 0.2-0.6 us at T = 1-256), its early programs holding SMs the GEMM's
+        small T (H200: 0.2-0.7 us at T = 1-256), its early programs holding SMs the GEMM's
         last ones wait for.
         """
         params = self.template.copy()
