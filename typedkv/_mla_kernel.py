@@ -23,7 +23,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ._epilogue import _cast, _destination_rows, _layer_scale, _rope_row, _row_offset, _rstd, _store_scaled
+from ._epilogue import (
+    _cast,
+    _destination_rows,
+    _layer_base,
+    _layer_scale,
+    _rope_row,
+    _row_offset,
+    _rstd,
+    _store_scaled,
+)
 
 
 @triton.jit
@@ -121,12 +130,7 @@ def materialize_mla_kv_kernel(
     # Row offsets in int64: T * stride overflows int32 for large batches.
     src = ckv_ptr + tok.to(tl.int64) * ckv_stride_t + layer * ckv_stride_l
     row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
-    if LAYER_TABLE:
-        # Every layer's offset is a multiple of LAYER_TABLE elements (16 bytes when
-        # the launch checked each layer's alignment): the rows stay vectorised.
-        base = dst_ptr + tl.multiple_of(tl.load(layer_offsets_ptr + layer), LAYER_TABLE)
-    else:
-        base = dst_ptr + layer.to(tl.int64) * dst_stride_l * LAYER_VEC
+    base = _layer_base(dst_ptr, layer_offsets_ptr, layer, layer, dst_stride_l, LAYER_VEC, LAYER_TABLE)
     dst = base + _row_offset(row, PAGE, (dst_stride_page, dst_stride_slot))
     scale = _layer_scale(kv_scale, layer, SCALE)
 
