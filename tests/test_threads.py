@@ -240,7 +240,7 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
         for k_other, v_other in others:
             _table(k_other, v_other)
 
-    class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, bool]]):
+    class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, int]]):
         def get(self, key: tuple[object, ...], default: Any = None) -> Any:
             hit = super().get(key, default)
             if threading.current_thread() is caller:

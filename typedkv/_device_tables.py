@@ -17,25 +17,24 @@ import torch
 from torch import Tensor
 
 # Per-layer pool lists -> [2, L] int64 element offsets from layer 0, on the device,
-# and whether every layer starts on 16 bytes (then each offset is a multiple of
-# 16 bytes' elements, and the kernels store whole vectors).
+# and the multiple every offset is of: 16 bytes' elements when every layer starts
+# on 16 bytes (the kernels then store whole vectors), else 1.
 # Built once per set of pool addresses (a pinned host copy, no sync) and reused;
 # the last _TABLES_MAX sets are kept. A table a CUDA graph was captured with is
 # read on every replay, so it moves to _PINNED and is never freed: otherwise its
 # memory could go to another tensor (or another table) and the graph would write
 # through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
 # pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
-_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, bool]] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, int]] = OrderedDict()
 _TABLES_MAX = 16
-_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor, bool]] = {}
+_PINNED: dict[tuple[object, ...], tuple[Tensor, Tensor, int]] = {}
 _LOCK = threading.Lock()
 
 
-def layer_table(
-    k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresses: Sequence[int]
-) -> tuple[Tensor, bool]:
+def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresses: Sequence[int]) -> tuple[Tensor, int]:
     """The ``[2, L]`` element offsets of each layer's K and V tensor from layer 0's, on their device,
-    and whether every one of those tensors starts on 16 bytes.
+    and the multiple of elements every offset is of: 16 bytes' worth when every one of those
+    tensors starts on 16 bytes, else 1 (the launches' ``table_multiple``).
 
     ``addresses``: every tensor's ``data_ptr()``, K's then V's (the caller has them already).
     """
@@ -49,9 +48,10 @@ def layer_table(
             size = k_layers[0].element_size()
             rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
             host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+            multiple = 1 if any(a & 15 for a in addresses) else 16 // size
             # The pinned source lives as long as the table: a copy made during
             # capture is a graph node that reads it again on every replay.
-            entry = (host.to(device, non_blocking=True), host, not any(a & 15 for a in addresses))
+            entry = (host.to(device, non_blocking=True), host, multiple)
         if capturing:
             _TABLES.pop(key, None)
             _PINNED[key] = entry

@@ -243,8 +243,8 @@ def pool_destinations(
     # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
     # layer 0's address plus an offset table for the others.
     k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-    table, aligned = layer_table(k_list, v_list, cast(list[int], addresses))
-    return k_list[0], v_list[0], table, 16 // k_list[0].element_size() if aligned else 1
+    table, table_multiple = layer_table(k_list, v_list, cast(list[int], addresses))
+    return k_list[0], v_list[0], table, table_multiple
 
 
 def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:

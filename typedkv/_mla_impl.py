@@ -156,7 +156,7 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
             values = _reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
             _reference.write_pool(values, call.cache_loc, [p.unsqueeze(-2) for p in layers], page_size)
         return
-    aligned = True
+    table_multiple = 0
     if isinstance(kv_pool, Tensor):
         dst, table = kv_pool, None
     else:
@@ -166,17 +166,17 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         # with a layer that is not gets a launch of its own, uncached.
         addresses = cast(list[int], addresses)
         dst = kv_pool[0]
-        table, aligned = layer_table(kv_pool, kv_pool, addresses + addresses)
-    launch = plan.launch if aligned else None
+        table, table_multiple = layer_table(kv_pool, kv_pool, addresses + addresses)
+    launch = plan.launch if table_multiple != 1 else None
     if launch is None:
         by_dim = plan.bound.strides("kv_pool", dst)
         strides = (by_dim.get("L", 0), by_dim["N"] if "N" in by_dim else by_dim["S"], by_dim.get("B", 0))
         launch = _launch.mla_launch(
             ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, strides, table,
             kv_lora_rank=dims["C"], page_size=page_size, num_rows=num_slots, neox=neox, kv_scale=call.kv_scale,
-            table_multiple=16 // dst.element_size() if aligned else 1,
+            table_multiple=table_multiple,
         )  # fmt: skip
-        if aligned:
+        if table_multiple != 1:
             plan.launch = launch
     launch(
         _launch.mla_varying(
