@@ -61,10 +61,7 @@ def capture(call: Callable[[], object]) -> list[Captured]:
     use_kernel, run = _launch.use_kernel, _launch.KernelLaunch.__call__
 
     def record(self: Any, values: tuple[Any, ...], after_gemm: bool = False) -> None:
-        params = self.template.copy()
-        for i, value in zip(self.varying, values, strict=True):
-            params[i] = value
-        seen.append((self.kernel, self.grid, tuple(params), self.num_warps))
+        seen.append((self.kernel, self.grid, self.arguments(values), self.num_warps))
 
     _launch.use_kernel = lambda device: True  # type: ignore[assignment]
     _launch.KernelLaunch.__call__ = record  # type: ignore[method-assign]

@@ -17,6 +17,7 @@ import functools
 import importlib
 import inspect
 import math
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -194,6 +195,9 @@ def launch_params(
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# torch.cuda.current_device() without its lazy-initialisation check: a direct launch
+# follows a kernel[grid] launch, which initialised CUDA (host time at decode sizes).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 Scale = float | torch.Tensor | None
@@ -238,9 +242,8 @@ def _number_or_tensor(value: float | torch.Tensor | None, default: float) -> tup
 def _hooks_idle() -> bool:
     """No launch hook registered (a profiler would need Triton's own launch path)."""
     runtime = triton.knobs.runtime
-    return all(
-        h is None or not getattr(h, "calls", True) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (leave is None or not getattr(leave, "calls", True))
 
 
 class KernelLaunch:
@@ -265,20 +268,35 @@ class KernelLaunch:
         # Where the tensors are among the per-call values (a path into a tuple argument): the
         # layout fixes which slots hold a tensor, and only their alignment is checked per call.
         self.tensors = tuple(path for j, i in enumerate(self.varying) for path in _tensor_paths(params[i], (j,)))
-        varying = frozenset(self.varying)
-        self.template = [None if i in varying else p for i, p in enumerate(params)]
+        self._top_tensors = tuple(path[0] for path in self.tensors if len(path) == 1)
+        self._inner_tensors = tuple(path for path in self.tensors if len(path) > 1)
+        # A call's arguments are one C-level gather from (*values, *fixed): every kernel
+        # argument's place in that tuple, in kernel order (host time at decode sizes).
+        varying = {i: j for j, i in enumerate(self.varying)}
+        fixed = [i for i in range(len(params)) if i not in varying]
+        self._fixed = tuple(params[i] for i in fixed)
+        at = {i: len(varying) + k for k, i in enumerate(fixed)}
+        order = [varying[i] if i in varying else at[i] for i in range(len(params))]
+        self._gather = operator.itemgetter(*order) if len(order) > 1 else lambda source: (source[order[0]],)
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
+        self._index = self.device.index
         self.direct = self.device.type == "cuda" and not INTERPRETED
         # A kernel whose WAIT_PRIOR is set waits for the prior kernel before its first load:
         # calls may launch it as a programmatic dependent launch, a variant compiled apart.
-        at = _wait_prior_index(kernel)
-        self.programmatic = at is not None and params[at] is True
+        wait_at = _wait_prior_index(kernel)
+        self.programmatic = wait_at is not None and params[wait_at] is True
         self._compiled: list[Any] = [None, None]  # [plain launch, programmatic launch]
 
     @property
     def compiled(self) -> Any:
         """The compiled kernel a default call runs directly (None before the first aligned call)."""
         return self._compiled[self.programmatic]
+
+    def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The kernel's arguments, in order, for a call's per-call ``values`` (`varying`'s order)."""
+        if len(values) != len(self.varying):
+            raise ValueError(f"expected {len(self.varying)} per-call values, got {len(values)}")
+        return self._gather(values + self._fixed)
 
     def __call__(self, values: tuple[Any, ...], after_gemm: bool = False) -> None:
         """Launch with this call's tensors and floats, in kernel order.
@@ -288,9 +306,7 @@ class KernelLaunch:
         small T (H200: 0.2-0.7 us at T = 1-256), its early programs holding SMs the GEMM's
         last ones wait for.
         """
-        params = self.template.copy()
-        for i, value in zip(self.varying, values, strict=True):
-            params[i] = value
+        params = self.arguments(values)
         kernel = self.kernel
         if not self.direct:
             if INTERPRETED:
@@ -300,14 +316,14 @@ class KernelLaunch:
                 kernel[self.grid](*params, num_warps=self.num_warps)
             return
         programmatic = self.programmatic and not after_gemm
-        if torch.cuda.current_device() != self.device.index:
+        if _current_device() != self._index:
             with torch.cuda.device(self.device):
                 self._cuda(params, values, programmatic)
         else:
             self._cuda(params, values, programmatic)
 
-    def _cuda(self, params: list[Any], values: tuple[Any, ...], programmatic: bool) -> None:
-        aligned = _aligned(values, self.tensors)
+    def _cuda(self, params: tuple[Any, ...], values: tuple[Any, ...], programmatic: bool) -> None:
+        aligned = self._aligned(values)
         compiled = self._compiled[programmatic]
         if compiled is None or not aligned or not _hooks_idle():
             options = _PROGRAMMATIC if programmatic else {}
@@ -317,13 +333,20 @@ class KernelLaunch:
                 self._compiled[programmatic] = compiled
             return
         if _current_stream is not None:
-            stream = _current_stream(self.device.index)
+            stream = _current_stream(self._index)
         else:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         grid = self.grid
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
         )
+
+    def _aligned(self, values: tuple[Any, ...]) -> bool:
+        """Whether this call's tensors start on 16 bytes, as Triton specialises (those inside tuples too)."""
+        for j in self._top_tensors:
+            if values[j].data_ptr() & 15:
+                return False
+        return _aligned(values, self._inner_tensors)
 
 
 _PROGRAMMATIC = {"launch_pdl": True}  # Triton's launch option: a programmatic dependent launch
