@@ -354,6 +354,20 @@ def test_paths_and_workspace() -> None:
         assert (draft.m._workspace is not None) == uses_workspace, path
 
 
+def test_path_set_again_applies_to_a_layout_seen_before() -> None:
+    """A layout's plan is kept with the path it took: setting ``projection_path`` again takes effect."""
+    draft = Draft(torch.float16)
+    x, positions = draft.call(3)
+    draft.m.projection_path = "fused"
+    fused_kv = draft.m(x, positions)
+    assert (draft.m._workspace is None) == INTERPRETED  # fused, where there is a kernel
+    draft.m.projection_path = "gemm"
+    gemm_kv = draft.m(x, positions)
+    assert draft.m._workspace is not None
+    for got in (fused_kv, gemm_kv):
+        assert_matches_oracle(got, draft.oracle(x, positions), torch.float16)
+
+
 def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """'auto' takes the fused path where the table (per device name, [low, high) token counts) says so."""
     monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER, "cpu", ((1, 8),))

@@ -181,19 +181,21 @@ class Signature:
         self._plans: dict[tuple[Any, ...], Any] = {}
 
     # ----------------------------------------------------------------- plan cache
-    def plan(self, args: Sequence[Any], build: Callable[[Bound], Any]) -> Any:
+    def plan(self, args: Sequence[Any], build: Callable[[Bound, Any], Any]) -> Any:
         """The plan for ``args``' layout: checked and built on the first call, then reused.
 
         A check's verdict depends only on each argument's type and, for tensors,
         dtype, shape, strides and device (the fingerprint), so a layout that
         passed once passes again: decode loops pay a dictionary lookup instead
-        of the full check. ``build`` turns the bound dims into the op's plan
-        (relational checks, launch configuration); it may raise `InputError`.
+        of the full check. ``build(bound, args)`` turns the bound dims into the
+        op's plan (relational checks, launch configuration); it may raise
+        `InputError`. It is given ``args`` rather than closing over them, so a
+        call that finds its plan creates no function.
         """
         key = fingerprint(args)
         plan = self._plans.get(key)
         if plan is None:
-            plan = build(self.check(args))
+            plan = build(self.check(args), args)
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             self._plans[key] = plan

@@ -228,7 +228,7 @@ def _stand_in_of(projection: Projection) -> Tensor:
     return stand_in(kv_weight, hidden.shape[0], num_layers, kv_weight.shape[0] // num_layers)
 
 
-def _accepted(bound: Bound) -> bool:
+def _accepted(bound: Bound, args: object) -> bool:
     return True
 
 

@@ -89,10 +89,12 @@ class Plan:
     geometry: _Geometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
 
 
-def planner(check_relations: Callable[[Bound], None] | None = None) -> Callable[[Bound], Plan]:
-    def build(bound: Bound) -> Plan:
+def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Callable[[Bound, Any], Plan]:
+    """A `Signature.plan` build: ``check_relations(call, bound)`` (what shapes cannot say), then the `Plan`."""
+
+    def build(bound: Bound, call: Any) -> Plan:
         if check_relations is not None:
-            check_relations(bound)
+            check_relations(call, bound)
         dims = bound.dims
         return Plan(bound, dims["T"] == 0 or dims["L"] == 0, _launch.use_kernel(bound.device))
 
@@ -144,10 +146,11 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if k_out is None or v_out is None:
         dims = plan.bound.dims
         shape = (dims["L"], dims["T"], dims["H"], dims["D"])
+        # kv's dtype and device (new_empty: no keyword parsing, host time at decode sizes).
         if k_out is None:
-            k_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+            k_out = kv.new_empty(shape)
         if v_out is None:
-            v_out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+            v_out = kv.new_empty(shape)
     return plan, k_out, v_out
 
 
@@ -198,7 +201,7 @@ def check_pool(call: PoolCall) -> Bound:
 
 def pool_layout(call: PoolCall) -> Plan:
     """The plan of a pool call's layout: checked by the production check at its first call, then looked up."""
-    plan: Plan = POOL.signature.plan(call, planner(lambda bound: _pool_layout(call, bound)))
+    plan: Plan = POOL.signature.plan(call, _POOL_PLANNER)
     return plan
 
 
@@ -361,6 +364,9 @@ def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]
             )
 
 
+_POOL_PLANNER = planner(_pool_layout)
+
+
 def check_pool_kinds(k_pool: object, v_pool: object) -> None:
     """K and V pools both stacked tensors or both sequences (plain Python: torch.compile traces it)."""
     stacked = isinstance(k_pool, Tensor)
@@ -386,7 +392,7 @@ def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Te
         if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor) and _same_memory(k_pool, v_pool):
             raise InputError("v_pool: expected memory apart from k_pool, got the same tensor")
         return None
-    addresses = [t.data_ptr() for t in k_pool] + [t.data_ptr() for t in v_pool]
+    addresses = [*map(Tensor.data_ptr, k_pool), *map(Tensor.data_ptr, v_pool)]
     if len(set(addresses)) == len(addresses):
         return addresses  # all apart: the usual case, one pass
     # Some address twice: an error unless the tensors sharing it are empty.

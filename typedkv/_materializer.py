@@ -85,7 +85,8 @@ _State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
 
 
 class _Kept(NamedTuple):
-    """What a materializer keeps for a layout it checked: the op's plan, and on the fused path kv's stand-in."""
+    """What a materializer keeps for a layout it checked: the op's plan, and on the fused path kv's stand-in
+    (None: the GEMM path)."""
 
     plan: Plan
     stand_in: Tensor | None
@@ -316,17 +317,20 @@ class KVMaterializer(nn.Module):
         """
         hidden = call[0]
         weight, bias = state[0], state[1]
-        fused = self._takes_fused(hidden)
         if torch.compiler.is_compiling():
-            if fused:
+            if self._takes_fused(hidden):
                 return path.fused_ops((hidden, weight, bias, self.num_layers, *call[1:]))
             return path.ops(type(call)(self._traced_projection(hidden), *call[1:]))
-        # Each path keeps its own plans: on the fused path the op checks a stand-in for kv.
-        key = (fused, *fingerprint((*call, weight, bias)))
+        # The path a call takes follows from projection_path and the layout (device, T), so it
+        # is kept with the layout's plan (a stand-in for kv on the fused path), not decided per call.
+        key = fingerprint((self._path, *call, weight, bias))
         kept: _Kept | None = self._plans.get(key)
         if kept is None:
+            fused = self._takes_fused(hidden)
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
+        else:
+            fused = kept.stand_in is not None
         kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
         call = type(call)(kv, *call[1:])
         if kept is None:
@@ -403,7 +407,7 @@ class KVMaterializer(nn.Module):
         return self._rows.buffer
 
 
-def _checked(bound: Bound) -> bool:
+def _checked(bound: Bound, args: object) -> bool:
     return True
 
 

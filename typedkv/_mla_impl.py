@@ -65,7 +65,7 @@ def check_dense(call: DenseCall) -> Bound:
 
 def dense_layout(call: DenseCall) -> Plan:
     """The plan of a dense call's layout: checked by the production check at its first call, then looked up."""
-    plan: Plan = _checked(lambda c: DENSE.signature.plan(c, planner()), call)
+    plan: Plan = _checked(DENSE.signature.plan, call, _DENSE_PLANNER)
     return plan
 
 
@@ -84,7 +84,7 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
         check_positions(call.positions, call.cos_sin_cache.shape[0])
     dims = plan.bound.dims
     if out is None:
-        out = torch.empty((dims["L"], dims["T"], dims["C"] + dims["R"]), dtype=ckv.dtype, device=ckv.device)
+        out = ckv.new_empty((dims["L"], dims["T"], dims["C"] + dims["R"]))  # ckv's dtype and device
     if plan.empty:
         return out
     eps = layer_eps(call.eps, ckv)
@@ -121,7 +121,7 @@ def check_pool(call: PoolCall) -> Bound:
 
 def pool_layout(call: PoolCall) -> Plan:
     """The plan of a pool call's layout: checked by the production check at its first call, then looked up."""
-    plan: Plan = _checked(lambda c: POOL.signature.plan(c, planner(lambda bound: _pool_layout(c))), call)
+    plan: Plan = _checked(POOL.signature.plan, call, _POOL_PLANNER)
     return plan
 
 
@@ -186,10 +186,10 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     )
 
 
-def _checked(check: Callable[[Any], _R], call: DenseCall | PoolCall) -> _R:
-    """``check(call)``, its `InputError` told what MLA callers get wrong."""
+def _checked(check: Callable[..., _R], call: DenseCall | PoolCall, *more: Any) -> _R:
+    """``check(call, *more)``, its `InputError` told what MLA callers get wrong."""
     try:
-        return check(call)
+        return check(call, *more)
     except InputError as err:
         message = str(err)
         if "the size must be C+R = " in message:
@@ -233,9 +233,13 @@ def _pool_layout(call: PoolCall) -> None:
     check_scales(dtype, {"kv_scale": call.kv_scale})
 
 
+_DENSE_PLANNER = planner()
+_POOL_PLANNER = planner(lambda call, bound: _pool_layout(call))
+
+
 def _check_apart(layers: Sequence[Tensor]) -> list[int]:
     """Every layer's pool its own memory: no tensor passed twice. Returns their addresses."""
-    addresses = [t.data_ptr() for t in layers]
+    addresses = list(map(Tensor.data_ptr, layers))
     if len(set(addresses)) == len(addresses):
         return addresses  # all apart: the usual case, one pass
     seen: dict[int, int] = {}

@@ -307,7 +307,7 @@ class MLAKVMaterializer(nn.Module):
         return self._rows.buffer
 
 
-def _accepted(bound: Bound) -> bool:
+def _accepted(bound: Bound, args: object) -> bool:
     return True
 
 
