@@ -26,7 +26,8 @@
 #   pdl_ab         programmatic dependent launch on and off, alternated in separate processes:
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
-#   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases, 2 rounds
+#   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases ($PEER_ARGS, 2 rounds)
+#   gemm_split     benchmarks/gemm_split.py: the GEMM with V written straight to dense outputs ($GEMM_SPLIT_T)
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
@@ -131,6 +132,9 @@ for step in $STEPS; do
 sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round']))" 2>&1 | grep -A9 "^     T " \
                     | sed 's/^/nopdl /'
             done | tee "$OUT/pdl_e2e.txt" ;;
+        gemm_split)
+            timeout "${GEMM_SPLIT_S:-150}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gemm_split.py ${GEMM_SPLIT_T:-} 2>&1 \
+                | tee "$OUT/gemm_split.txt" ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
         e2e)

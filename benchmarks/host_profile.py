@@ -6,15 +6,18 @@ pool op). For each call: its wall-clock microseconds and a bare one-line-kernel 
 alternately as the bench does, then cProfile's top functions by their own time over 3000 calls
 (the profiler's overhead inflates every figure; compare shares, not microseconds). Beside them,
 the primitives a call pays for on this host: a CUDA ``torch.empty``, a direct launch of the
-compiled one-line kernel, ``torch.cuda.is_current_stream_capturing``.
+compiled one-line kernel, ``torch.cuda.is_current_stream_capturing``, the current device
+(through ``torch.cuda`` and directly), a tensor's dtype, shape, strides and device.
 """
 
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import pstats
 import sys
+from collections.abc import Callable
 
 import torch
 from host_time import _touch  # the one-line kernel whose bare launch host_time.py times too
@@ -36,14 +39,17 @@ def main() -> None:
     def direct() -> None:
         compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, x)
 
-    primitives = {
+    primitives: dict[str, Callable[[], object]] = {
         "bare_launch": bare,
         "direct_launch": direct,
         "cuda_empty_16x5x8x128": lambda: torch.empty((5, 16, 8, 128), dtype=torch.bfloat16, device=device),
         "is_capturing": torch.cuda.is_current_stream_capturing,
+        "current_device": torch.cuda.current_device,
+        "cuda_getDevice": torch._C._cuda_getDevice,
+        "tensor_layout_facts": lambda: (x.dtype, x.shape, x.stride(), x.device),
     }
     for name, fn in primitives.items():
-        print(f"{name:>40}: {_bench.host_time_us(fn):8.2f} us", flush=True)
+        print(f"{name:>40}: {_bench.host_time_us(functools.partial(_returns_none, fn)):8.2f} us", flush=True)
     for name in names:
         fn = calls[name]
         for _ in range(2):
@@ -59,6 +65,10 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
         print(text.getvalue().split("\n", 6)[-1], flush=True)
+
+
+def _returns_none(fn: Callable[[], object]) -> None:
+    fn()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The standalone kernel at the cases where a peer kernel was measured (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [rounds]``. Each
+Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [--tokens=T,...] [rounds]``. Each
 line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
 times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s recorded
 below (a FlagGems-sglang Triton kernel, measured on this GPU model in an earlier run) and the
 ratio of the two. The peer figures are not measured here. ``--sweep``: each case below
-T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program),
-the configurations alternated within each round. ``--no-pdl``: launches without programmatic
+T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program,
+two tokens per program, layer order), the configurations alternated within each round.
+``--tokens=1024,128``: only the cases at those T. ``--no-pdl``: launches without programmatic
 dependent launch (`typedkv._launch.PROGRAMMATIC_LAUNCH`), for an A/B in separate processes.
 """
 
@@ -33,14 +34,22 @@ PEER = (
 )
 
 
-SWEEP = [None] + [_launch.KVConfig(split_kv=True, num_warps=warps) for warps in (4, 8, 16)]
+SWEEP = (
+    [None]
+    + [_launch.KVConfig(split_kv=split, num_warps=warps) for split in (False, True) for warps in (2, 4, 8)]
+    + [_launch.KVConfig(block_t=2, split_kv=split, num_warps=warps) for split in (False, True) for warps in (4, 8)]
+    + [_launch.KVConfig(layer_fast=False)]
+)
 
 
 def main() -> None:
     sweep = "--sweep" in sys.argv
     if "--no-pdl" in sys.argv:
         _launch.PROGRAMMATIC_LAUNCH = False
-    args = [a for a in sys.argv[1:] if a not in ("--sweep", "--no-pdl")]
+    # --tokens=1024,128: only the cases at those T.
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--tokens=")), "")
+    chosen = {int(t) for t in only.split(",") if t}
+    args = [a for a in sys.argv[1:] if a not in ("--sweep", "--no-pdl") and not a.startswith("--tokens=")]
     rounds = int(args[0]) if args else 2
     device = torch.device("cuda")
     defaults = _launch.launch_params.__kwdefaults__
@@ -48,7 +57,7 @@ def main() -> None:
     default = defaults["config"]
     for _ in range(rounds):
         for (case, tokens, peer), config in itertools.product(PEER, SWEEP if sweep else [None]):
-            if sweep and tokens >= 2048:
+            if (sweep and tokens >= 2048) or (chosen and tokens not in chosen):
                 continue
             # A launch is kept with its layout's plan: forget them, so that this configuration is built.
             defaults["config"] = default if config is None else config
@@ -59,7 +68,11 @@ def main() -> None:
             calls = [_bench.typedkv_call(case, _bench.make_inputs(case, tokens, device)) for _ in range(sets)]
             us = _bench.gpu_time_us(calls)
             gbps = nbytes / us / 1e3
-            shown = "default" if config is None else f"split={config.split_kv} warps={config.num_warps}"
+            shown = (
+                "default"
+                if config is None
+                else f"split={config.split_kv} warps={config.num_warps} bt={config.block_t} lf={config.layer_fast:d}"
+            )
             print(
                 f"peer {case.name:>16} T={tokens:<5} {shown:<28} {us:8.2f} us {gbps:7.1f} GB/s peer {peer:7.1f}  "
                 f"ratio {gbps / peer:5.3f}"
