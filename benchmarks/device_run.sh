@@ -23,6 +23,8 @@
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
+#   host_ratios    benchmarks/host_ratios.py (the bench's host-time ratios), .old/base and this checkout
+#                  alternated, $HOST_ROUNDS rounds (3)
 #   pdl_ab         programmatic dependent launch on and off, alternated in separate processes:
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
@@ -132,6 +134,11 @@ for step in $STEPS; do
 sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round']))" 2>&1 | grep -A9 "^     T " \
                     | sed 's/^/nopdl /'
             done | tee "$OUT/pdl_e2e.txt" ;;
+        host_ratios)
+            for round in $(seq "${HOST_ROUNDS:-3}"); do
+                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_ratios.py old
+                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_ratios.py new
+            done 2>&1 | tee "$OUT/host_ratios.txt" ;;
         gemm_split)
             timeout "${GEMM_SPLIT_S:-150}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gemm_split.py ${GEMM_SPLIT_T:-} 2>&1 \
                 | tee "$OUT/gemm_split.txt" ;;

@@ -74,57 +74,60 @@ def stand_in(memory: Tensor, num_tokens: int, num_layers: int, width: int) -> Te
     return memory.as_strided((num_tokens, num_layers, width), (0, 0, 1))
 
 
+Launches = dict[int, _launch.KernelLaunch]
+"""One layout's fused launches, by the per-layer pools' table multiple (`typedkv._impl.pool_destinations`; 0: none)."""
+
 # Fused launches by checked layout (the op's plan) and what the plan does not
-# fix: hidden's width and strides, the weight's strides, whether there is a bias,
-# and the per-layer pools' table multiple (`typedkv._impl.pool_destinations`).
-# A plan is kept with its launch, so its id is not reused while the entry lives.
-_LAUNCHES: dict[tuple[object, ...], tuple[Plan, _launch.KernelLaunch]] = {}
+# fix: hidden's width and strides, the weight's strides, whether there is a bias.
+# A plan is kept with its launches, so its id is not reused while the entry lives.
+_LAUNCHES: dict[tuple[object, ...], tuple[Plan, Launches]] = {}
 
 
-def _launch_of(
-    plan: Plan,
-    hidden: Tensor,
-    kv_weight: Tensor,
-    kv_bias: Tensor | None,
-    table_multiple: int,
-    build: Callable[[], _launch.KernelLaunch],
-) -> _launch.KernelLaunch:
-    key = (id(plan), hidden.shape[1], hidden.stride(), kv_weight.stride(), kv_bias is None, table_multiple)
+def _launches_of(
+    plan: Plan, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, kept: Launches | None
+) -> Launches:
+    """The launches of a call's layout: ``kept``, the caller's own for it (a materializer keeps one per layout
+    it checked, keyed by everything below), else the ones kept here."""
+    if kept is not None:
+        return kept
+    key = (id(plan), hidden.shape[1], hidden.stride(), kv_weight.stride(), kv_bias is None)
     entry = _LAUNCHES.get(key)
     if entry is None:
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
             _LAUNCHES.clear()
-        entry = _LAUNCHES[key] = (plan, build())
+        entry = _LAUNCHES[key] = (plan, {})
     return entry[1]
 
 
 def project_kv(
-    call: DenseCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, plan: Plan | None = None
+    call: DenseCall,
+    hidden: Tensor,
+    kv_weight: Tensor,
+    kv_bias: Tensor | None,
+    plan: Plan | None = None,
+    launches: Launches | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`KVMaterializer.forward` fused: ``call`` as `typedkv.materialize_kv` takes it, its kv the stand-in.
 
-    ``plan``: the call's `typedkv._impl.dense_layout`, when the materializer kept it.
+    ``plan``: the call's `typedkv._impl.dense_layout`, and ``launches`` its launches, when the materializer
+    kept them.
     """
     plan, k_out, v_out = dense_plan(call, plan)
     if plan.empty:
         return k_out, v_out
-    dims = plan.bound.dims
     eps = layer_eps(call.eps, hidden)
-    launch = _launch_of(
-        plan,
-        hidden,
-        kv_weight,
-        kv_bias,
-        0,
+    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
+    launch = launches.get(0)
+    if launch is None:
+        dims = plan.bound.dims
         # Dense outputs are pools of T rows, one token per row, no pages.
-        lambda: _launch.projection_launch(
+        launch = launches[0] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
             v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
             None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
             num_rows=dims["T"], neox=call.rope_style == "neox",
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
     launch(
         _launch.projection_varying(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
@@ -135,34 +138,36 @@ def project_kv(
 
 
 def project_kv_into_pool(
-    call: PoolCall, hidden: Tensor, kv_weight: Tensor, kv_bias: Tensor | None, plan: Plan | None = None
+    call: PoolCall,
+    hidden: Tensor,
+    kv_weight: Tensor,
+    kv_bias: Tensor | None,
+    plan: Plan | None = None,
+    launches: Launches | None = None,
 ) -> None:
     """`KVMaterializer.into_pool` fused: ``call`` as `typedkv.materialize_kv_into_pool` takes it, kv the stand-in.
 
-    ``plan``: the call's `typedkv._impl.pool_layout`, when the materializer kept it.
+    ``plan``: the call's `typedkv._impl.pool_layout`, and ``launches`` its launches, when the materializer
+    kept them.
     """
     plan, geometry, addresses = pool_plan(call, plan)
     if geometry is None:
         return
-    dims = plan.bound.dims
     eps = layer_eps(call.eps, hidden)
     k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
-    launch = _launch_of(
-        plan,
-        hidden,
-        kv_weight,
-        kv_bias,
-        table_multiple,
-        lambda: _launch.projection_launch(
+    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
+    launch = launches.get(table_multiple)
+    if launch is None:
+        dims = plan.bound.dims
+        launch = launches[table_multiple] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
             table, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"],
             page_size=geometry.page_size, num_rows=geometry.num_slots, neox=call.rope_style == "neox",
             scales=scales, table_multiple=table_multiple,
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
     launch(
         _launch.projection_varying(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,

@@ -23,7 +23,16 @@ from . import _launch, _torch_ops
 from ._api import DENSE_OPS, POOL_OPS, materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature, fingerprint
 from ._errors import InputError
-from ._fused_impl import FUSED, FUSED_POOL, PROJECTION, declaration, project_kv, project_kv_into_pool, stand_in
+from ._fused_impl import (
+    FUSED,
+    FUSED_POOL,
+    PROJECTION,
+    Launches,
+    declaration,
+    project_kv,
+    project_kv_into_pool,
+    stand_in,
+)
 from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
 from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
@@ -90,6 +99,7 @@ class _Kept(NamedTuple):
 
     plan: Plan
     stand_in: Tensor | None
+    launches: Launches  # the fused path's launches of this layout (`typedkv._fused_impl.project_kv`)
 
 
 @static_jaxtyping("L KV H D hidden")
@@ -335,9 +345,9 @@ class KVMaterializer(nn.Module):
         call = type(call)(kv, *call[1:])
         if kept is None:
             # The op's production check, as the public function runs it.
-            kept = self._plans.keep(key, _Kept(path.layout(call), kv if fused else None))
+            kept = self._plans.keep(key, _Kept(path.layout(call), kv if fused else None, {}))
         if fused:
-            return path.project(call, hidden, weight, bias, kept.plan)
+            return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
         return path.planned(call, kept.plan, True)
 
