@@ -29,6 +29,8 @@
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases ($PEER_ARGS, 2 rounds)
+#   split_ab       typedkv bench --only e2e with V written by the GEMM where measured faster (the default) and
+#                  without (typedkv._launch.SPLIT_GEMM_FASTER emptied), alternated, $SPLIT_AB_ROUNDS (1)
 #   gemm_split     benchmarks/gemm_split.py: the GEMM with V written straight to dense outputs ($GEMM_SPLIT_T)
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
@@ -139,6 +141,14 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_ratios.py old
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_ratios.py new
             done 2>&1 | tee "$OUT/host_ratios.txt" ;;
+        split_ab)
+            for round in $(seq "${SPLIT_AB_ROUNDS:-1}"); do
+                timeout 200 python3 -m typedkv bench --only e2e --out "$OUT/e2e_split_$round" 2>&1 | grep -A9 "^     T " \
+                    | sed 's/^/split   /'
+                timeout 200 python3 -c "import sys; from typedkv import _launch, _cli; _launch.SPLIT_GEMM_FASTER.clear(); \
+sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round']))" 2>&1 | grep -A9 "^     T " \
+                    | sed 's/^/nosplit /'
+            done | tee "$OUT/split_e2e.txt" ;;
         gemm_split)
             timeout "${GEMM_SPLIT_S:-150}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gemm_split.py ${GEMM_SPLIT_T:-} 2>&1 \
                 | tee "$OUT/gemm_split.txt" ;;

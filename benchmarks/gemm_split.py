@@ -24,7 +24,7 @@ import sys
 import torch
 
 import typedkv
-from typedkv import _bench
+from typedkv import _bench, _launch
 
 
 def main() -> None:
@@ -74,6 +74,26 @@ def _one(
         torch.bmm(wide, k_rows.transpose(1, 2), out=k_work)
         torch.bmm(wide, v_rows.transpose(1, 2), out=v_out)
 
+    # K alone: the K/V kernel's split launch (K programs on grid axis 2 = 0) with only K's programs,
+    # reading K from k_work ([L, T, H*D], as [T, L, H*D] strides (H*D, T*H*D, 1)).
+    k_view = k_work.permute(1, 0, 2)
+    k_split = torch.empty(L, T, H, D, device=device, dtype=torch.bfloat16)
+    v_split = v_out.view(L, T, H, D)
+    k_args = (k_view, norm, 1e-6, cos_sin, positions, None)
+    launch = _launch.Launch(
+        *k_args, k_split, (k_split.stride(0), k_split.stride(1), 0, k_split.stride(2)),
+        v_split, (v_split.stride(0), v_split.stride(1), 0, v_split.stride(2)), None,
+        num_kv_heads=H, head_dim=D, page_size=1, num_rows=T, neox=True, config=_launch.KVConfig(split_kv=True),
+    )  # fmt: skip
+    launch.grid = (launch.grid[0], 1, 1)
+
+    def k_only() -> None:
+        launch(_launch.varying(*k_args, k_split, v_split, None))
+
+    def split_k_only() -> None:
+        split()
+        k_only()
+
     mm()
     split()
     torch.cuda.synchronize()
@@ -84,7 +104,14 @@ def _one(
     split()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    variants = {"mm": mm, "mm+kernel": mm_kernel, "bmm_k+bmm_v": split, "kernel": kernel}
+    mm_kernel()
+    split_k_only()
+    torch.cuda.synchronize()
+    k_diff = (k_split.float() - k_out.float()).abs().max().item()
+    variants = {
+        "mm": mm, "mm+kernel": mm_kernel, "bmm_k+bmm_v": split, "kernel": kernel, "k_only": k_only,
+        "split+k_only": split_k_only,
+    }  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(3):
         for name, fn in variants.items():
@@ -95,7 +122,8 @@ def _one(
         + " ".join(f"{k} {v:9.2f}" for k, v in med.items())
         + f" | (mm+kernel)/mm {med['mm+kernel'] / med['mm']:.3f}"
         + f" (split+kernel/2)/mm {(med['bmm_k+bmm_v'] + med['kernel'] / 2) / med['mm']:.3f}"
-        + f" split/mm {med['bmm_k+bmm_v'] / med['mm']:.3f} | V max diff {diff:g} bmm extra bytes {extra}",
+        + f" split/mm {med['bmm_k+bmm_v'] / med['mm']:.3f} (split+k_only)/mm {med['split+k_only'] / med['mm']:.3f}"
+        + f" | V max diff {diff:g} K max diff {k_diff:g} bmm extra bytes {extra}",
         flush=True,
     )
 

@@ -201,6 +201,103 @@ def test_no_tokens() -> None:
     assert k.shape == v.shape == (L, 0, H, draft.head_dim)
 
 
+# ------------------------------------------------- V written by the GEMM
+
+
+def ways(m: typedkv.KVMaterializer) -> set[str]:
+    """How the layouts a materializer has checked compute (`typedkv._materializer._Way`)."""
+    return {kept.way for kept in m._plans._plans.values()}
+
+
+@pytest.fixture
+def split_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM path writes V straight into dense outputs at every T >= 1 on CPU tensors (where there is a kernel)."""
+    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((1, float("inf")),))
+
+
+SPLIT = "split" if INTERPRETED else "gemm"  # plain CPU has no kernel: GEMM + reference
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (24, 8), (32, 2)])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_grid(
+    dtype: torch.dtype, rope_style: typedkv.RopeStyle, head_dim: int, rotary_dim: int, norm: bool, bias: bool
+) -> None:
+    """V by two batched GEMMs (V's straight into v_out), then the kernel on K alone: the oracle's K and V.
+
+    With a bias, GEMM + kernel (`typedkv._projection.split_gemm` takes none).
+    """
+    draft = Draft(dtype, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style, norm=norm, bias=bias)
+    draft.m.projection_path = "gemm"
+    x, positions = draft.call(21)
+    assert_matches_oracle(draft.m(x, positions), draft.oracle(x, positions), dtype)
+    assert ways(draft.m) == {"gemm" if bias else SPLIT}
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+def test_split_eps_per_layer_and_grad() -> None:
+    """Per-layer eps; hidden that requires grad (the GEMMs record no history, as GEMM + kernel)."""
+    draft = Draft(torch.float32, eps=torch.tensor([1e-6, 0.5, 4.0]))
+    draft.eps = torch.tensor([1e-6, 0.5, 4.0], dtype=torch.float64)
+    x, positions = draft.call(9)
+    k, v = draft.m(x.requires_grad_(), positions)
+    assert not k.requires_grad and not v.requires_grad
+    assert_matches_oracle((k, v), draft.oracle(x.detach(), positions), torch.float32)
+    assert ways(draft.m) == {SPLIT}
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+def test_split_outputs_given() -> None:
+    """A contiguous v_out is the GEMM's; one that is not (a view into a slab) takes GEMM + kernel. Both exact."""
+    draft = Draft(torch.float16)
+    x, positions = draft.call(5)
+    k_slab = torch.zeros(L, 5, H, 2 * draft.head_dim, dtype=torch.float16)
+    k_out, v_out = k_slab[..., : draft.head_dim], torch.zeros(L, 5, H, draft.head_dim, dtype=torch.float16)
+    k, v = draft.m(x, positions, k_out=k_out, v_out=v_out)
+    assert k is k_out and v is v_out and ways(draft.m) == {SPLIT}
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.float16)
+    assert not k_slab[..., draft.head_dim :].any()
+    slab = torch.zeros(L, 5, H, 2 * draft.head_dim, dtype=torch.float16)
+    k, v = draft.m(x, positions, v_out=slab[..., draft.head_dim :])
+    assert ways(draft.m) == {SPLIT, "gemm"}
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.float16)
+    assert not slab[..., : draft.head_dim].any()
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+def test_split_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only T in the table's range, dense outputs only, and never where the fused path is taken."""
+    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((8, 16),))
+    draft = Draft(torch.float16)
+    x, positions = draft.call(12)
+    draft.m(x[:7], positions[:7])
+    assert ways(draft.m) == {"gemm"}
+    draft.m(x, positions)
+    assert ways(draft.m) == {"gemm", SPLIT}
+    k_pool, v_pool = torch.zeros(L, 16, H, 16, dtype=torch.float16), torch.zeros(L, 16, H, 16, dtype=torch.float16)
+    draft.m.into_pool(x, positions, torch.arange(12), k_pool, v_pool)
+    assert ways(draft.m) == {"gemm", SPLIT}  # into_pool: GEMM + kernel (the new layout's way is "gemm")
+    draft.m.projection_path = "fused"
+    draft.m(x, positions)
+    assert ways(draft.m) == {"gemm", SPLIT, "fused" if INTERPRETED else "gemm"}
+    assert not _launch.split_gemm_faster(torch.device("cpu"), 16)
+    assert _launch.split_gemm_faster(torch.device("cpu"), 8)
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+def test_split_no_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T = 0 in the table's range: empty outputs, no GEMM."""
+    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((0, float("inf")),))
+    draft = Draft(torch.float16)
+    k, v = draft.m(*draft.call(0))
+    assert k.shape == v.shape == (L, 0, H, draft.head_dim)
+    assert ways(draft.m) == {SPLIT}
+
+
 # ------------------------------------------------------------------- pools
 
 
@@ -437,6 +534,23 @@ def test_misuse_same_error_on_both_paths(case: str) -> None:
             _misuses(draft)[case](draft.m)
         messages[path] = str(info.value)
     assert messages["fused"] == messages["gemm"]
+
+
+@pytest.mark.usefixtures("split_on_cpu")
+@pytest.mark.parametrize("case", list(_misuses(Draft(torch.float16))))
+def test_misuse_same_error_split(case: str) -> None:
+    """With V written by the GEMM, a misuse raises GEMM + kernel's InputError, before anything is written."""
+    draft = Draft(torch.float16)
+    draft.m.projection_path = "gemm"
+    with pytest.raises(typedkv.InputError) as info:
+        _misuses(draft)[case](draft.m)
+    reference = Draft(torch.float16)
+    reference.m.projection_path = "gemm"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ())
+        with pytest.raises(typedkv.InputError) as want:
+            _misuses(reference)[case](reference.m)
+    assert str(info.value) == str(want.value)
 
 
 @pytest.mark.parametrize("case", ["hidden_1d", "hidden_0d", "hidden_0d_into_pool"])

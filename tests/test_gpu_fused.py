@@ -369,3 +369,106 @@ def test_per_layer_pools_off_16_bytes_after_aligned_cuda() -> None:
         torch.cuda.synchronize()
         got = (_rows(k_pool, cache_loc, layout), _rows(v_pool, cache_loc, layout))
         assert_matches_oracle(got, (k64, v), torch.bfloat16)
+
+
+# ------------------------------------------------- V written by the GEMM
+
+
+@pytest.fixture
+def split_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM path writes V straight into dense outputs at every T on this GPU (the H200's table says T >= 2048)."""
+    from typedkv import _launch
+
+    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, torch.cuda.get_device_name(), ((1, float("inf")),))
+
+
+def _ways(m: typedkv.KVMaterializer) -> set[str]:
+    return {kept.way for kept in m._plans._plans.values()}
+
+
+@pytest.mark.usefixtures("split_here")
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 128), (128, 64), (64, 64), (80, 32)])
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("num_tokens", [17, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_grid_cuda(
+    dtype: torch.dtype, num_tokens: int, rope_style: typedkv.RopeStyle, head_dim: int, rotary_dim: int, bias: bool
+) -> None:
+    """Two batched GEMMs (V's into v_out), then the K/V kernel on K alone: the oracle's K and V, bf16 included.
+
+    With a bias, GEMM + kernel: on CUDA torch.baddbmm was seen to round the product before adding the bias.
+    """
+    draft = cuda_draft(
+        dtype, "gemm", head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style, bias=bias, hidden=256
+    )
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
+    assert _ways(draft.m) == {"gemm" if bias else "split"}
+
+
+def test_split_is_the_h200_default_from_65536_cuda() -> None:
+    """On the H200 the GEMM path writes V itself from T = 65536 on (the measured table); below, GEMM + kernel."""
+    if torch.cuda.get_device_name() != "NVIDIA H200":
+        pytest.skip("the measured table is the H200's")
+    draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=64, hidden=16)
+    for num_tokens in (65535, 65536):
+        x, positions, xc, pc = cuda_call(draft, num_tokens)
+        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    assert _ways(draft.m) == {"gemm", "split"}
+
+
+@pytest.mark.usefixtures("split_here")
+def test_split_matches_gemm_path_on_random_inputs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the grid: V written by the batched GEMM against GEMM + kernel (their only difference the accumulation order)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    weight = (torch.randn(L, 2 * H * 128, 4096, device="cuda", generator=g) / 64).bfloat16()
+    m = typedkv.KVMaterializer(
+        weight, torch.rand(L, 128, device="cuda", generator=g) + 0.5, [1e-6, 1e-5, 1e-4],
+        torch.randn(P, 128, device="cuda", generator=g), num_kv_heads=H,
+    )  # fmt: skip
+    m.projection_path = "gemm"
+    x = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()
+    positions = torch.randint(0, P, (2048,), device="cuda", generator=g)
+    got = m(x, positions)
+    from typedkv import _launch
+
+    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, torch.cuda.get_device_name(), ())
+    m.projection_path = "auto"  # a new key: the layout checked again, and now GEMM + kernel
+    want = m(x, positions)
+    assert _ways(m) == {"split", "gemm"}
+    torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("split_here")
+def test_cuda_graph_split() -> None:
+    """A split call captured at a fixed T, replayed with new inputs copied in: the eager bits; eager calls after it too."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, "gemm", head_dim=128, rotary_dim=64, hidden=512)
+    _, _, hidden, positions = cuda_call(draft, 300)
+    graph, out = capture(lambda: draft.m(hidden, positions))
+    for seed in range(3):
+        x, p, new_hidden, new_positions = cuda_call(draft, 300, seed=40 + seed)
+        hidden.copy_(new_hidden)
+        positions.copy_(new_positions)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_k, want_v = draft.m(new_hidden, new_positions)
+        assert torch.equal(out[0], want_k) and torch.equal(out[1], want_v)
+        assert_matches_oracle(cpu(out), draft.oracle(x, p), torch.bfloat16)
+    assert _ways(draft.m) == {"split"}
+
+
+@pytest.mark.usefixtures("split_here")
+def test_split_makes_no_sync() -> None:
+    """Production mode: a split call never syncs."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, "gemm", head_dim=128, rotary_dim=128, hidden=512, eps=[1e-6, 1e-5, 1e-4])
+    _, _, hidden, positions = cuda_call(draft, 300)
+    assert_no_sync(lambda: _discard(draft.m(hidden, positions)))
+    assert _ways(draft.m) == {"split"}
+
+
+def _discard(_: object) -> None:
+    return None

@@ -42,6 +42,7 @@ from ._impl import (
     pool_destinations,
     pool_plan,
 )
+from ._projection import Workspace, split_gemm
 
 if TYPE_CHECKING:
     # As in `typedkv._api`: jaxtyping's own names, for pyrefly.
@@ -134,6 +135,47 @@ def project_kv(
             k_out, v_out, None,
         )
     )  # fmt: skip
+    return k_out, v_out
+
+
+def project_kv_split(
+    call: DenseCall, hidden: Tensor, kv_weight: Tensor, rows: Workspace, plan: Plan, launches: Launches
+) -> tuple[Tensor, Tensor]:
+    """`KVMaterializer.forward` with V written by the GEMM: ``call`` as `typedkv.materialize_kv` takes it, kv the stand-in.
+
+    Two batched GEMMs (`split_gemm`, no bias): V's rows straight into ``v_out``
+    (contiguous: the materializer takes this path only then), K's into the workspace; then the
+    K/V kernel on K alone (`typedkv._launch.launch_params`' ``k_only``). K and V are
+    what GEMM + kernel computes, the GEMM's accumulation order aside.
+    ``plan``: the call's `typedkv._impl.dense_layout`, ``launches`` its launches, both
+    kept by the materializer.
+    """
+    plan, k_out, v_out = dense_plan(call, plan)
+    if plan.empty:
+        return k_out, v_out
+    dims = plan.bound.dims
+    num_layers, num_tokens, num_kv_heads, head_dim = dims["L"], dims["T"], dims["H"], dims["D"]
+    width = num_kv_heads * head_dim
+    # K's rows [L, T, H*D] in the workspace's first elements; the kernel reads them as kv [T, L, H*D].
+    k_rows = rows.rows(num_tokens, kv_weight).view(-1)[: num_layers * num_tokens * width]
+    k_rows = k_rows.view(num_layers, num_tokens, width)
+    split_gemm(hidden, kv_weight, k_rows, v_out.view(num_layers, num_tokens, width))
+    k_input = k_rows.permute(1, 0, 2)
+    eps = layer_eps(call.eps, hidden)
+    launch = launches.get(0)
+    if launch is None:
+        launch = launches[0] = _launch.Launch(
+            k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
+            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
+            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
+            None, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1, num_rows=num_tokens,
+            neox=call.rope_style == "neox", k_only=True,
+        )  # fmt: skip
+    # Right after the GEMMs: a plain launch (`typedkv._launch.KernelLaunch`).
+    launch(
+        _launch.varying(k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None),
+        True,
+    )
     return k_out, v_out
 
 

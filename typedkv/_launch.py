@@ -144,6 +144,7 @@ def launch_params(
     scales: tuple[Scale, Scale] = (None, None),
     config: KVConfig = KVConfig(),
     table_multiple: int = 1,
+    k_only: bool = False,
 ) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
     """``(grid, kernel arguments in order, num_warps)`` of one launch.
 
@@ -158,19 +159,23 @@ def launch_params(
     None), for FP8 destinations only. ``config``: the launch configuration (the
     default: chosen by size). ``table_multiple``: every offset in ``layer_offsets``
     is a multiple of this many elements, for every call of the launch (the caller
-    checks; 16 bytes' worth lets the kernel store whole vectors).
+    checks; 16 bytes' worth lets the kernel store whole vectors). ``k_only``: write
+    K only, V being written by the caller (a materializer's GEMM into dense outputs,
+    `split_gemm_faster`): the split launch's K programs alone; kv's last dim then
+    holds K's ``H*D`` only and ``v_dst`` is not touched.
     """
     num_tokens, num_layers, _ = kv.shape
     rotary_dim = cos_sin_cache.shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_kv_heads, head_dim)
     block_t = config.block_t or block_t
-    split = split_kv(num_tokens, num_layers, block_t, config)
+    split = k_only or split_kv(num_tokens, num_layers, block_t, config)
     one_tile_k = full_row(head_dim, rotary_dim, neox, config)
     if one_tile_k and not split:
         # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
         # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
         num_warps = min(8, max(1, block_h * block_d // 2048))
-    if split and num_warps == 4 and triton.cdiv(num_tokens, block_t) * num_layers * 2 < _WIDE_BELOW_PROGRAMS:
+    parts = 1 if k_only else 2 if split else 1  # grid axis 2: K's programs, then V's when split
+    if split and num_warps == 4 and triton.cdiv(num_tokens, block_t) * num_layers * parts < _WIDE_BELOW_PROGRAMS:
         # Measured (benchmarks/peer_cases.py --sweep, H200): with this few programs, 8 warps
         # each; T = 16 2.42 -> 2.14 us, T = 64 3.0 -> 2.77 us (L = 5, H = 8, D = 128), one layer
         # at T = 256 3.0 -> 2.76 us; at 2048 programs and more (L = 8 at T = 128) 4 warps are faster.
@@ -191,7 +196,7 @@ def launch_params(
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
         one_tile_k, config.v_first and not split, programmatic_launch(kv.device),
     )  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, 2 if split else 1), params, num_warps
+    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -668,7 +673,21 @@ def _shared_memory(device: torch.device) -> int:
 # fused 1.02-1.08x and GEMM + kernel 1.09-1.12x at T = 1, 16 and 32; from
 # T = 48 on GEMM + kernel is as fast or faster (1.10-1.13x against 1.14-1.18x
 # at 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
-PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[int, int], ...]] = {"NVIDIA H200": ((1, 33),)}
+PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 33),)}
+
+
+# Where the GEMM path writes V straight into dense outputs, measured per device as
+# above: V's rows of each layer as one batched GEMM into v_out ([L, T, H*D] is a batch
+# of T x H*D matrices), K's rows as another into the workspace, then the K/V kernel
+# on K alone (`launch_params`' k_only): V is never read back nor written again. H200,
+# L=5, H=8, D=128, hidden 4096, bf16, each / torch.mm alone, against GEMM + kernel:
+# benchmarks/gemm_split.py (medians of 3 alternated rounds) 1.276x / 1.143x at T = 512,
+# 1.042x / 1.088x at 2048, 1.081x / 1.083x at 16384 (the batched GEMMs 3% slower than
+# one torch.mm there), 1.048x / 1.080x at 65536, K and V bit-equal to GEMM + kernel;
+# typedkv bench's end-to-end section (one run each way) 1.215x / 1.229x at 2048 (this
+# host's noisiest T), 1.087x / 1.067x at 16384, 1.051x / 1.076x at 65536. Faster in
+# both only from 65536 on.
+SPLIT_GEMM_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((65536, math.inf),)}
 
 
 @functools.cache
@@ -676,10 +695,19 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def _measured_faster(table: dict[str, tuple[tuple[float, float], ...]], device: torch.device, num_tokens: int) -> bool:
+    """Whether ``table`` (per device name, [low, high) token counts) holds ``num_tokens`` for ``device``."""
+    return any(low <= num_tokens < high for low, high in table.get(_device_name(device), ()))
+
+
 def projection_fused_faster(device: torch.device, num_tokens: int) -> bool:
     """Whether the measured table says the fused projection is faster at ``num_tokens`` on ``device``."""
-    ranges = PROJECTION_FUSED_FASTER.get(_device_name(device), ())
-    return any(low <= num_tokens < high for low, high in ranges)
+    return _measured_faster(PROJECTION_FUSED_FASTER, device, num_tokens)
+
+
+def split_gemm_faster(device: torch.device, num_tokens: int) -> bool:
+    """Whether the measured table says V written by the GEMM (`SPLIT_GEMM_FASTER`) is faster at ``num_tokens``."""
+    return _measured_faster(SPLIT_GEMM_FASTER, device, num_tokens)
 
 
 def projection_launch(

@@ -31,6 +31,7 @@ from ._fused_impl import (
     declaration,
     project_kv,
     project_kv_into_pool,
+    project_kv_split,
     stand_in,
 )
 from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
@@ -93,13 +94,20 @@ _State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
 """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
 
 
+_Way = Literal["fused", "split", "gemm"]
+"""How a materializer's eager call computes: the fused projection (`typedkv._fused_impl.project_kv`);
+V written by the GEMM into dense outputs and the K/V kernel on K (`typedkv._fused_impl.project_kv_split`);
+or the GEMM into the workspace, then the K/V kernel."""
+
+
 class _Kept(NamedTuple):
-    """What a materializer keeps for a layout it checked: the op's plan, and on the fused path kv's stand-in
-    (None: the GEMM path)."""
+    """What a materializer keeps for a layout it checked: the op's plan, kv's stand-in (None: GEMM + kernel,
+    which checks the GEMM's output), the layout's launches, and the way its calls compute."""
 
     plan: Plan
     stand_in: Tensor | None
-    launches: Launches  # the fused path's launches of this layout (`typedkv._fused_impl.project_kv`)
+    launches: Launches  # (`typedkv._fused_impl.project_kv`, `project_kv_split`)
+    way: _Way
 
 
 @static_jaxtyping("L KV H D hidden")
@@ -331,23 +339,26 @@ class KVMaterializer(nn.Module):
             if self._takes_fused(hidden):
                 return path.fused_ops((hidden, weight, bias, self.num_layers, *call[1:]))
             return path.ops(type(call)(self._traced_projection(hidden), *call[1:]))
-        # The path a call takes follows from projection_path and the layout (device, T), so it
-        # is kept with the layout's plan (a stand-in for kv on the fused path), not decided per call.
+        # The way a call computes follows from projection_path and the layout (device, T,
+        # outputs), so it is kept with the layout's plan, not decided per call.
         key = fingerprint((self._path, *call, weight, bias))
         kept: _Kept | None = self._plans.get(key)
         if kept is None:
-            fused = self._takes_fused(hidden)
+            way = self._way(call)
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
         else:
-            fused = kept.stand_in is not None
-        kv = self._stand_in(hidden, kept) if fused else self._gemm(hidden, state)
+            way = kept.way
+        # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
+        kv = self._gemm(hidden, state) if way == "gemm" else self._stand_in(hidden, kept)
         call = type(call)(kv, *call[1:])
         if kept is None:
             # The op's production check, as the public function runs it.
-            kept = self._plans.keep(key, _Kept(path.layout(call), kv if fused else None, {}))
-        if fused:
+            kept = self._plans.keep(key, _Kept(path.layout(call), None if way == "gemm" else kv, {}, way))
+        if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
+        if way == "split":
+            return project_kv_split(cast(DenseCall, call), hidden, weight, self._rows, kept.plan, kept.launches)
         # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
         return path.planned(call, kept.plan, True)
 
@@ -361,6 +372,24 @@ class KVMaterializer(nn.Module):
             f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
+
+    def _way(self, call: DenseCall | PoolCall) -> _Way:
+        """How an eager call of a new layout computes (`_Way`), ``hidden`` in kv's place in ``call``."""
+        hidden = call[0]
+        if self._takes_fused(hidden):
+            return "fused"
+        if (
+            isinstance(call, DenseCall)
+            and self._buffers["kv_bias"] is None  # (`typedkv._projection.split_gemm`)
+            and isinstance(hidden, Tensor)
+            and hidden.dim() == 2
+            and _launch.use_kernel(hidden.device)
+            # V's GEMM writes v_out as [L, T, H*D] rows (a wrong shape is the op check's to reject).
+            and (call.v_out is None or (isinstance(call.v_out, Tensor) and call.v_out.is_contiguous()))
+            and _launch.split_gemm_faster(hidden.device, hidden.shape[0])
+        ):
+            return "split"
+        return "gemm"
 
     def _takes_fused(self, hidden: Tensor) -> bool:
         """Whether this call takes the fused path (the call's own arguments are checked on it, as on the GEMM's)."""

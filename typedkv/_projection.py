@@ -105,6 +105,26 @@ def gemm(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> No
         torch.addmm(bias, hidden, weight.t(), out=out)
 
 
+def split_gemm(hidden: Tensor, weight: Tensor, k_rows: Tensor, v_rows: Tensor) -> None:
+    """Every layer's K rows of ``hidden @ weight.T`` into ``k_rows``, V's into ``v_rows``: both ``[L, T, H*D]``.
+
+    ``weight`` is a materializer's ``[L*2*H*D, hidden]`` (layer-major, each layer's
+    K rows before its V rows), so each part is one batched GEMM over the layers,
+    ``hidden`` broadcast (no copy). No bias: on CUDA ``torch.baddbmm`` was seen to
+    round the product before adding it (the oracle's V, rounded once, was missed),
+    so a materializer with a bias takes GEMM + kernel. No autograd history, as `gemm`.
+    """
+    if hidden.requires_grad and torch.is_grad_enabled():
+        with torch.no_grad():
+            split_gemm(hidden, weight, k_rows, v_rows)
+        return
+    num_layers, num_tokens, width = k_rows.shape
+    per_layer = weight.view(num_layers, 2, width, weight.shape[1])
+    wide = hidden.expand(num_layers, num_tokens, hidden.shape[1])
+    for part, out in enumerate((k_rows, v_rows)):
+        torch.bmm(wide, per_layer[:, part].transpose(1, 2), out=out)
+
+
 def check_layer_counts(arguments: Mapping[str, object], stacked_dims: Mapping[str, int]) -> None:
     """Every per-layer argument has as many layers as the first (the weight): the signature cannot tell for sequences.
 
