@@ -43,7 +43,12 @@ def layer_table(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], addresse
     key = (k_layers[0].element_size(), device, *addresses)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     with _LOCK:
-        entry = _PINNED.get(key) or _TABLES.get(key)
+        entry = _TABLES.get(key)
+        if entry is not None and not capturing:
+            # The usual eager call: a table built before, still kept (host time per call).
+            _TABLES.move_to_end(key)
+            return entry[0], entry[2]
+        entry = entry or _PINNED.get(key)
         if entry is None:
             size = k_layers[0].element_size()
             rows = [[(t.data_ptr() - layers[0].data_ptr()) // size for t in layers] for layers in (k_layers, v_layers)]
