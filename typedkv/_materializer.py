@@ -177,6 +177,14 @@ class KVMaterializer(nn.Module):
     whatever the setting. Under ``torch.compile`` a call pinned to ``"fused"``
     is one op of the graph (``torch.ops.typedkv.project_kv_*``), checked while
     tracing; ``"auto"`` compiles GEMM + kernel.
+
+    On the GEMM path (``"gemm"``, or ``"auto"`` outside the fused range), an
+    eager call into dense outputs at a ``T`` where a second per-GPU table says
+    so (on the H200: ``T >= 65536``; a contiguous or absent ``v_out``, no
+    ``kv_bias``) splits the GEMM in two batched GEMMs: V's rows go straight
+    into ``v_out`` and only K passes through the workspace and the kernel, so
+    V is never read back. The results are GEMM + kernel's, up to the GEMM's
+    accumulation order.
     """
 
     kv_weight: Tensor
