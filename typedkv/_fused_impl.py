@@ -42,7 +42,6 @@ from ._impl import (
     pool_destinations,
     pool_plan,
 )
-from ._projection import Workspace, split_gemm
 
 if TYPE_CHECKING:
     # As in `typedkv._api`: jaxtyping's own names, for pyrefly.
@@ -139,14 +138,16 @@ def project_kv(
 
 
 def project_kv_split(
-    call: DenseCall, hidden: Tensor, kv_weight: Tensor, rows: Workspace, plan: Plan, launches: Launches
+    call: DenseCall, project: Callable[[Tensor], Tensor], plan: Plan, launches: Launches
 ) -> tuple[Tensor, Tensor]:
     """`KVMaterializer.forward` with V written by the GEMM: ``call`` as `typedkv.materialize_kv` takes it, kv the stand-in.
 
-    Two batched GEMMs (`split_gemm`, no bias): V's rows straight into ``v_out``
-    (contiguous: the materializer takes this path only then), K's into the workspace; then the
-    K/V kernel on K alone (`typedkv._launch.launch_params`' ``k_only``). K and V are
-    what GEMM + kernel computes, the GEMM's accumulation order aside.
+    Once the call is checked and its outputs exist, ``project(v_rows)`` (the
+    materializer's two batched GEMMs, `typedkv._projection.split_gemm`) writes V's rows
+    straight into ``v_out`` (contiguous: the materializer takes this path only then),
+    seen as ``v_rows`` ``[L, T, H*D]``, and returns K's rows ``[L, T, H*D]``; then the
+    K/V kernel handles K alone (`typedkv._launch.launch_params`' ``k_only``). K and V
+    are what GEMM + kernel computes, the GEMM's accumulation order aside.
     ``plan``: the call's `typedkv._impl.dense_layout`, ``launches`` its launches, both
     kept by the materializer.
     """
@@ -155,13 +156,9 @@ def project_kv_split(
         return k_out, v_out
     dims = plan.bound.dims
     num_layers, num_tokens, num_kv_heads, head_dim = dims["L"], dims["T"], dims["H"], dims["D"]
-    width = num_kv_heads * head_dim
-    # K's rows [L, T, H*D] in the workspace's first elements; the kernel reads them as kv [T, L, H*D].
-    k_rows = rows.rows(num_tokens, kv_weight).view(-1)[: num_layers * num_tokens * width]
-    k_rows = k_rows.view(num_layers, num_tokens, width)
-    split_gemm(hidden, kv_weight, k_rows, v_out.view(num_layers, num_tokens, width))
-    k_input = k_rows.permute(1, 0, 2)
-    eps = layer_eps(call.eps, hidden)
+    # The kernel reads K's rows as kv [T, L, H*D].
+    k_input = project(v_out.view(num_layers, num_tokens, num_kv_heads * head_dim)).permute(1, 0, 2)
+    eps = layer_eps(call.eps, k_input)
     launch = launches.get(0)
     if launch is None:
         launch = launches[0] = _launch.Launch(

@@ -12,6 +12,7 @@ projection and the K/V epilogue (`typedkv._fused_impl`), no workspace at all.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple, cast, get_args
 
@@ -45,6 +46,7 @@ from ._projection import (
     check_layer_dtypes,
     eps_of_layers,
     project,
+    split_gemm,
     stacked,
 )
 from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
@@ -366,7 +368,8 @@ class KVMaterializer(nn.Module):
         if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         if way == "split":
-            return project_kv_split(cast(DenseCall, call), hidden, weight, self._rows, kept.plan, kept.launches)
+            gemms = functools.partial(self._split_gemm, hidden, weight)
+            return project_kv_split(cast(DenseCall, call), gemms, kept.plan, kept.launches)
         # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
         return path.planned(call, kept.plan, True)
 
@@ -441,6 +444,15 @@ class KVMaterializer(nn.Module):
         The caller has checked the call (`PROJECTION`, for a layout not seen before).
         """
         return project(self._rows, hidden, state[0], state[1], (self.num_layers, 2 * self.num_kv_heads * self.head_dim))
+
+    def _split_gemm(self, hidden: Tensor, weight: Tensor, v_rows: Tensor) -> Tensor:
+        """V's rows ``[L, T, H*D]`` of every layer into ``v_rows``, K's into the workspace, returned (`split_gemm`).
+
+        The call was checked (`typedkv._fused_impl.project_kv_split` calls it).
+        """
+        k_rows = self._rows.rows(hidden.shape[0], weight).view(-1)[: v_rows.numel()].view(v_rows.shape)
+        split_gemm(hidden, weight, k_rows, v_rows)
+        return k_rows
 
     def _traced_projection(self, hidden: Tensor) -> Tensor:
         """``[T, L, 2*H*D]`` under ``torch.compile``: one GEMM, its output the graph's (the op then checks the call)."""
