@@ -39,6 +39,7 @@ from ._impl import (
     Plan,
     PoolCall,
     dense_plan,
+    dense_strides,
     pool_destinations,
     pool_plan,
 )
@@ -120,12 +121,9 @@ def project_kv(
     launch = launches.get(0)
     if launch is None:
         dims = plan.bound.dims
-        # Dense outputs are pools of T rows, one token per row, no pages.
         launch = launches[0] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
-            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-            None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
+            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
             num_rows=dims["T"], neox=call.rope_style == "neox",
         )  # fmt: skip
     launch(
@@ -163,9 +161,7 @@ def project_kv_split(
     if launch is None:
         launch = launches[0] = _launch.Launch(
             k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
-            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-            None, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1, num_rows=num_tokens,
+            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1, num_rows=num_tokens,
             neox=call.rope_style == "neox", k_only=True,
         )  # fmt: skip
     # Right after the GEMMs: a plain launch (`typedkv._launch.KernelLaunch`).

@@ -154,6 +154,12 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     return plan, k_out, v_out
 
 
+def dense_strides(out: Tensor) -> tuple[int, int, int, int]:
+    """A dense ``[L, T, H, D]`` output's ``(layer, page, slot in page, head)`` element strides, as the launches
+    take a destination's: a pool of T rows, one token per row, no pages."""
+    return out.stride(0), out.stride(1), 0, out.stride(2)
+
+
 def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool = False) -> tuple[Tensor, Tensor]:
     """`typedkv.materialize_kv`, eagerly: checked, then launched (or run by the reference); ``plan`` as in `dense_plan`.
 
@@ -175,12 +181,9 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool =
             v_out.copy_(v)
         return k_out, v_out
     if plan.launch is None:
-        # Dense outputs are pools of T rows, one token per row, no pages.
         plan.launch = _launch.Launch(
             kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
-            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-            None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
+            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
         )  # fmt: skip
     plan.launch(
         _launch.varying(kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None),

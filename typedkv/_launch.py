@@ -272,9 +272,9 @@ class KernelLaunch:
         self.varying = tuple(i for i, p in enumerate(params) if i not in constexprs and _per_call(p))
         # Where the tensors are among the per-call values (a path into a tuple argument): the
         # layout fixes which slots hold a tensor, and only their alignment is checked per call.
-        self.tensors = tuple(path for j, i in enumerate(self.varying) for path in _tensor_paths(params[i], (j,)))
-        self._top_tensors = tuple(path[0] for path in self.tensors if len(path) == 1)
-        self._inner_tensors = tuple(path for path in self.tensors if len(path) > 1)
+        tensors = [path for j, i in enumerate(self.varying) for path in _tensor_paths(params[i], (j,))]
+        self._top_tensors = tuple(path[0] for path in tensors if len(path) == 1)
+        self._inner_tensors = tuple(path for path in tensors if len(path) > 1)
         # A call's arguments are one C-level gather from (*values, *fixed): every kernel
         # argument's place in that tuple, in kernel order (host time at decode sizes).
         varying = {i: j for j, i in enumerate(self.varying)}
