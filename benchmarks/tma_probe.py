@@ -83,25 +83,27 @@ def main() -> None:
         hiddens = [torch.randn(T, K, device=device, dtype=torch.bfloat16) for _ in range(sets)]
         outs = [torch.empty(T, N, device=device, dtype=torch.bfloat16) for _ in range(sets)]
         ref = hiddens[0] @ weight.t()
-        variants = {"mm": [lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs)]}
+        variants = {"mm": [lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs, strict=True)]}
         for bm in (16,) if T <= 16 else (32,) if T <= 32 else (64,) if T <= 64 else (64, 128):
             for bk, stages, warps in ((64, 4, 4), (64, 6, 4), (128, 3, 4), (128, 4, 8)):
                 grid = (triton.cdiv(T, bm), N // 128)
                 meta = dict(HIDDEN=K, N=N, BM=bm, BN=128, BK=bk, STAGES=stages, num_warps=warps)
                 tag = f"bm{bm}_bk{bk}_s{stages}_w{warps}"
                 variants[f"ptr_{tag}"] = [
-                    lambda h=h, o=o: gemm_ptr[grid](h, weight, o, T, **meta) for h, o in zip(hiddens, outs)
+                    lambda h=h, o=o, g=grid, m=meta, t=T: gemm_ptr[g](h, weight, o, t, **m)
+                    for h, o in zip(hiddens, outs, strict=True)
                 ]
                 if TensorDescriptor is not None:
                     w_desc = TensorDescriptor.from_tensor(weight, [128, bk])
                     variants[f"tma_{tag}"] = [
-                        lambda h=h, o=o, d=w_desc: gemm_tma[grid](h, d, o, T, **meta) for h, o in zip(hiddens, outs)
+                        lambda h=h, o=o, d=w_desc, g=grid, m=meta, t=T: gemm_tma[g](h, d, o, t, **m)
+                        for h, o in zip(hiddens, outs, strict=True)
                     ]
                     if T % bm == 0:
                         a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]
                         variants[f"tma2_{tag}"] = [
-                            lambda a=a, o=o, d=w_desc: gemm_tma2[grid](a, d, o, T, **meta)
-                            for a, o in zip(a_descs, outs)
+                            lambda a=a, o=o, d=w_desc, g=grid, m=meta, t=T: gemm_tma2[g](a, d, o, t, **m)
+                            for a, o in zip(a_descs, outs, strict=True)
                         ]
         errors: dict[str, str] = {}
         good: dict[str, list] = {}
