@@ -175,5 +175,7 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
             fused_sweep
             timeout "${FUSED_E2E_S:-150}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
                 | tee "$OUT/fused_e2e.txt" ;;
+        *)
+            echo "unknown step: $step" >&2; exit 2 ;;
     esac
 done
