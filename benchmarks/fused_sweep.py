@@ -12,7 +12,6 @@ kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` r
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -43,10 +42,18 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
             for early_loads in (False, True)
         ]
     else:
+        # The weight tiles by pointer and by TMA (benchmarks/tma_probe.py: the GEMM alone at
+        # T = 2048, 1.02x torch.mm by TMA, 1.52x by pointer).
         return [
-            _launch.ProjectionConfig(block_m, block_k, warps, stages)
-            for block_m, block_k, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
-            if stages * (block_m + 128) * block_k * 2 <= 227 * 1024
+            _launch.ProjectionConfig(block_m, block_k, warps, stages, tma=tma)
+            for tma in (False, True)
+            for block_m, block_k, warps, stages in [
+                (128, 64, 4, 3),
+                (128, 64, 4, 4),
+                (128, 128, 4, 3),
+                (64, 64, 4, 4),
+                (128, 64, 8, 4),
+            ]
         ]
     return [
         _launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads)
@@ -162,7 +169,7 @@ def _sweep(
 def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
-        f"early_rope={config.early_rope} early_loads={config.early_loads}"
+        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma}"
     )
 
 
@@ -201,7 +208,9 @@ def _fused(
         hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, strides, v_out, strides, None,
         num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=T, neox=True, config=config,
     )  # fmt: skip
-    values = _launch.projection_varying(hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None)
+    values = _launch.projection_varying(
+        hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None, weight_blocks=launch.weight_blocks
+    )
     return lambda: launch(values)
 
 

@@ -610,25 +610,96 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="builds the kernel's launch directly: runs under the interpreter")
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim", "dtype", "bias", "pools"),
+    [
+        (32, 32, torch.float16, False, False),
+        (64, 32, torch.float16, True, False),  # a pass-through piece of its own
+        (32, 32, torch.float32, True, True),
+        (64, 32, torch.float16, False, True),
+    ],
+    ids=["full-rotary", "partial-bias", "fp32-bias-pools", "partial-pools"],
+)
+def test_weight_tiles_by_tma_equal_by_pointer(
+    head_dim: int, rotary_dim: int, dtype: torch.dtype, bias: bool, pools: bool
+) -> None:
+    """Weight tiles loaded through TMA descriptors give the bits the pointer loads give, against the oracle
+    (hidden 80: a last K step past the weight's columns, which TMA reads as 0)."""
+    draft = Draft(dtype, head_dim=head_dim, rotary_dim=rotary_dim, bias=bias, hidden=80)
+    x, positions = draft.call(37)
+    results = []
+    for tma in (False, True):
+        config = _launch.ProjectionConfig(block_m=16, block_k=32, tma=tma)
+        launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
+        assert (launch.weight_blocks is not None) == tma
+        launch(
+            _launch.projection_varying(
+                x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions,
+                slots, k_dst, v_dst, None, weight_blocks=launch.weight_blocks,
+            )
+        )  # fmt: skip
+        if pools:
+            k_dst, v_dst = k_dst[:, slots], v_dst[:, slots]
+        results.append((k_dst, v_dst))
+    assert_matches_oracle(results[0], draft.oracle(x, positions), dtype)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def _launch_for(
+    draft: Draft, x: Tensor, positions: Tensor, config: _launch.ProjectionConfig, pools: bool
+) -> tuple[_launch.ProjectionLaunch, Tensor, Tensor, Tensor | None]:
+    """The fused launch of ``draft`` into dense outputs, or into stacked pools at reversed slots."""
+    T, D, dtype = x.shape[0], draft.head_dim, draft.dtype
+    if pools:
+        k_dst, v_dst = torch.full((2, L, 2 * T, H, D), 7.0, dtype=dtype)
+        slots = torch.arange(2 * T - 1, T - 1, -1)
+    else:
+        k_dst, v_dst = torch.empty(2, L, T, H, D, dtype=dtype)
+        slots = None
+    launch = _launch.projection_launch(
+        x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots,
+        k_dst, (k_dst.stride(0), k_dst.stride(1), 0, k_dst.stride(2)),
+        v_dst, (v_dst.stride(0), v_dst.stride(1), 0, v_dst.stride(2)),
+        None, num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=k_dst.shape[1], neox=True, config=config,
+    )  # fmt: skip
+    return launch, k_dst, v_dst, slots
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim", "rope_style", "offset"),
+    [(16, 16, "neox", 0), (32, 32, "gptj", 0), (48, 32, "neox", 0), (32, 32, "neox", 1)],
+    ids=["rotary-half-8", "gptj", "pass-16-not-power", "weight-off-16-bytes"],
+)
+def test_weight_tiles_by_pointer_where_tma_cannot(head_dim: int, rotary_dim: int, rope_style: str, offset: int) -> None:
+    """TMA only where every tile is whole rows of a power of two >= 16 and the weight starts on 16 bytes."""
+    rows = L * 2 * H * head_dim
+    weight = torch.zeros(rows * 80 + offset, dtype=torch.float16)[offset:].view(rows, 80)
+    blocks = _launch.weight_blocks(weight, head_dim, rotary_dim, rope_style == "neox", 32)
+    aligned = _launch.weight_aligned(weight)
+    possible = (head_dim, rotary_dim, rope_style, offset) == (32, 32, "neox", 0)
+    assert (blocks is not None and aligned) == (possible and _launch._tma_device(weight.device))
+
+
 def test_default_blocks_fit_shared_memory() -> None:
     """Defaults come from the measured table by T (RoPE rows loaded early up to T = 16, the other loads up to 32);
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False)
     # Fields given are kept as given.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,9 @@ def stand_in(memory: Tensor, num_tokens: int, num_layers: int, width: int) -> Te
     return memory.as_strided((num_tokens, num_layers, width), (0, 0, 1))
 
 
-Launches = dict[int, _launch.KernelLaunch]
-"""One layout's fused launches, by the per-layer pools' table multiple (`typedkv._impl.pool_destinations`; 0: none)."""
+Launches = dict[tuple[int, bool], _launch.KernelLaunch]
+"""One layout's fused launches, by the per-layer pools' table multiple (`typedkv._impl.pool_destinations`; 0: none)
+and whether the weight starts on 16 bytes (`typedkv._launch.weight_aligned`: its tiles may then load by TMA)."""
 
 # Fused launches by checked layout (the op's plan) and what the plan does not
 # fix: hidden's width and strides, the weight's strides, whether there is a bias.
@@ -100,6 +101,11 @@ def _launches_of(
     return entry[1]
 
 
+def _weight_blocks(launch: _launch.KernelLaunch) -> tuple[int, int, int, int] | None:
+    """A fused launch's weight descriptor blocks (`typedkv._launch.ProjectionLaunch`)."""
+    return cast(_launch.ProjectionLaunch, launch).weight_blocks
+
+
 def project_kv(
     call: DenseCall,
     hidden: Tensor,
@@ -118,18 +124,19 @@ def project_kv(
         return k_out, v_out
     eps = layer_eps(call.eps, hidden)
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
-    launch = launches.get(0)
+    aligned = _launch.weight_aligned(kv_weight)
+    launch = launches.get((0, aligned))
     if launch is None:
         dims = plan.bound.dims
-        launch = launches[0] = _launch.projection_launch(
+        launch = launches[0, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
-            num_rows=dims["T"], neox=call.rope_style == "neox",
+            num_rows=dims["T"], neox=call.rope_style == "neox", weight_aligned=aligned,
         )  # fmt: skip
     launch(
         _launch.projection_varying(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, v_out, None,
+            k_out, v_out, None, weight_blocks=_weight_blocks(launch),
         )
     )  # fmt: skip
     return k_out, v_out
@@ -157,9 +164,9 @@ def project_kv_split(
     # The kernel reads K's rows as kv [T, L, H*D].
     k_input = project(v_out.view(num_layers, num_tokens, num_kv_heads * head_dim)).permute(1, 0, 2)
     eps = layer_eps(call.eps, k_input)
-    launch = launches.get(0)
+    launch = launches.get((0, True))
     if launch is None:
-        launch = launches[0] = _launch.Launch(
+        launch = launches[0, True] = _launch.Launch(
             k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1, num_rows=num_tokens,
             neox=call.rope_style == "neox", k_only=True,
@@ -192,21 +199,22 @@ def project_kv_into_pool(
     k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
-    launch = launches.get(table_multiple)
+    aligned = _launch.weight_aligned(kv_weight)
+    launch = launches.get((table_multiple, aligned))
     if launch is None:
         dims = plan.bound.dims
-        launch = launches[table_multiple] = _launch.projection_launch(
+        launch = launches[table_multiple, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
             v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
             table, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"],
             page_size=geometry.page_size, num_rows=geometry.num_slots, neox=call.rope_style == "neox",
-            scales=scales, table_multiple=table_multiple,
+            scales=scales, table_multiple=table_multiple, weight_aligned=aligned,
         )  # fmt: skip
     launch(
         _launch.projection_varying(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            k_dst, v_dst, table, scales,
+            k_dst, v_dst, table, scales, _weight_blocks(launch),
         )
     )  # fmt: skip
 

@@ -57,6 +57,17 @@ def _project(acc, a, w_head, w_stride_n, w_stride_k, rows, rows_ok, kk, HIDDEN: 
 
 
 @triton.jit
+def _project_tma(acc, a, w_desc, first_row, k0, PRECISION: tl.constexpr):
+    """``acc + a @ W[first_row : first_row + N, k0 : k0 + K]^T``, the weight tile loaded by TMA from ``w_desc``.
+
+    The descriptor's block is ``[N, K]`` (whole rows of one head piece, see `project_kv_kernel`'s
+    ``W_TMA``); columns past the weight's last read 0 (TMA's bounds).
+    """
+    w = w_desc.load([first_row, k0])
+    return tl.dot(a, w.T, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr):
     """``hidden[tokens, kk]`` (``[M, K]``), 0 past the last token and past ``HIDDEN``."""
     mask = tok_ok[:, None]
@@ -97,6 +108,9 @@ def project_kv_kernel(
     w_stride_n,
     w_stride_k,
     bias_ptr,
+    w_half_desc,  # W_TMA: the weight as TMA descriptors of R/2, D and D-R rows (else None)
+    w_head_desc,
+    w_pass_desc,
     weight_ptr,
     weight_stride_l,
     weight_stride_d,
@@ -154,6 +168,7 @@ def project_kv_kernel(
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
+    W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
 ):
     if WAIT_PRIOR:
         gdc_wait()  # before any load: hidden may be the prior kernel's output
@@ -223,10 +238,18 @@ def project_kv_kernel(
         for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
             a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-            acc1 = _project(acc1, a, w_head, w_stride_n, w_stride_k, dims1, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
-            acc2 = _project(acc2, a, w_head, w_stride_n, w_stride_k, dims2, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
-            if PASS > 0:
-                acc3 = _project(acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION)
+            if W_TMA:
+                acc1 = _project_tma(acc1, a, w_half_desc, head_row, k0, PRECISION)
+                acc2 = _project_tma(acc2, a, w_half_desc, head_row + HALF, k0, PRECISION)
+                if PASS > 0:
+                    acc3 = _project_tma(acc3, a, w_pass_desc, head_row + R, k0, PRECISION)
+            else:
+                acc1 = _project(acc1, a, w_head, w_stride_n, w_stride_k, dims1, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
+                acc2 = _project(acc2, a, w_head, w_stride_n, w_stride_k, dims2, pair_ok, kk, HIDDEN, EVEN_K, PRECISION)
+                if PASS > 0:
+                    acc3 = _project(
+                        acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION
+                    )
         # kv as a GEMM would have stored it.
         x1 = _rounded(acc1, bias_head, dims1, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         x2 = _rounded(acc2, bias_head, dims2, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
@@ -294,7 +317,10 @@ def project_kv_kernel(
         for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
             a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-            acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
+            if W_TMA:
+                acc = _project_tma(acc, a, w_head_desc, head_row, k0, PRECISION)
+            else:
+                acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         if not EARLY_LOADS:

@@ -34,6 +34,11 @@ from ._types import is_fp8
 
 # Triton decides at decoration time whether a kernel runs under its interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:  # host-side TMA descriptors, Triton 3.4 and later (imported by name: the module ships no types)
+    TensorDescriptor: Any = importlib.import_module("triton.tools.tensor_descriptor").TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the fused projection loads its weights by pointer
+    TensorDescriptor = None
 # Triton's interpreter keeps the grid position of the launch it runs in global
 # state: two launches interpreted at once, from two threads, clash. They take turns.
 _INTERPRETER_LOCK = threading.Lock()
@@ -361,7 +366,12 @@ def _per_call(value: Any) -> bool:
     """Whether a kernel argument changes from call to call: a tensor, a float, None, or a tuple holding one."""
     if isinstance(value, tuple):
         return any(map(_per_call, value))
-    return value is None or isinstance(value, (torch.Tensor, float))
+    return value is None or isinstance(value, (torch.Tensor, float)) or _is_descriptor(value)
+
+
+def _is_descriptor(value: Any) -> bool:
+    """Whether ``value`` is a TMA descriptor (made per call: it holds its tensor's address)."""
+    return TensorDescriptor is not None and isinstance(value, TensorDescriptor)
 
 
 def _tensor_paths(value: Any, path: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -615,17 +625,23 @@ class ProjectionConfig:
     # The epilogue's other loads (per-layer pools' table entry, a tensor scale, eps, the K
     # norm weights) before the loop too.
     early_loads: bool | None = None
+    # Weight tiles loaded by TMA (Hopper's tensor memory accelerator, from host-side
+    # descriptors) instead of by pointer. Taken only where it can be (`weight_blocks`):
+    # NeoX RoPE, each piece of a head a power of two >= 16 rows, the weight's rows
+    # 16-byte aligned; elsewhere the weights load by pointer whatever this says.
+    tma: bool | None = None
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
-    ) -> tuple[int, int, int, bool, bool]:
-        """``(block_m, block_k, num_stages, early_rope, early_loads)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
+    ) -> tuple[int, int, int, bool, bool, bool]:
+        """``(block_m, block_k, num_stages, early_rope, early_loads, tma)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
         measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
         block_m = self.block_m or measured[0]
         block_k = self.block_k or measured[1]
         stages = self.num_stages or measured[2]
         early_rope = measured[3] if self.early_rope is None else self.early_rope
         early_loads = measured[4] if self.early_loads is None else self.early_loads
+        tma = measured[5] if self.tma is None else self.tma
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -635,7 +651,7 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return block_m, block_k, stages, early_rope, early_loads
+        return block_m, block_k, stages, early_rope, early_loads, tma
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages,
@@ -648,11 +664,11 @@ class ProjectionConfig:
 # 32 (the other loads early; the RoPE rows early too: 1.25x, the extra registers
 # spill), 1.14-1.18x at T = 48-64 (loads early not measured there); 1.35-1.40x
 # at T = 2048 and 1.7x at 16384 with the last.
-PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool]], ...] = (
-    (16, (16, 128, 5, True, True)),
-    (32, (32, 128, 5, False, True)),
-    (64, (64, 64, 6, False, False)),
-    (math.inf, (128, 64, 3, False, False)),
+PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool, bool]], ...] = (
+    (16, (16, 128, 5, True, True, False)),
+    (32, (32, 128, 5, False, True, False)),
+    (64, (64, 64, 6, False, False, False)),
+    (math.inf, (128, 64, 3, False, False, False)),
 )
 
 
@@ -734,12 +750,16 @@ def projection_launch(
     scales: tuple[Scale, Scale] = (None, None),
     config: ProjectionConfig = ProjectionConfig(),
     table_multiple: int = 1,
-) -> KernelLaunch:
-    """The fused projection's launch; called with `projection_varying`'s values.
+    weight_aligned: bool = True,
+) -> ProjectionLaunch:
+    """The fused projection's launch; called with `projection_varying`'s values (``weight_blocks`` its own).
 
     ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each
     layer's K rows, then its V rows; ``kv_bias`` ``[L*2*H*D]`` or None) replace
     `launch_params`' ``kv``; the destinations and the rest (``table_multiple`` too) are as there.
+    The weight's tiles load by TMA where ``config`` and `weight_blocks` allow, and
+    ``weight_aligned`` (`weight_aligned` of the calls it serves: the caller keeps
+    launches apart by it).
     """
     num_tokens, hidden_size = hidden.shape
     rotary_dim = cos_sin_cache.shape[1]
@@ -748,13 +768,14 @@ def projection_launch(
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_m, block_k, num_stages, early_rope, early_loads = config.blocks(
+    block_m, block_k, num_stages, early_rope, early_loads, tma = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
     )
+    blocks = weight_blocks(kv_weight, head_dim, rotary_dim, neox, block_k) if tma and weight_aligned else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
-        hidden, *hidden.stride(), kv_weight, *kv_weight.stride(), kv_bias,
+        hidden, *hidden.stride(), kv_weight, *kv_weight.stride(), kv_bias, *weight_descriptors(kv_weight, blocks),
         *_input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
         *destinations,
         num_tokens, cos_sin_cache.shape[0], num_rows,
@@ -764,10 +785,77 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
         early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        programmatic_launch(hidden.device),
+        programmatic_launch(hidden.device), blocks is not None,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
-    return KernelLaunch(project_kv_kernel, grid, params, config.num_warps)
+    return ProjectionLaunch(project_kv_kernel, grid, params, config.num_warps, blocks)
+
+
+class ProjectionLaunch(KernelLaunch):
+    """The fused projection's launch: a `KernelLaunch` that knows its weight descriptors' blocks (None: by pointer)."""
+
+    def __init__(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        params: tuple[Any, ...],
+        num_warps: int,
+        weight_blocks: tuple[int, int, int, int] | None,
+    ) -> None:
+        super().__init__(kernel, grid, params, num_warps)
+        self.weight_blocks = weight_blocks
+
+
+def weight_blocks(
+    kv_weight: torch.Tensor, head_dim: int, rotary_dim: int, neox: bool, block_k: int
+) -> tuple[int, int, int, int] | None:
+    """``(R/2, D, D-R, block_k)``: the rows and columns of the fused kernel's TMA weight tiles, or None where TMA cannot load them.
+
+    A K head loads its two rotary halves (NeoX: rows ``[0, R/2)`` and ``[R/2, R)``) and its
+    pass-through rows ``[R, D)`` as three tiles, a V head its ``D`` rows as one. TMA loads
+    whole blocks of consecutive rows, so each piece must be a power of two of at least 16
+    rows (a block, and a `tl.dot` operand), GPT-J's interleaved pairs are out, and the
+    weight's rows must be contiguous and start on 16 bytes (TMA's requirement; the base
+    address is the caller's to check per call, `weight_aligned`).
+    """
+    if TensorDescriptor is None or not neox or not _tma_device(kv_weight.device):
+        return None
+    if kv_weight.stride(1) != 1 or (kv_weight.stride(0) * kv_weight.element_size()) % 16 or 0 in kv_weight.shape:
+        return None
+    half, rest = rotary_dim // 2, head_dim - rotary_dim
+    pieces = (half, head_dim) + ((rest,) if rest else ())
+    if any(n < 16 or n & (n - 1) for n in pieces):
+        return None
+    return half, head_dim, rest, block_k
+
+
+def weight_aligned(kv_weight: torch.Tensor) -> bool:
+    """Whether ``kv_weight`` starts on 16 bytes, as a TMA descriptor requires (one address read)."""
+    return kv_weight.data_ptr() % 16 == 0
+
+
+@functools.cache
+def _tma_device(device: torch.device) -> bool:
+    """Whether the fused kernel may load by TMA on ``device``: Hopper or later, or Triton's interpreter (tests)."""
+    if INTERPRETED:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
+    """The fused kernel's three weight descriptors for `weight_blocks`' ``blocks`` (all None: loads by pointer).
+
+    Made per call: a descriptor holds its tensor's address.
+    """
+    if blocks is None:
+        return None, None, None
+    half, head, rest, block_k = blocks
+    shape, strides = list(kv_weight.shape), list(kv_weight.stride())
+
+    def descriptor(rows: int) -> Any:
+        return TensorDescriptor(kv_weight, shape, strides, [rows, block_k])
+
+    return descriptor(half), descriptor(head), descriptor(rest) if rest else None
 
 
 def projection_varying(
@@ -783,9 +871,10 @@ def projection_varying(
     v_dst: torch.Tensor,
     layer_offsets: torch.Tensor | None,
     scales: tuple[Scale, Scale] = (None, None),
+    weight_blocks: tuple[int, int, int, int] | None = None,
 ) -> tuple[Any, ...]:
-    """The fused projection kernel's per-call arguments, in kernel order."""
+    """The fused projection kernel's per-call arguments, in kernel order; ``weight_blocks`` the launch's own."""
     return (
-        hidden, kv_weight, kv_bias, k_norm_weight, *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots,
-        k_dst, v_dst, layer_offsets, _scale_pair(scales),
+        hidden, kv_weight, kv_bias, *weight_descriptors(kv_weight, weight_blocks), k_norm_weight,
+        *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, _scale_pair(scales),
     )  # fmt: skip
