@@ -157,7 +157,7 @@ def _sweep(
         ]
         calls[0]()
         torch.cuda.synchronize()
-        compiled = getattr(calls[0], "launch").compiled
+        compiled = calls[0].launch.compiled  # type: ignore[attr-defined]
         regs = f"regs {compiled.n_regs} spills {compiled.n_spills} smem {compiled.metadata.shared}" if compiled else ""
         err_k = (k_out.float() - ref_k.float()).abs().max().item()
         err_v = (v_out.float() - ref_v.float()).abs().max().item()
@@ -213,6 +213,7 @@ def _fused(
     values = _launch.projection_varying(
         hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None, weight_blocks=launch.weight_blocks
     )
+
     def call() -> None:
         launch(values)
 
