@@ -43,16 +43,19 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
         ]
     else:
         # The weight tiles by pointer and by TMA (benchmarks/tma_probe.py: the GEMM alone at
-        # T = 2048, 1.02x torch.mm by TMA, 1.52x by pointer).
+        # T = 2048, 1.02x torch.mm by TMA, 1.52x by pointer), programs in bands of token blocks or not.
         return [
-            _launch.ProjectionConfig(block_m, block_k, warps, stages, tma=tma)
-            for tma in (False, True)
-            for block_m, block_k, warps, stages in [
-                (128, 64, 4, 3),
-                (128, 64, 4, 4),
-                (128, 128, 4, 3),
-                (64, 64, 4, 4),
-                (128, 64, 8, 4),
+            _launch.ProjectionConfig(block_m, block_k, warps, stages, tma=tma, group_m=group_m)
+            for block_m, block_k, warps, stages, tma, group_m in [
+                (128, 64, 4, 3, False, 1),
+                (128, 64, 8, 4, False, 8),
+                (128, 64, 8, 4, True, 1),
+                (128, 64, 8, 4, True, 8),
+                (128, 64, 8, 4, True, 32),
+                (128, 64, 8, 3, True, 8),
+                (128, 64, 4, 3, True, 8),
+                (128, 128, 8, 3, True, 8),
+                (64, 64, 4, 4, True, 8),
             ]
         ]
     return [
@@ -171,7 +174,7 @@ def _sweep(
 def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
-        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma}"
+        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m}"
     )
 
 

@@ -581,8 +581,9 @@ def test_misuse_writes_nothing() -> None:
         _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
         _launch.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
         _launch.ProjectionConfig(block_m=32, block_k=32, early_rope=False, early_loads=True),
+        _launch.ProjectionConfig(block_m=16, block_k=32, group_m=2),
     ],
-    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads"],
+    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads", "m16-bands-of-2"],
 )
 def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""
@@ -630,7 +631,8 @@ def test_weight_tiles_by_tma_equal_by_pointer(
     x, positions = draft.call(37)
     results = []
     for tma in (False, True):
-        config = _launch.ProjectionConfig(block_m=16, block_k=32, tma=tma)
+        # Bands of two of the three token blocks (the last band short) with TMA: the same programs' work.
+        config = _launch.ProjectionConfig(block_m=16, block_k=32, tma=tma, group_m=2 if tma else 1)
         launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
         assert (launch.weight_blocks is not None) == tma
         launch(
@@ -686,20 +688,20 @@ def test_default_blocks_fit_shared_memory() -> None:
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1)
     # Fields given are kept as given.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

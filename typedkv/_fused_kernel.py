@@ -68,6 +68,24 @@ def _project_tma(acc, a, w_desc, first_row, k0, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _banded(block, head, num_blocks, num_heads, GROUP_M: tl.constexpr):
+    """``(token block, head slot)`` of a program, the programs taken in bands of ``GROUP_M`` token blocks.
+
+    Programs start in launch order, grid axis 0 fastest. Without bands, those running
+    together are one head's token blocks, and ``hidden`` is read once per head: from
+    memory once it outgrows L2 (80 heads read 128 MB of ``hidden`` 80 times at
+    T = 16384). In a band, the programs running together are ``GROUP_M`` token blocks
+    of a few heads, and a band's rows of ``hidden`` stay in L2 while every head passes.
+    """
+    linear = head * num_blocks + block
+    per_band = GROUP_M * num_heads
+    first = (linear // per_band) * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    within = linear % per_band
+    return first + within % size, within // size
+
+
+@triton.jit
 def _halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
     """``acc[:, :HALF]`` and ``acc[:, HALF:]`` of a ``[BLOCK_M, 2 * HALF]`` tile (its NeoX rotary pairs)."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
@@ -175,6 +193,7 @@ def project_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
+    GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
 ):
     if WAIT_PRIOR:
         gdc_wait()  # before any load: hidden may be the prior kernel's output
@@ -182,6 +201,8 @@ def project_kv_kernel(
     # launched together share their weight rows, which L2 then serves.
     block = tl.program_id(0)
     pid = tl.program_id(1)
+    if GROUP_M > 1:
+        block, pid = _banded(block, pid, tl.num_programs(0), tl.num_programs(1), GROUP_M)
     layer = pid // (2 * H)
     slot = pid % (2 * H)
     store_ty: tl.constexpr = hidden_ptr.dtype.element_ty
@@ -203,7 +224,10 @@ def project_kv_kernel(
         bias_head = bias_ptr
 
     # Destination rows, as in `typedkv._kernel`.
-    row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
+    if not W_TMA:
+        # Loaded before the loop, their latency hidden by it (the TMA configurations load
+        # them after it: registers held through their whole-head loop spilled).
+        row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
 
     if slot < H:
         head = slot
@@ -271,6 +295,8 @@ def project_kv_kernel(
                         acc3 = _project(
                             acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION
                         )
+        if W_TMA:
+            row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # kv as a GEMM would have stored it.
         x1 = _rounded(acc1, bias_head, dims1, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         x2 = _rounded(acc2, bias_head, dims2, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
@@ -342,6 +368,8 @@ def project_kv_kernel(
                 acc = _project_tma(acc, a, w_head_desc, head_row, k0, PRECISION)
             else:
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
+        if W_TMA:
+            row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         if not EARLY_LOADS:

@@ -630,11 +630,15 @@ class ProjectionConfig:
     # NeoX RoPE, each piece of a head a power of two >= 16 rows, the weight's rows
     # 16-byte aligned; elsewhere the weights load by pointer whatever this says.
     tma: bool | None = None
+    # Token blocks per band of programs (1: none): programs running together share a
+    # band of ``hidden``'s rows, which stays in L2 while every head passes over it.
+    group_m: int | None = None
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
-    ) -> tuple[int, int, int, bool, bool, bool]:
-        """``(block_m, block_k, num_stages, early_rope, early_loads, tma)`` for ``num_tokens``; ``head_rows`` weight rows per program."""
+    ) -> tuple[int, int, int, bool, bool, bool, int]:
+        """``(block_m, block_k, num_stages, early_rope, early_loads, tma, group_m)`` for ``num_tokens``;
+        ``head_rows`` weight rows per program."""
         measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
         block_m = self.block_m or measured[0]
         block_k = self.block_k or measured[1]
@@ -642,6 +646,7 @@ class ProjectionConfig:
         early_rope = measured[3] if self.early_rope is None else self.early_rope
         early_loads = measured[4] if self.early_loads is None else self.early_loads
         tma = measured[5] if self.tma is None else self.tma
+        group_m = self.group_m or measured[6]
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -651,7 +656,7 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return block_m, block_k, stages, early_rope, early_loads, tma
+        return block_m, block_k, stages, early_rope, early_loads, tma, group_m
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages,
@@ -664,11 +669,11 @@ class ProjectionConfig:
 # 32 (the other loads early; the RoPE rows early too: 1.25x, the extra registers
 # spill), 1.14-1.18x at T = 48-64 (loads early not measured there); 1.35-1.40x
 # at T = 2048 and 1.7x at 16384 with the last.
-PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool, bool]], ...] = (
-    (16, (16, 128, 5, True, True, False)),
-    (32, (32, 128, 5, False, True, False)),
-    (64, (64, 64, 6, False, False, False)),
-    (math.inf, (128, 64, 3, False, False, False)),
+PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool, bool, int]], ...] = (
+    (16, (16, 128, 5, True, True, False, 1)),
+    (32, (32, 128, 5, False, True, False, 1)),
+    (64, (64, 64, 6, False, False, False, 1)),
+    (math.inf, (128, 64, 3, False, False, False, 1)),
 )
 
 
@@ -768,7 +773,7 @@ def projection_launch(
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_m, block_k, num_stages, early_rope, early_loads, tma = config.blocks(
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
     )
     blocks = weight_blocks(kv_weight, head_dim, rotary_dim, neox, block_k) if tma and weight_aligned else None
@@ -785,7 +790,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
         early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        programmatic_launch(hidden.device), blocks is not None,
+        programmatic_launch(hidden.device), blocks is not None, group_m,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, config.num_warps, blocks)
