@@ -677,7 +677,7 @@ def test_weight_tiles_by_pointer_where_tma_cannot(head_dim: int, rotary_dim: int
     """TMA only where every tile is whole rows of a power of two >= 16 and the weight starts on 16 bytes."""
     rows = L * 2 * H * head_dim
     weight = torch.zeros(rows * 80 + offset, dtype=torch.float16)[offset:].view(rows, 80)
-    blocks = _launch.weight_blocks(weight, head_dim, rotary_dim, rope_style == "neox", 32)
+    blocks = _launch.weight_blocks(weight, head_dim, rotary_dim, rope_style == "neox")
     aligned = _launch.weight_aligned(weight)
     possible = (head_dim, rotary_dim, rope_style, offset) == (32, 32, "neox", 0)
     assert (blocks is not None and aligned) == (possible and _launch._tma_device(weight.device))
@@ -688,20 +688,25 @@ def test_default_blocks_fit_shared_memory() -> None:
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4)
+    # Where the weight can load by TMA: above T = 64, TMA with 8 warps and bands of 8 token blocks.
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 6, False, False, False, 1, 4)
+    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8)
+    no_tma = _launch.ProjectionConfig(tma=False)
+    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4)
     # Fields given are kept as given.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

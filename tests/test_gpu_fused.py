@@ -54,9 +54,22 @@ def cpu(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     return pair[0].cpu(), pair[1].cpu()
 
 
+@pytest.fixture(params=["pointer", "tma"])
+def weight_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernel's weight tiles by pointer, or by TMA wherever the layout allows (the defaults take TMA
+    only above T = 64): each test so marked runs both ways."""
+    from typedkv import _fused_impl, _launch
+
+    defaults = _launch.projection_launch.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(tma=request.param == "tma"))
+    _fused_impl._LAUNCHES.clear()
+
+
 # ------------------------------------------------------------------ results
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 128), (128, 64), (64, 64), (80, 32), (256, 64), (32, 2)])
@@ -72,15 +85,20 @@ def test_grid_cuda(
     assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("hidden", [16, 64, 1000, 4096])
 @pytest.mark.parametrize("num_tokens", [1, 16, 17, 300, 2048])
+@pytest.mark.parametrize("rope_style", ["gptj", "neox"])  # NeoX: weights by TMA, hidden's tail read as 0
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_token_and_hidden_edges_cuda(dtype: torch.dtype, num_tokens: int, hidden: int) -> None:
-    draft = cuda_draft(dtype, head_dim=128, rotary_dim=64, hidden=hidden, rope_style="gptj", bias=True)
+def test_token_and_hidden_edges_cuda(
+    dtype: torch.dtype, rope_style: typedkv.RopeStyle, num_tokens: int, hidden: int
+) -> None:
+    draft = cuda_draft(dtype, head_dim=128, rotary_dim=64, hidden=hidden, rope_style=rope_style, bias=True)
     x, positions, xc, pc = cuda_call(draft, num_tokens)
     assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
 
 
+@pytest.mark.usefixtures("weight_loads")
 def test_eps_per_layer_cuda() -> None:
     per_layer = [1e-6, 0.5, 4.0]
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, eps=torch.tensor(per_layer))
@@ -100,6 +118,7 @@ def test_out_of_range_positions_cuda() -> None:
     assert_matches_oracle((k, v), draft.oracle(x, positions), torch.bfloat16)
 
 
+@pytest.mark.usefixtures("weight_loads")
 def test_matches_gemm_path_on_random_inputs_cuda() -> None:
     """Off the grid: the two paths differ only by the GEMM's accumulation order (a storage ulp or so)."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -122,6 +141,7 @@ def test_matches_gemm_path_on_random_inputs_cuda() -> None:
         torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("weight_loads")
 def test_deterministic_cuda() -> None:
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=4096, bias=True)
     _, _, xc, pc = cuda_call(draft, 300)
@@ -179,6 +199,7 @@ def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
     return stacked.reshape(L, S, H, -1)[:, slots].cpu()
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined", "list_unaligned"])
 @pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) -> None:
@@ -200,6 +221,7 @@ def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) 
         assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("scale", ["none", "float", "tensor"])
 @pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("layout", ["flat", "NHD", "list", "list_unaligned"])
@@ -236,6 +258,7 @@ def test_fp8_pools_cuda(layout: str, pool_dtype: torch.dtype, scale: str) -> Non
 # ------------------------------------------------------- graphs, compile, sync
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("pool", [False, True], ids=["dense", "into_pool"])
 def test_cuda_graph_fused(pool: bool) -> None:
     """A fused call captured at a fixed T, replayed with new inputs copied in: the eager fused bits."""
@@ -268,6 +291,7 @@ def test_cuda_graph_fused(pool: bool) -> None:
     assert draft.m._workspace is None  # the fused path has no GEMM output
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.usefixtures("fresh_compile")
 def test_compiled_into_pool_fused_pinned() -> None:
     """torch.compile(fullgraph=True) of into_pool with the fused path pinned: one fused op, the eager bits."""
@@ -287,6 +311,7 @@ def test_compiled_into_pool_fused_pinned() -> None:
     assert draft.m._workspace is None
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.usefixtures("fresh_compile")
 def test_compiled_reduce_overhead_fused() -> None:
     """mode="reduce-overhead" (CUDA graphs by torch.compile) with the fused path pinned: replays follow new inputs."""
@@ -302,6 +327,7 @@ def test_compiled_reduce_overhead_fused() -> None:
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
+@pytest.mark.usefixtures("weight_loads")
 def test_fused_makes_no_sync() -> None:
     """Production mode: fused calls (dense, FP8 pool with a tensor scale, per-layer pools) never sync."""
     typedkv.set_debug(False)
@@ -336,6 +362,19 @@ def test_fused_sample_under_memcheck() -> None:
     run_under_memcheck(Path(__file__).with_name("fused_sample.py"), ["--device", "cuda"], "fused sample done", 900)
 
 
+def test_weights_by_tma_above_64_tokens_cuda() -> None:
+    """On Hopper the defaults load the weight's tiles by TMA above T = 64 where the layout allows: the oracle's K
+    and V; GPT-J pairs (rows not consecutive) load by pointer."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    for rope_style, by_tma in (("neox", True), ("gptj", False)):
+        draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
+        x, positions, xc, pc = cuda_call(draft, 300)
+        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+        launches = [launch for kept in draft.m._plans._plans.values() for launch in kept.launches.values()]
+        assert [launch.weight_blocks is not None for launch in launches] == [by_tma]
+
+
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_fused() -> None:
     """The fused kernel compiles once per launch configuration (`PROJECTION_BLOCKS`' T ranges), never per T."""
@@ -351,6 +390,7 @@ def test_new_token_count_compiles_nothing_fused() -> None:
     assert compiled_variants(_launch.project_kv_kernel) == before
 
 
+@pytest.mark.usefixtures("weight_loads")
 @pytest.mark.production
 def test_per_layer_pools_off_16_bytes_after_aligned_cuda() -> None:
     """Per-layer pools on 16 bytes, then one element off them, then on again (one layout): the oracle's rows.

@@ -21,7 +21,7 @@ import operator
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -605,19 +605,33 @@ def _scale_mode(scale: float | torch.Tensor | None, dst: torch.Tensor) -> int:
 # ------------------------------------------------- projection fused with K/V
 
 
+class Blocks(NamedTuple):
+    """A fused projection launch's configuration, as `ProjectionConfig.blocks` settles it."""
+
+    block_m: int
+    block_k: int
+    num_stages: int
+    early_rope: bool
+    early_loads: bool
+    tma: bool
+    group_m: int
+    num_warps: int
+
+
 @dataclass(frozen=True)
 class ProjectionConfig:
     """How the fused projection kernel (`project_kv_kernel`) is launched.
 
     A field left ``None`` comes from `PROJECTION_BLOCKS` by the batch's size
-    (measured on the H200, ``benchmarks/fused_sweep.py``), with the pipeline's
-    depth, then ``block_k``, reduced until it fits the device's shared memory.
-    Tests and sweeps pass others; every configuration computes the same thing.
+    (measured on the H200, ``benchmarks/fused_sweep.py``), or from
+    `PROJECTION_BLOCKS_TMA` where the weight's tiles can load by TMA, with the
+    pipeline's depth, then ``block_k``, reduced until it fits the device's shared
+    memory. Tests and sweeps pass others; every configuration computes the same thing.
     """
 
     block_m: int | None = None  # tokens per program
     block_k: int | None = None  # hidden columns per step of the K loop
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int | None = None  # software pipelining of the K loop (tl.range)
     # K's RoPE rows loaded before the GEMM loop, their latency hidden behind it (registers:
     # 2 * block_m * R/2 floats more through the loop).
@@ -635,18 +649,23 @@ class ProjectionConfig:
     group_m: int | None = None
 
     def blocks(
-        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int
-    ) -> tuple[int, int, int, bool, bool, bool, int]:
-        """``(block_m, block_k, num_stages, early_rope, early_loads, tma, group_m)`` for ``num_tokens``;
-        ``head_rows`` weight rows per program."""
-        measured = next(blocks for most, blocks in PROJECTION_BLOCKS if num_tokens <= most)
-        block_m = self.block_m or measured[0]
-        block_k = self.block_k or measured[1]
-        stages = self.num_stages or measured[2]
-        early_rope = measured[3] if self.early_rope is None else self.early_rope
-        early_loads = measured[4] if self.early_loads is None else self.early_loads
-        tma = measured[5] if self.tma is None else self.tma
-        group_m = self.group_m or measured[6]
+        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
+    ) -> Blocks:
+        """The launch configuration for ``num_tokens``; ``head_rows`` weight rows per program.
+
+        ``tma_possible``: the weight's tiles can load by TMA (`weight_blocks`), so the
+        defaults come from `PROJECTION_BLOCKS_TMA` unless ``tma`` is False.
+        """
+        table = PROJECTION_BLOCKS_TMA if tma_possible and self.tma is not False else PROJECTION_BLOCKS
+        measured = next(blocks for most, blocks in table if num_tokens <= most)
+        block_m = self.block_m or measured.block_m
+        block_k = self.block_k or measured.block_k
+        stages = self.num_stages or measured.num_stages
+        early_rope = measured.early_rope if self.early_rope is None else self.early_rope
+        early_loads = measured.early_loads if self.early_loads is None else self.early_loads
+        tma = measured.tma if self.tma is None else self.tma
+        group_m = self.group_m or measured.group_m
+        num_warps = self.num_warps or measured.num_warps
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -656,24 +675,33 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return block_m, block_k, stages, early_rope, early_loads, tma, group_m
+        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps)
 
 
-# ``ProjectionConfig``'s defaults, (most tokens, (block_m, block_k, num_stages,
-# early_rope, early_loads)), from benchmarks/fused_sweep.py on the H200
-# (benchmarks/NOTES.md). At small T the weights dominate and the time is their
-# read: one token block, so each weight row is read once, and a deep pipeline
+# ``ProjectionConfig``'s defaults, (most tokens, blocks), from benchmarks/fused_sweep.py
+# on the H200 (benchmarks/NOTES.md). At small T the weights dominate and the time is
+# their read: one token block, so each weight row is read once, and a deep pipeline
 # (many bytes in flight per SM). Fused / torch.mm alone with these (2026-12-01,
 # each configuration beside torch.mm in one process): 0.97x at T = 16 (RoPE rows
 # and the epilogue's other loads before the loop; 1.00x with neither), 1.00x at
 # 32 (the other loads early; the RoPE rows early too: 1.25x, the extra registers
-# spill), 1.14-1.18x at T = 48-64 (loads early not measured there); 1.35-1.40x
-# at T = 2048 and 1.7x at 16384 with the last.
-PROJECTION_BLOCKS: tuple[tuple[float, tuple[int, int, int, bool, bool, bool, int]], ...] = (
-    (16, (16, 128, 5, True, True, False, 1)),
-    (32, (32, 128, 5, False, True, False, 1)),
-    (64, (64, 64, 6, False, False, False, 1)),
-    (math.inf, (128, 64, 3, False, False, False, 1)),
+# spill), 1.14-1.18x at T = 48-64 (loads early not measured there); 1.44x at
+# T = 2048 and 1.73x at 16384 with the last, weights by pointer.
+PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
+    (16, Blocks(16, 128, 5, True, True, False, 1, 4)),
+    (32, Blocks(32, 128, 5, False, True, False, 1, 4)),
+    (64, Blocks(64, 64, 6, False, False, False, 1, 4)),
+    (math.inf, Blocks(128, 64, 3, False, False, False, 1, 4)),
+)
+
+# The same where the weight's tiles can load by TMA (`weight_blocks`). Above T = 64:
+# TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8 token blocks:
+# fused_sweep.py 1.20x torch.mm at T = 2048 (1.44x by pointer, 4 warps, no bands)
+# and 1.21x at 16384 (1.73x); without bands 1.28x / 1.65x. Up to T = 64 not
+# measured with TMA: as by pointer.
+PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
+    *PROJECTION_BLOCKS[:-1],
+    (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
 
 
@@ -773,10 +801,12 @@ def projection_launch(
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
     block_pass = max(16, triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m = config.blocks(
-        num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device)
+    tma_blocks = weight_blocks(kv_weight, head_dim, rotary_dim, neox) if weight_aligned else None
+    settled = config.blocks(
+        num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
     )
-    blocks = weight_blocks(kv_weight, head_dim, rotary_dim, neox, block_k) if tma and weight_aligned else None
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps = settled
+    blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
     params = (
@@ -793,7 +823,7 @@ def projection_launch(
         programmatic_launch(hidden.device), blocks is not None, group_m,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
-    return ProjectionLaunch(project_kv_kernel, grid, params, config.num_warps, blocks)
+    return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
 
 
 class ProjectionLaunch(KernelLaunch):
@@ -811,10 +841,8 @@ class ProjectionLaunch(KernelLaunch):
         self.weight_blocks = weight_blocks
 
 
-def weight_blocks(
-    kv_weight: torch.Tensor, head_dim: int, rotary_dim: int, neox: bool, block_k: int
-) -> tuple[int, int, int, int] | None:
-    """``(R/2, D, D-R, block_k)``: the rows and columns of the fused kernel's TMA weight tiles, or None where TMA cannot load them.
+def weight_blocks(kv_weight: torch.Tensor, head_dim: int, rotary_dim: int, neox: bool) -> tuple[int, int, int] | None:
+    """``(R/2, D, D-R)``: the rows of the fused kernel's TMA weight tiles, or None where TMA cannot load them.
 
     A K head loads its two rotary halves (NeoX: rows ``[0, R/2)`` and ``[R/2, R)``) and its
     pass-through rows ``[R, D)`` as three tiles, a V head its ``D`` rows as one. TMA loads
@@ -831,7 +859,7 @@ def weight_blocks(
     pieces = (half, head_dim) + ((rest,) if rest else ())
     if any(n < 16 or n & (n - 1) for n in pieces):
         return None
-    return half, head_dim, rest, block_k
+    return half, head_dim, rest
 
 
 def weight_aligned(kv_weight: torch.Tensor) -> bool:
