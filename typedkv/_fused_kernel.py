@@ -16,7 +16,13 @@ between them: NeoX pairs weight rows ``j`` and ``j + R/2``, GPT-J rows ``2j`` an
 ``2j + 1``; the pass-through dims ``[R, D)`` are a third accumulator. RMSNorm's
 sum of squares covers all three.
 
-Every load and store is masked (tokens past ``num_tokens``, ``hidden`` not a
+Where the launch says so (``W_TMA``), the weight's tiles load by TMA from host-side
+descriptors, whole rows of a head piece at a time, and a full-rotary K head is one
+tile and one product, its halves split after the loop. Programs may run in bands
+of token blocks (``GROUP_M``, `_banded`), so a band's rows of ``hidden`` stay in
+L2 while every head passes over them.
+
+Every pointer load and store is masked (tokens past ``num_tokens``, ``hidden`` not a
 multiple of ``BLOCK_K``, padded head dims), so no value in ``positions`` or
 the slots sends the kernel out of bounds: a position outside ``[0, P)`` gives
 NaN in K, a slot that is negative or ``>= num_rows`` skips the token.
@@ -191,9 +197,9 @@ def project_kv_kernel(
     EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
     GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
+    WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
     if WAIT_PRIOR:
         gdc_wait()  # before any load: hidden may be the prior kernel's output

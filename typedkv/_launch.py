@@ -819,8 +819,8 @@ def projection_launch(
         isinstance(eps, torch.Tensor), slots is not None, page_size, _table_mode(layer_offsets, table_multiple),
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
-        early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        programmatic_launch(hidden.device), blocks is not None, group_m,
+        early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED, blocks is not None, group_m,
+        programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
