@@ -34,12 +34,17 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
     elif num_tokens <= 32:
         grid = [(32, 128, 4), (32, 128, 5), (32, 64, 5), (32, 64, 6)]
     elif num_tokens <= 64:
-        # RoPE rows early gained nothing here (2026-12-01); 8 warps not tried before.
+        # The defaults (RoPE rows early gained nothing here, 2026-12-01) by pointer and by TMA
+        # (benchmarks/tma_probe.py: the GEMM alone at T = 64 1.03-1.05x torch.mm by TMA, 1.05x by pointer).
         return [
-            _launch.ProjectionConfig(block_m, block_k, warps, stages, False, early_loads)
-            for block_m, block_k, stages in [(64, 64, 5), (64, 64, 6), (64, 128, 4), (64, 32, 8)]
-            for warps in (4, 8)
-            for early_loads in (False, True)
+            _launch.ProjectionConfig(block_m, block_k, warps, stages, False, False, tma)
+            for block_m, block_k, warps, stages, tma in [
+                (64, 64, 4, 6, False),
+                (64, 64, 4, 6, True),
+                (64, 128, 4, 4, True),
+                (64, 64, 8, 4, True),
+                (64, 128, 8, 4, True),
+            ]
         ]
     else:
         # The weight tiles by pointer and by TMA (benchmarks/tma_probe.py: the GEMM alone at
