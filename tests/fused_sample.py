@@ -89,8 +89,9 @@ def dense_cases() -> Iterator[tuple[str, dict[str, Any], int]]:
     )
     yield "rope only", {"norm": False}, 9
     yield "head_dim 32 rotary 4", {"head_dim": 32, "rotary_dim": 4}, 5
-    # Above T = 64 with whole pieces of 16 rows: the weights by TMA (Hopper; the interpreter), in bands,
-    # hidden's last step past the weight's columns.
+    # From T = 33 with whole pieces of 16 rows: the weights by TMA (Hopper; the interpreter), above 64 in
+    # bands; hidden's last step past the weight's columns.
+    yield "head_dim 32 T=40 TMA", {"head_dim": 32, "rotary_dim": 32, "hidden": 80}, 40
     yield "head_dim 32 T=70 TMA", {"head_dim": 32, "rotary_dim": 32, "hidden": 80}, 70
 
 

@@ -694,8 +694,9 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
     assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
     assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4)
-    # Where the weight can load by TMA: above T = 64, TMA with 8 warps and bands of 8 token blocks.
-    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 6, False, False, False, 1, 4)
+    # Where the weight can load by TMA: from T = 33, TMA; above 64 with 8 warps and bands of 8 token blocks.
+    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, False, 1, 4)
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 128, 4, False, False, True, 1, 4)
     assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8)
     no_tma = _launch.ProjectionConfig(tma=False)
     assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4)

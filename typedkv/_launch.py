@@ -694,13 +694,16 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
     (math.inf, Blocks(128, 64, 3, False, False, False, 1, 4)),
 )
 
-# The same where the weight's tiles can load by TMA (`weight_blocks`). Above T = 64:
-# TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8 token blocks:
-# fused_sweep.py 1.20x torch.mm at T = 2048 (1.44x by pointer, 4 warps, no bands)
-# and 1.21x at 16384 (1.73x); without bands 1.28x / 1.65x. Up to T = 64 not
-# measured with TMA: as by pointer.
+# The same where the weight's tiles can load by TMA (`weight_blocks`). T = 33-64:
+# TMA, 128 hidden columns a step, 4 stages: fused_sweep.py 1.057x torch.mm at T = 48
+# and 1.083x at 64 (by pointer 1.109x / 1.159x; GEMM + kernel 1.107x / 1.118x in the
+# same run). Above T = 64: TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8
+# token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
+# 16384 (1.73x); without bands 1.28x / 1.65x. Up to T = 32 not measured with TMA: as
+# by pointer.
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
-    *PROJECTION_BLOCKS[:-1],
+    *PROJECTION_BLOCKS[:2],
+    (64, Blocks(64, 128, 4, False, False, True, 1, 4)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
 
