@@ -668,6 +668,25 @@ def _launch_for(
     return launch, k_dst, v_dst, slots
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
+def test_weight_off_16_bytes_then_on_then_off() -> None:
+    """A materializer's weight buffer one element off 16 bytes, replaced by one on them, then off again (one
+    layout): the oracle's K and V each time, by pointer off 16 bytes and by TMA on them (a TMA descriptor of an
+    address off 16 bytes is refused: the launches are kept apart by alignment)."""
+    draft = Draft(torch.float16, head_dim=32, rotary_dim=32, hidden=80)
+    m = fused(draft)
+    aligned = m.kv_weight.clone()
+    misaligned = torch.empty(aligned.numel() + 1, dtype=aligned.dtype)[1:].view(aligned.shape)
+    misaligned.copy_(aligned)
+    x, positions = draft.call(70)  # above T = 64: the defaults load by TMA where they can
+    want = draft.oracle(x, positions)
+    for weight in (misaligned, aligned, misaligned):
+        m.kv_weight = weight
+        assert_matches_oracle(m(x, positions), want, torch.float16)
+    launches = [launch for kept in m._plans._plans.values() for launch in kept.launches.values()]
+    assert sorted(launch.weight_blocks is not None for launch in launches) == [False, True]
+
+
 @pytest.mark.parametrize(
     ("head_dim", "rotary_dim", "rope_style", "offset"),
     [(16, 16, "neox", 0), (32, 32, "gptj", 0), (48, 32, "neox", 0), (32, 32, "neox", 1)],
