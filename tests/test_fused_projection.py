@@ -622,8 +622,9 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     ],
     ids=["full-rotary", "partial-bias", "fp32-bias-pools", "partial-pools"],
 )
+@pytest.mark.parametrize("early", [False, True], ids=["loads-after", "loads-early"])
 def test_weight_tiles_by_tma_equal_by_pointer(
-    head_dim: int, rotary_dim: int, dtype: torch.dtype, bias: bool, pools: bool
+    head_dim: int, rotary_dim: int, dtype: torch.dtype, bias: bool, pools: bool, early: bool
 ) -> None:
     """Weight tiles loaded through TMA descriptors give the bits the pointer loads give, against the oracle
     (hidden 80: a last K step past the weight's columns, which TMA reads as 0)."""
@@ -632,7 +633,15 @@ def test_weight_tiles_by_tma_equal_by_pointer(
     results = []
     for tma in (False, True):
         # Bands of two of the three token blocks (the last band short) with TMA: the same programs' work.
-        config = _launch.ProjectionConfig(block_m=16, block_k=32, tma=tma, group_m=2 if tma else 1)
+        # With TMA also the RoPE rows and the epilogue's other loads before the loop, or not.
+        config = _launch.ProjectionConfig(
+            block_m=16,
+            block_k=32,
+            early_rope=early and tma,
+            early_loads=early and tma,
+            tma=tma,
+            group_m=2 if tma else 1,
+        )
         launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
         assert (launch.weight_blocks is not None) == tma
         launch(
