@@ -74,6 +74,20 @@ def _project_tma(acc, a, w_desc, first_row, k0, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _whole_head_tma(a_row, hidden_stride_k, tok_ok, w_desc, head_row, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
+    """``hidden[tokens] @ W[head_row : head_row + ROWS]^T`` (``[BLOCK_M, ROWS]``, float32): a whole head, its weight
+    tiles by TMA from ``w_desc`` (a V head, or a K head of full rotary), one product per step."""
+    acc = tl.zeros((BLOCK_M, ROWS), dtype=tl.float32)
+    for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
+        acc = _project_tma(acc, a, w_desc, head_row, k0, PRECISION)
+    return acc
+
+
+@triton.jit
 def _banded(block, head, num_blocks, num_heads, GROUP_M: tl.constexpr):
     """``(token block, head slot)`` of a program, the programs taken in bands of ``GROUP_M`` token blocks.
 
@@ -138,7 +152,7 @@ def project_kv_kernel(
     w_stride_n,
     w_stride_k,
     bias_ptr,
-    w_half_desc,  # W_TMA: the weight as TMA descriptors of R/2, D and D-R rows (else None)
+    w_half_desc,  # W_TMA: the weight as TMA descriptors of R/2 (partial rotary only), D and D-R rows (else None)
     w_head_desc,
     w_pass_desc,
     weight_ptr,
@@ -272,11 +286,10 @@ def project_kv_kernel(
             # The whole head as one tile and one dot (products half as wide ran the fused
             # kernel at ~1.4x torch.mm where a plain GEMM of whole heads ran at 1.02x), its
             # rotary halves split after the loop.
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_HALF), dtype=tl.float32)
-            for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-                acc = _project_tma(acc, a, w_head_desc, head_row, k0, PRECISION)
+            acc = _whole_head_tma(
+                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
+                BLOCK_K, NUM_STAGES, PRECISION,
+            )  # fmt: skip
             acc1, acc2 = _halves(acc, BLOCK_M, BLOCK_HALF)
         else:
             acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
@@ -366,13 +379,16 @@ def project_kv_kernel(
                 v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
             )
             scale = _layer_scale(scales[1], layer, V_SCALE)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-            if W_TMA:
-                acc = _project_tma(acc, a, w_head_desc, head_row, k0, PRECISION)
-            else:
+        if W_TMA:
+            acc = _whole_head_tma(
+                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, BLOCK_D, BLOCK_K,
+                NUM_STAGES, PRECISION,
+            )  # fmt: skip
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
         if W_TMA:
             row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)

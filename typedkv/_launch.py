@@ -881,7 +881,9 @@ def _tma_device(device: torch.device) -> bool:
 def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
     """The fused kernel's three weight descriptors for `weight_blocks`' ``blocks`` (all None: loads by pointer).
 
-    Made per call: a descriptor holds its tensor's address.
+    Made per call: a descriptor holds its tensor's address. A head of full rotary
+    (no pass-through rows) loads K as a whole head too: its halves' and pass-through
+    descriptors are None (each one passed costs an encoding at every launch).
     """
     if blocks is None:
         return None, None, None
@@ -891,7 +893,9 @@ def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int
     def descriptor(rows: int) -> Any:
         return TensorDescriptor(kv_weight, shape, strides, [rows, block_k])
 
-    return descriptor(half), descriptor(head), descriptor(rest) if rest else None
+    if not rest:
+        return None, descriptor(head), None
+    return descriptor(half), descriptor(head), descriptor(rest)
 
 
 def projection_varying(
