@@ -27,8 +27,9 @@ except ImportError:  # older Triton
 
 
 @triton.jit
-def gemm_ptr(a_ptr, w_ptr, c_ptr, T, HIDDEN: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def gemm(a, w, c_ptr, T, HIDDEN: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+         BK: tl.constexpr, STAGES: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr):  # fmt: skip
+    """``c = a @ w^T`` tile by tile: ``w`` (and with ``A_TMA`` ``a`` too) a TMA descriptor, else a pointer."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -36,40 +37,14 @@ def gemm_ptr(a_ptr, w_ptr, c_ptr, T, HIDDEN: tl.constexpr, N: tl.constexpr, BM: 
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in tl.range(0, HIDDEN, BK, num_stages=STAGES):
-        a = tl.load(a_ptr + rm[:, None] * HIDDEN + (k + rk)[None, :], mask=(rm < T)[:, None], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * HIDDEN + (k + rk)[:, None])
-        acc = tl.dot(a, w, acc)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm < T)[:, None])
-
-
-@triton.jit
-def gemm_tma(a_ptr, w_desc, c_ptr, T, HIDDEN: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in tl.range(0, HIDDEN, BK, num_stages=STAGES):
-        a = tl.load(a_ptr + rm[:, None] * HIDDEN + (k + rk)[None, :], mask=(rm < T)[:, None], other=0.0)
-        w = w_desc.load([pid_n * BN, k])
-        acc = tl.dot(a, w.T, acc)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm < T)[:, None])
-
-
-@triton.jit
-def gemm_tma2(a_desc, w_desc, c_ptr, T, HIDDEN: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in tl.range(0, HIDDEN, BK, num_stages=STAGES):
-        a = a_desc.load([pid_m * BM, k])
-        w = w_desc.load([pid_n * BN, k])
-        acc = tl.dot(a, w.T, acc)
+        if A_TMA:
+            a_tile = a.load([pid_m * BM, k])
+        else:
+            a_tile = tl.load(a + rm[:, None] * HIDDEN + (k + rk)[None, :], mask=(rm < T)[:, None], other=0.0)
+        if W_TMA:
+            acc = tl.dot(a_tile, w.load([pid_n * BN, k]).T, acc)
+        else:
+            acc = tl.dot(a_tile, tl.load(w + rn[None, :] * HIDDEN + (k + rk)[:, None]), acc)
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm < T)[:, None])
 
 
@@ -90,19 +65,23 @@ def main() -> None:
                 meta = dict(HIDDEN=K, N=N, BM=bm, BN=128, BK=bk, STAGES=stages, num_warps=warps)
                 tag = f"bm{bm}_bk{bk}_s{stages}_w{warps}"
                 variants[f"ptr_{tag}"] = [
-                    lambda h=h, o=o, g=grid, m=meta, t=T: gemm_ptr[g](h, weight, o, t, **m)
+                    lambda h=h, o=o, g=grid, m=meta, t=T: gemm[g](h, weight, o, t, **m, W_TMA=False, A_TMA=False)
                     for h, o in zip(hiddens, outs, strict=True)
                 ]
                 if TensorDescriptor is not None:
                     w_desc = TensorDescriptor.from_tensor(weight, [128, bk])
                     variants[f"tma_{tag}"] = [
-                        lambda h=h, o=o, d=w_desc, g=grid, m=meta, t=T: gemm_tma[g](h, d, o, t, **m)
+                        lambda h=h, o=o, d=w_desc, g=grid, m=meta, t=T: gemm[g](
+                            h, d, o, t, **m, W_TMA=True, A_TMA=False
+                        )
                         for h, o in zip(hiddens, outs, strict=True)
                     ]
                     if T % bm == 0:
                         a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]
                         variants[f"tma2_{tag}"] = [
-                            lambda a=a, o=o, d=w_desc, g=grid, m=meta, t=T: gemm_tma2[g](a, d, o, t, **m)
+                            lambda a=a, o=o, d=w_desc, g=grid, m=meta, t=T: gemm[g](
+                                a, d, o, t, **m, W_TMA=True, A_TMA=True
+                            )
                             for a, o in zip(a_descs, outs, strict=True)
                         ]
         errors: dict[str, str] = {}
