@@ -847,8 +847,9 @@ class ProjectionLaunch(KernelLaunch):
 def weight_blocks(kv_weight: torch.Tensor, head_dim: int, rotary_dim: int, neox: bool) -> tuple[int, int, int] | None:
     """``(R/2, D, D-R)``: the rows of the fused kernel's TMA weight tiles, or None where TMA cannot load them.
 
-    A K head loads its two rotary halves (NeoX: rows ``[0, R/2)`` and ``[R/2, R)``) and its
-    pass-through rows ``[R, D)`` as three tiles, a V head its ``D`` rows as one. TMA loads
+    A V head loads its ``D`` rows as one tile, and so does a K head of full rotary; a K head
+    with pass-through rows loads its two rotary halves (NeoX: rows ``[0, R/2)`` and
+    ``[R/2, R)``) and its pass-through rows ``[R, D)`` as three. TMA loads
     whole blocks of consecutive rows, so each piece must be a power of two of at least 16
     rows (a block, and a `tl.dot` operand), GPT-J's interleaved pairs are out, and the
     weight's rows must be contiguous and start on 16 bytes (TMA's requirement; the base
