@@ -34,6 +34,8 @@
 #   gemm_split     benchmarks/gemm_split.py: the GEMM with V written straight to dense outputs ($GEMM_SPLIT_T)
 #   e2e            typedkv bench --only e2e (the end-to-end section alone)
 #   tma            benchmarks/tma_probe.py: the GEMM alone, weight tiles through pointers or TMA ($TMA_T)
+#   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
+#   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
@@ -140,6 +142,10 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             done | tee "$OUT/pdl_e2e.txt" ;;
         tma)
             timeout "${TMA_S:-400}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/tma_probe.py ${TMA_T:-} 2>&1 | tee "$OUT/tma.txt" ;;
+        splitk)
+            timeout "${SPLITK_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/splitk_probe.py ${SPLITK_T:-} 2>&1 | tee "$OUT/splitk.txt" ;;
+        persistent)
+            timeout "${PERSISTENT_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/persistent_probe.py ${PERSISTENT_T:-} 2>&1 | tee "$OUT/persistent.txt" ;;
         gap)
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
         host_ratios)
