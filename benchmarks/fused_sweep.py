@@ -47,24 +47,25 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
             ]
         ]
     else:
-        # The weight tiles by pointer and by TMA (benchmarks/tma_probe.py: the GEMM alone at
-        # T = 2048, 1.02x torch.mm by TMA, 1.52x by pointer), programs in bands of token blocks or
-        # not; with TMA and 8 warps (149 registers, no spills) the RoPE rows and the epilogue's other
-        # loads before the loop (not measured yet: their latency after it is part of the 1.20x).
+        # The default by pointer, the default by TMA (128 tokens, 8 warps, 4 stages, bands of 8: one
+        # program per SM, 131 KB of shared memory, so a program's epilogue overlaps no loads), and
+        # configurations whose shared memory (<= 96 KB) and registers let two or three programs share
+        # an SM, one's epilogue beside another's loop: a persistent Hopper GEMM gained from that
+        # occupancy over flattening its tile loop (triton-lang/triton#9279).
         return [
             _launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m)
             for block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m in [
-                (128, 64, 4, 3, False, False, False, 1),
                 (128, 64, 8, 4, False, False, False, 8),
-                (128, 64, 8, 4, False, False, True, 1),
                 (128, 64, 8, 4, False, False, True, 8),
-                (128, 64, 8, 4, True, False, True, 8),
-                (128, 64, 8, 4, False, True, True, 8),
                 (128, 64, 8, 4, True, True, True, 8),
-                (128, 64, 8, 4, False, False, True, 32),
                 (128, 64, 8, 3, False, False, True, 8),
-                (128, 128, 8, 3, False, False, True, 8),
+                (128, 64, 4, 3, False, False, True, 8),
+                (128, 32, 8, 4, False, False, True, 8),
                 (64, 64, 4, 4, False, False, True, 8),
+                (64, 64, 4, 3, False, False, True, 8),
+                (64, 64, 8, 4, False, False, True, 8),
+                (64, 128, 4, 2, False, False, True, 8),
+                (64, 32, 4, 6, False, False, True, 8),
             ]
         ]
     return [

@@ -6,9 +6,15 @@ memory), so a program's epilogue (round, RMSNorm over the head row, RoPE between
 stores) does not overlap any loads: 1.20x ``torch.mm`` at T = 2048 where the GEMM alone by TMA
 runs at 1.02x. This times one GEMM kernel, ``c = a @ w^T`` in ``[BM, 128]`` tiles by TMA,
 with the epilogue or without, launched one program per tile or persistent (one program per
-SM looping over the tiles in bands), the persistent loop flattened with its inner loop (the
-next tile's loads issued during this tile's epilogue) and warp-specialised or not. Each beside
-``torch.mm`` in one process (CUDA-graph replays, rotating inputs, alternated, 3 rounds, medians).
+SM looping over the tiles in bands). Each beside ``torch.mm`` in one process (CUDA-graph
+replays, rotating inputs, alternated, 3 rounds, medians).
+
+Not here: the persistent loop flattened with its inner loop (``tl.range(flatten=True)``, the
+next tile's loads issued during this tile's epilogue) or warp-specialised. On the H200 with
+Triton 3.6 the first version of this script, which had them, printed nothing in 330 s (each
+variant compiles in about a second for sm_90 on a CPU, so it ran and did not return), and
+tritonbench allows ``flatten`` on Hopper with neither warp-specialisation path
+(meta-pytorch/tritonbench#1025).
 """
 
 from __future__ import annotations
@@ -83,13 +89,7 @@ def main() -> None:
             a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]
             tiles = triton.cdiv(T, bm) * (N // BN)
             for epilogue in (False, True):
-                for how, programs, flatten, ws in (
-                    ("tiles", tiles, False, False),
-                    ("persistent", sms, False, False),
-                    ("flat", sms, True, False),
-                    ("ws", sms, False, True),
-                    ("flat_ws", sms, True, True),
-                ):
+                for how, programs, flatten, ws in (("tiles", tiles, False, False), ("persistent", sms, False, False)):
                     meta = dict(HIDDEN=K, N=N, BM=bm, BN=BN, BK=bk, GROUP_M=8, EPILOGUE=epilogue, FLATTEN=flatten,
                                 WS=ws, num_warps=warps, num_stages=stages)  # fmt: skip
                     name = f"{'epi' if epilogue else 'gemm'}_{how}_bm{bm}_bk{bk}_s{stages}_w{warps}"
