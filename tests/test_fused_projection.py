@@ -477,6 +477,30 @@ def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _launch.projection_fused_faster(torch.device("cpu"), 7)
 
 
+@pytest.mark.parametrize(
+    ("rope_style", "offset", "tma"),
+    [("neox", 0, True), ("gptj", 0, False), ("neox", 1, False)],
+    ids=["tma", "gptj", "weight-off-16-bytes"],
+)
+def test_auto_reads_the_tma_table_where_the_weight_loads_by_tma(
+    monkeypatch: pytest.MonkeyPatch, rope_style: typedkv.RopeStyle, offset: int, tma: bool
+) -> None:
+    """'auto' reads `PROJECTION_FUSED_FASTER_TMA` where the fused kernel's weight tiles would load by TMA
+    (NeoX, pieces of powers of two >= 16 rows, the weight on 16 bytes), `PROJECTION_FUSED_FASTER` elsewhere."""
+    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER, "cpu", ((1, 4),))
+    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER_TMA, "cpu", ((1, 12),))
+    draft = Draft(torch.float16, head_dim=32, rotary_dim=32, rope_style=rope_style)
+    if offset:
+        weight = draft.m.kv_weight
+        shifted = torch.empty(weight.numel() + offset, dtype=weight.dtype)[offset:].view(weight.shape)
+        draft.m.kv_weight = shifted.copy_(weight)
+    x, positions = draft.call(8)  # in the TMA table's range, past the other's
+    assert_matches_oracle(draft.m(x, positions), draft.oracle(x, positions), torch.float16)
+    assert (draft.m._workspace is None) == (INTERPRETED and tma)  # fused, where there is a kernel
+    assert _launch.projection_fused_faster(torch.device("cpu"), 8, tma=True)
+    assert not _launch.projection_fused_faster(torch.device("cpu"), 8, tma=False)
+
+
 @pytest.mark.production
 def test_production_mode() -> None:
     """Debug checks off (the default outside tests): the same results."""
@@ -722,10 +746,15 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
     assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
     assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4)
-    # Where the weight can load by TMA: from T = 33, TMA; above 64 with 8 warps and bands of 8 token blocks.
+    # Where the weight can load by TMA: from T = 33, TMA; above 64 in bands of 8 token blocks, of 64 tokens
+    # and 4 warps up to 256 (three stages from 129), of 128 tokens and 8 warps above.
     assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, False, 1, 4)
     assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 128, 4, False, False, True, 1, 4)
-    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8)
+    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (64, 64, 4, False, False, True, 8, 4)
+    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (64, 64, 4, False, False, True, 8, 4)
+    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4)
+    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4)
+    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8)
     no_tma = _launch.ProjectionConfig(tma=False)
     assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.

@@ -375,16 +375,30 @@ def test_weights_by_tma_above_64_tokens_cuda() -> None:
         assert [launch.weight_blocks is not None for launch in launches] == [by_tma]
 
 
+def test_auto_takes_fused_to_64_tokens_where_weights_load_by_tma_cuda() -> None:
+    """On a device the measured tables know, "auto" takes the fused kernel at T = 48 where its weight tiles load
+    by TMA (`PROJECTION_FUSED_FASTER_TMA`), GEMM + kernel where they load by pointer (GPT-J pairs)."""
+    from typedkv import _launch
+
+    if torch.cuda.get_device_name() not in _launch.PROJECTION_FUSED_FASTER_TMA:
+        pytest.skip("no measured table for this device")
+    for rope_style, fused_way in (("neox", True), ("gptj", False)):
+        draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
+        x, positions, xc, pc = cuda_call(draft, 48)
+        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+        assert (draft.m._workspace is None) == fused_way
+
+
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_fused() -> None:
     """The fused kernel compiles once per launch configuration (`PROJECTION_BLOCKS`' T ranges), never per T."""
     from typedkv import _launch
 
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
-    for num_tokens in (16, 32, 64, 512):  # one T in each range of the table
+    for num_tokens in (16, 32, 64, 128, 256, 512):  # one T in each range of the tables
         draft.m(*cuda_call(draft, num_tokens)[2:])
     before = compiled_variants(_launch.project_kv_kernel)
-    for num_tokens in (1, 9, 17, 33, 65, 1000):
+    for num_tokens in (1, 9, 17, 33, 65, 129, 257, 1000):
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
     assert compiled_variants(_launch.project_kv_kernel) == before

@@ -699,11 +699,16 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # and 1.083x at 64 (by pointer 1.109x / 1.159x; GEMM + kernel 1.107x / 1.118x in the
 # same run). Above T = 64: TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8
 # token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
-# 16384 (1.73x); without bands 1.28x / 1.65x. Up to T = 32 not measured with TMA: as
-# by pointer.
+# 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, the same
+# run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
+# up to 128 (1.283x against 1.339x with the large-T row) and 3 from there (74 KB of
+# shared memory: three programs to an SM, the 320 programs of T = 256 in one wave;
+# 1.253x against 1.720x). Up to T = 32 not measured with TMA: as by pointer.
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
     *PROJECTION_BLOCKS[:2],
     (64, Blocks(64, 128, 4, False, False, True, 1, 4)),
+    (128, Blocks(64, 64, 4, False, False, True, 8, 4)),
+    (256, Blocks(64, 64, 3, False, False, True, 8, 4)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
 
@@ -727,6 +732,13 @@ def _shared_memory(device: torch.device) -> int:
 # at 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
 PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 33),)}
 
+# The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
+# bytes; up to T = 32 its launches are those above, `PROJECTION_BLOCKS_TMA`). H200, at
+# T = 64 (2026-12-01): fused_sweep.py 1.082x against GEMM + kernel's 1.108x; typedkv
+# bench's end-to-end section 1.082x against 1.108x, per-layer pools 1.097x against
+# 1.132x. From T = 128 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at
+# 128-256 with the best configuration swept, 1.08x against 1.19-1.22x at 2048-16384).
+PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 65),)}
 
 # Where the GEMM path writes V straight into dense outputs, measured per device as
 # above: V's rows of each layer as one batched GEMM into v_out ([L, T, H*D] is a batch
@@ -752,9 +764,12 @@ def _measured_faster(table: dict[str, tuple[tuple[float, float], ...]], device: 
     return any(low <= num_tokens < high for low, high in table.get(_device_name(device), ()))
 
 
-def projection_fused_faster(device: torch.device, num_tokens: int) -> bool:
-    """Whether the measured table says the fused projection is faster at ``num_tokens`` on ``device``."""
-    return _measured_faster(PROJECTION_FUSED_FASTER, device, num_tokens)
+def projection_fused_faster(device: torch.device, num_tokens: int, tma: bool = False) -> bool:
+    """Whether the measured table says the fused projection is faster at ``num_tokens`` on ``device``.
+
+    ``tma``: its weight tiles would load by TMA (`PROJECTION_FUSED_FASTER_TMA`), else by pointer.
+    """
+    return _measured_faster(PROJECTION_FUSED_FASTER_TMA if tma else PROJECTION_FUSED_FASTER, device, num_tokens)
 
 
 def split_gemm_faster(device: torch.device, num_tokens: int) -> bool:

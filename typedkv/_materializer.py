@@ -346,7 +346,7 @@ class KVMaterializer(nn.Module):
         hidden = call[0]
         weight, bias = state[0], state[1]
         if torch.compiler.is_compiling():
-            if self._takes_fused(hidden):
+            if self._takes_fused(hidden, state):
                 return path.fused_ops((hidden, weight, bias, self.num_layers, *call[1:]))
             return path.ops(type(call)(self._traced_projection(hidden), *call[1:]))
         # The way a call computes follows from projection_path and the layout (device, T,
@@ -354,7 +354,7 @@ class KVMaterializer(nn.Module):
         key = fingerprint((self._path, *call, weight, bias))
         kept: _Kept | None = self._plans.get(key)
         if kept is None:
-            way = self._way(call)
+            way = self._way(call, state)
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
         else:
@@ -384,10 +384,10 @@ class KVMaterializer(nn.Module):
             f"hidden_size={self.hidden_size}, rope_style={self.rope_style!r}"
         )
 
-    def _way(self, call: DenseCall | PoolCall) -> _Way:
+    def _way(self, call: DenseCall | PoolCall, state: _State) -> _Way:
         """How an eager call of a new layout computes (`_Way`), ``hidden`` in kv's place in ``call``."""
         hidden = call[0]
-        if self._takes_fused(hidden):
+        if self._takes_fused(hidden, state):
             return "fused"
         if (
             isinstance(call, DenseCall)
@@ -402,8 +402,15 @@ class KVMaterializer(nn.Module):
             return "split"
         return "gemm"
 
-    def _takes_fused(self, hidden: Tensor) -> bool:
-        """Whether this call takes the fused path (the call's own arguments are checked on it, as on the GEMM's)."""
+    def _takes_fused(self, hidden: Tensor, state: _State) -> bool:
+        """Whether this call takes the fused path (the call's own arguments are checked on it, as on the GEMM's).
+
+        "auto" follows the measured tables (`typedkv._launch.projection_fused_faster`): the
+        fused kernel's weight tiles load by TMA where `typedkv._launch.weight_blocks` and
+        the weight's address allow, which makes it faster at more sizes. Decided once per
+        layout, as the way is kept: a weight buffer replaced later by one off 16 bytes keeps
+        the way, its launches loading by pointer.
+        """
         path = self._path
         # Not a [T, hidden] tensor: the GEMM path's check says so, in its words.
         if path == "gemm" or not isinstance(hidden, Tensor) or hidden.dim() != 2:
@@ -413,7 +420,13 @@ class KVMaterializer(nn.Module):
         if torch.compiler.is_compiling():
             # The fused op checks while tracing; "auto" reads no device table there (GEMM + kernel).
             return path == "fused"
-        return path == "fused" or _launch.projection_fused_faster(hidden.device, hidden.shape[0])
+        if path == "fused":
+            return True
+        weight, rotary_dim = state[0], state[4].shape[1]
+        tma = _launch.weight_aligned(weight) and (
+            _launch.weight_blocks(weight, self.head_dim, rotary_dim, self.rope_style == "neox") is not None
+        )
+        return _launch.projection_fused_faster(hidden.device, hidden.shape[0], tma)
 
     def _stand_in(self, hidden: Tensor, kept: _Kept | None) -> Tensor:
         """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`).
