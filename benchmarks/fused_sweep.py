@@ -23,9 +23,10 @@ from typedkv._bench_e2e import Draft
 TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 
 
-def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
+def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]]:
     """The grid swept at ``num_tokens``: around the best of the last sweep (benchmarks/NOTES.md).
 
+    Each with the registers a thread may take (Triton's ``maxnreg``; None: the compiler's choice).
     At small T each configuration runs with K's RoPE rows, and with the epilogue's other loads,
     before the GEMM loop and after it.
     """
@@ -34,42 +35,41 @@ def configs(num_tokens: int) -> list[_launch.ProjectionConfig]:
     elif num_tokens <= 32:
         grid = [(32, 128, 4), (32, 128, 5), (32, 64, 5), (32, 64, 6)]
     elif num_tokens <= 64:
-        # The defaults (RoPE rows early gained nothing here, 2026-12-01) by pointer and by TMA
-        # (benchmarks/tma_probe.py: the GEMM alone at T = 64 1.03-1.05x torch.mm by TMA, 1.05x by pointer).
+        # The defaults by pointer and by TMA, and by TMA with the RoPE rows and the epilogue's
+        # other loads before the loop (not measured with TMA yet: the epilogue is this size's tail,
+        # every program reaching it at once).
         return [
-            _launch.ProjectionConfig(block_m, block_k, warps, stages, False, False, tma)
-            for block_m, block_k, warps, stages, tma in [
-                (64, 64, 4, 6, False),
-                (64, 64, 4, 6, True),
-                (64, 128, 4, 4, True),
-                (64, 64, 8, 4, True),
-                (64, 128, 8, 4, True),
+            (_launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma), None)
+            for block_m, block_k, warps, stages, early_rope, early_loads, tma in [
+                (64, 64, 4, 6, False, False, False),
+                (64, 128, 4, 4, False, False, True),
+                (64, 128, 4, 4, True, False, True),
+                (64, 128, 4, 4, False, True, True),
+                (64, 128, 4, 4, True, True, True),
+                (64, 64, 4, 6, False, False, True),
             ]
         ]
     else:
-        # The default by pointer, the default by TMA (128 tokens, 8 warps, 4 stages, bands of 8: one
-        # program per SM, 131 KB of shared memory, so a program's epilogue overlaps no loads), and
-        # configurations whose shared memory (<= 96 KB) and registers let two or three programs share
-        # an SM, one's epilogue beside another's loop: a persistent Hopper GEMM gained from that
-        # occupancy over flattening its tile loop (triton-lang/triton#9279).
+        # The defaults by pointer and by TMA (above T = 256: 128 tokens, 8 warps, 4 stages, bands
+        # of 8; one program per SM, 131 KB of shared memory, so its epilogue overlaps no loads), and
+        # configurations that let two programs share an SM: 8 warps held to 128 registers with
+        # <= 98 KB of shared memory (without the cap 149 registers allow one), and 4 warps (255
+        # registers, spilling). Two 98 KB programs of 64 tokens (127-137 registers) read 1.50-1.85x
+        # at T = 2048-16384 (2026-12-01).
         return [
-            _launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m)
-            for block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m in [
-                (128, 64, 8, 4, False, False, False, 8),
-                (128, 64, 8, 4, False, False, True, 8),
-                (128, 64, 8, 4, True, True, True, 8),
-                (128, 64, 8, 3, False, False, True, 8),
-                (128, 64, 4, 3, False, False, True, 8),
-                (128, 32, 8, 4, False, False, True, 8),
-                (64, 64, 4, 4, False, False, True, 8),
-                (64, 64, 4, 3, False, False, True, 8),
-                (64, 64, 8, 4, False, False, True, 8),
-                (64, 128, 4, 2, False, False, True, 8),
-                (64, 32, 4, 6, False, False, True, 8),
+            (_launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m), maxnreg)
+            for block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m, maxnreg in [
+                (128, 64, 8, 4, False, False, False, 8, None),
+                (128, 64, 8, 4, False, False, True, 8, None),
+                (128, 64, 8, 4, True, True, True, 8, None),
+                (128, 64, 8, 3, False, False, True, 8, 128),
+                (128, 32, 8, 6, False, False, True, 8, 128),
+                (128, 64, 4, 3, False, False, True, 8, None),
+                (64, 64, 4, 3, False, False, True, 8, None),
             ]
         ]
     return [
-        _launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads)
+        (_launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads), None)
         for block_m, block_k, stages in grid
         for early_rope in (False, True)
         for early_loads in (False, True)
@@ -127,7 +127,9 @@ def _sweep_pools(
     defaults = _launch.projection_launch.__kwdefaults__
     assert defaults is not None
     default = defaults["config"]
-    for config in configs(num_tokens):
+    for config, maxnreg in configs(num_tokens):
+        if maxnreg is not None:
+            continue  # the op builds its own launches: no register cap there
         defaults["config"] = config
         _fused_impl._LAUNCHES.clear()
         m = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
@@ -164,9 +166,10 @@ def _sweep(
     ]
     # The fused result of each configuration against the GEMM path's (the tests hold them to one ulp).
     ref_k, ref_v = (t.clone() for t in gemm(hidden[0], positions[0]))
-    for config in configs(num_tokens):
+    for config, maxnreg in configs(num_tokens):
         calls = [
-            _fused(h, p, weight, norm, cos_sin, k_out, v_out, config) for h, p in zip(hidden, positions, strict=True)
+            _fused(h, p, weight, norm, cos_sin, k_out, v_out, config, maxnreg)
+            for h, p in zip(hidden, positions, strict=True)
         ]
         calls[0]()
         torch.cuda.synchronize()
@@ -175,7 +178,7 @@ def _sweep(
         err_k = (k_out.float() - ref_k.float()).abs().max().item()
         err_v = (v_out.float() - ref_v.float()).abs().max().item()
         print(
-            f"T={num_tokens:<6} {_config_text(config)}  {_timed(mm, calls, two)}  "
+            f"T={num_tokens:<6} {_config_text(config)} maxnreg={maxnreg}  {_timed(mm, calls, two)}  "
             f"max|dk| {err_k:.3g} max|dv| {err_v:.3g} {regs}",
             flush=True,
         )
@@ -214,8 +217,13 @@ def _fused(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     config: _launch.ProjectionConfig,
+    maxnreg: int | None = None,
 ) -> Callable[[], None]:
-    """One fused launch with ``config`` into dense ``[L, T, H, D]`` outputs (built here, as the ops cache theirs)."""
+    """One fused launch with ``config`` into dense ``[L, T, H, D]`` outputs (built here, as the ops cache theirs).
+
+    ``maxnreg``: compiled with at most that many registers a thread (Triton's option; the
+    launch then runs that compiled kernel).
+    """
     L, T, H, D = k_out.shape
     flat = weight.reshape(-1, weight.shape[-1])
     strides = (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2))
@@ -226,6 +234,14 @@ def _fused(
     values = _launch.projection_varying(
         hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None, weight_blocks=launch.weight_blocks
     )
+
+    if maxnreg is not None:
+        # The first launch compiles; later calls run what it compiled (`KernelLaunch._cuda`).
+        options = {"launch_pdl": True} if launch.programmatic else {}
+        kernel = launch.kernel[launch.grid]
+        launch._compiled[launch.programmatic] = kernel(
+            *launch.arguments(values), num_warps=launch.num_warps, maxnreg=maxnreg, **options
+        )
 
     def call() -> None:
         launch(values)
