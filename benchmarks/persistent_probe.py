@@ -37,13 +37,13 @@ except ImportError:  # older Triton
 @triton.jit
 def gemm_tiles(a_desc, w_desc, norm_ptr, positions_ptr, cos_sin_ptr, c_ptr, T, PROGRAMS, HIDDEN: tl.constexpr,
                N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               EPILOGUE: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+               EPILOGUE: tl.constexpr):  # fmt: skip
     """``c = a @ w^T`` tile by tile, program ``p`` taking tiles ``p, p + PROGRAMS, ...`` in bands of ``GROUP_M``."""
     num_m = tl.cdiv(T, BM)
     num_n: tl.constexpr = N // BN
     num_tiles = num_m * num_n
     HALF: tl.constexpr = BN // 2
-    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
         per_band = GROUP_M * num_n
         first = (tile // per_band) * GROUP_M
         size = tl.minimum(num_m - first, GROUP_M)
@@ -89,9 +89,9 @@ def main() -> None:
             a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]
             tiles = triton.cdiv(T, bm) * (N // BN)
             for epilogue in (False, True):
-                for how, programs, flatten, ws in (("tiles", tiles, False, False), ("persistent", sms, False, False)):
-                    meta = dict(HIDDEN=K, N=N, BM=bm, BN=BN, BK=bk, GROUP_M=8, EPILOGUE=epilogue, FLATTEN=flatten,
-                                WS=ws, num_warps=warps, num_stages=stages)  # fmt: skip
+                for how, programs in (("tiles", tiles), ("persistent", sms)):
+                    meta = dict(HIDDEN=K, N=N, BM=bm, BN=BN, BK=bk, GROUP_M=8, EPILOGUE=epilogue,
+                                num_warps=warps, num_stages=stages)  # fmt: skip
                     name = f"{'epi' if epilogue else 'gemm'}_{how}_bm{bm}_bk{bk}_s{stages}_w{warps}"
                     variants[name] = [
                         lambda a=a, o=o, p=programs, m=meta, d=w_desc, pos=positions, t=T: gemm_tiles[(p,)](
