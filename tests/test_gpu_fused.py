@@ -391,7 +391,8 @@ def test_auto_takes_fused_to_64_tokens_where_weights_load_by_tma_cuda() -> None:
 
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_fused() -> None:
-    """The fused kernel compiles once per launch configuration (`PROJECTION_BLOCKS`' T ranges), never per T."""
+    """The fused kernel compiles once per launch configuration (the T ranges of `PROJECTION_BLOCKS` and
+    `PROJECTION_BLOCKS_TMA`), never per T."""
     from typedkv import _launch
 
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)

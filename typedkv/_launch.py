@@ -699,8 +699,8 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # and 1.083x at 64 (by pointer 1.109x / 1.159x; GEMM + kernel 1.107x / 1.118x in the
 # same run). Above T = 64: TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8
 # token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
-# 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, the same
-# run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
+# 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, each beside
+# the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
 # up to 128 (1.283x against 1.339x with the large-T row) and 3 from there (74 KB of
 # shared memory: three programs to an SM, the 320 programs of T = 256 in one wave;
 # 1.253x against 1.720x). Up to T = 32 not measured with TMA: as by pointer.
@@ -734,10 +734,11 @@ PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H
 
 # The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
 # bytes; up to T = 32 its launches are those above, `PROJECTION_BLOCKS_TMA`). H200, at
-# T = 64 (2026-12-01): fused_sweep.py 1.082x against GEMM + kernel's 1.108x; typedkv
-# bench's end-to-end section 1.082x against 1.108x, per-layer pools 1.097x against
-# 1.132x. From T = 128 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at
-# 128-256 with the best configuration swept, 1.08x against 1.19-1.22x at 2048-16384).
+# T = 64 (2026-12-01), each / torch.mm: fused_sweep.py 1.082-1.096x against GEMM +
+# kernel's 1.108-1.119x; typedkv bench's end-to-end section, three runs, 1.081-1.099x
+# against 1.103-1.111x, per-layer pools 1.097-1.111x against 1.127-1.137x. From T =
+# 128 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at 128-256 with the
+# best configuration swept, 1.08x against 1.15-1.22x at 2048-16384).
 PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 65),)}
 
 # Where the GEMM path writes V straight into dense outputs, measured per device as
