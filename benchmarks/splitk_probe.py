@@ -1,15 +1,16 @@
 """Does a skinny GEMM gain from more programs than heads (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/splitk_probe.py [T ...]``. At T <= 256 the
-fused projection runs one program per 128 columns: 80 programs for the bench's draft on 132 SMs,
-so 52 SMs pull no weight bytes. This times the GEMM alone (``c = a @ w^T``, weight tiles by TMA)
+Not part of the package. Usage: ``python benchmarks/splitk_probe.py [T ...]``. At T <= 64 the
+fused projection runs one token block, one program per 128 columns: 80 programs for the bench's
+draft on 132 SMs, so 52 SMs pull no weight bytes. This times the GEMM alone (``c = a @ w^T``, weight tiles by TMA)
 with the columns cut finer (64 per program: 160 programs) and with the hidden dimension split
 over ``SPLIT`` programs per tile: each stores its float32 partial tile to a workspace, bumps the
 tile's arrival counter, and the last to arrive sums the partials in split order (deterministic)
 and stores the tile, then resets the counter (so CUDA-graph replays need no memset). That last
 program is where the fused kernel's epilogue would run. Each variant beside ``torch.mm`` in one
 process (CUDA-graph replays, rotating inputs, alternated, 3 rounds, medians); prints each
-variant's time over ``torch.mm``'s and its largest difference from it.
+variant's time over ``torch.mm``'s and its largest difference from it. On the H200 (2026-12-01,
+benchmarks/NOTES.md) neither finer columns nor a split hidden dimension was faster at any T.
 """
 
 from __future__ import annotations
