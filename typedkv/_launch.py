@@ -702,8 +702,8 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, each beside
 # the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
 # up to 128 (1.283x against 1.339x with the large-T row) and 3 from there (74 KB of
-# shared memory: three programs to an SM, the 320 programs of T = 256 in one wave;
-# 1.253x against 1.720x). Up to T = 32 not measured with TMA: as by pointer.
+# shared memory: room for three programs to an SM, the 320 programs of T = 256 in one
+# wave; 1.253x against 1.720x). Up to T = 32 not measured with TMA: as by pointer.
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
     *PROJECTION_BLOCKS[:2],
     (64, Blocks(64, 128, 4, False, False, True, 1, 4)),
