@@ -19,14 +19,13 @@ tritonbench allows ``flatten`` on Hopper with neither warp-specialisation path
 
 from __future__ import annotations
 
-import statistics
 import sys
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-
-from typedkv import _bench
+from probe_timing import measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -99,25 +98,18 @@ def main() -> None:
                         )
                         for a, o in zip(a_descs, outs, strict=True)
                     ]
-        errors: dict[str, str] = {}
-        good: dict[str, list] = {}
-        for name, fns in variants.items():
-            try:
-                outs[0].fill_(float("nan"))
-                fns[0]()
-                torch.cuda.synchronize()
-                if name.startswith("epi"):
-                    errors[name] = "nan" if outs[0].isnan().any().item() else "-"
-                else:
-                    errors[name] = f"{(outs[0].float() - ref.float()).abs().max().item():.3g}"
-                good[name] = fns
-            except Exception as e:  # a configuration that does not compile or fit: skip it
-                print(f"T={T} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-        times: dict[str, list[float]] = {k: [] for k in good}
-        for _ in range(3):
-            for name, fns in good.items():
-                times[name].append(_bench.gpu_time_us(fns, replays=5, min_calls=10))
-        med = {k: statistics.median(v) for k, v in times.items()}
+
+        def check(
+            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
+        ) -> str:
+            out.fill_(float("nan"))
+            calls[0]()
+            torch.cuda.synchronize()
+            if name.startswith("epi"):
+                return "nan" if out.isnan().any().item() else "-"
+            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
+
+        med, errors = measure(f"T={T}", variants, check, replays=5, min_calls=10)
         mm = med["mm"]
         print(f"T={T} mm {mm:.2f} us", flush=True)
         for name, value in sorted(med.items(), key=lambda kv: kv[1]):

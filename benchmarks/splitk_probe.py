@@ -15,14 +15,13 @@ benchmarks/NOTES.md) neither finer columns nor a split hidden dimension was fast
 
 from __future__ import annotations
 
-import statistics
 import sys
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-
-from typedkv import _bench
+from probe_timing import measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -92,23 +91,17 @@ def main() -> None:
                             )
                             for h, o in zip(hiddens, outs, strict=True)
                         ]
-        errors: dict[str, str] = {}
-        good: dict[str, list] = {}
-        for name, fns in variants.items():
-            try:
-                for _ in range(3):  # the counters must come back to zero: a second call checks them
-                    outs[0].fill_(float("nan"))
-                    fns[0]()
-                torch.cuda.synchronize()
-                errors[name] = f"{(outs[0].float() - ref.float()).abs().max().item():.3g}"
-                good[name] = fns
-            except Exception as e:  # a configuration that does not compile or fit: skip it
-                print(f"T={T} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        times: dict[str, list[float]] = {k: [] for k in good}
-        for _ in range(3):
-            for name, fns in good.items():
-                times[name].append(_bench.gpu_time_us(fns, replays=10, min_calls=20))
-        med = {k: statistics.median(v) for k, v in times.items()}
+
+        def check(
+            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
+        ) -> str:
+            for _ in range(3):  # the counters must come back to zero: a second call checks them
+                out.fill_(float("nan"))
+                calls[0]()
+            torch.cuda.synchronize()
+            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
+
+        med, errors = measure(f"T={T}", variants, check)
         mm = med["mm"]
         best = sorted(med.items(), key=lambda kv: kv[1])
         print(f"T={T} mm {mm:.2f} us; best: " + ", ".join(f"{k} {v / mm:.3f} (err {errors[k]})" for k, v in best[:10]))

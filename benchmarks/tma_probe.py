@@ -11,14 +11,13 @@ Prints each variant's time over ``torch.mm``'s and its largest difference from i
 
 from __future__ import annotations
 
-import statistics
 import sys
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-
-from typedkv import _bench
+from probe_timing import measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -84,21 +83,15 @@ def main() -> None:
                             )
                             for a, o in zip(a_descs, outs, strict=True)
                         ]
-        errors: dict[str, str] = {}
-        good: dict[str, list] = {}
-        for name, fns in variants.items():
-            try:
-                fns[0]()
-                torch.cuda.synchronize()
-                errors[name] = f"{(outs[0].float() - ref.float()).abs().max().item():.3g}"
-                good[name] = fns
-            except Exception as e:  # a configuration that does not compile or fit: skip it
-                print(f"T={T} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        times: dict[str, list[float]] = {k: [] for k in good}
-        for _ in range(3):
-            for name, fns in good.items():
-                times[name].append(_bench.gpu_time_us(fns, replays=10, min_calls=20))
-        med = {k: statistics.median(v) for k, v in times.items()}
+
+        def check(
+            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
+        ) -> str:
+            calls[0]()
+            torch.cuda.synchronize()
+            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
+
+        med, errors = measure(f"T={T}", variants, check)
         mm = med["mm"]
         best = sorted(med.items(), key=lambda kv: kv[1])
         print(f"T={T} mm {mm:.2f} us; best: " + ", ".join(f"{k} {v / mm:.3f} (err {errors[k]})" for k, v in best[:8]))
