@@ -20,6 +20,8 @@
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
+#   fused_ab       benchmarks/fused_sweep.py --defaults (dense, then --pools), .old/base and this checkout alternated,
+#                  $FUSED_AB_ROUNDS rounds (3) at $FUSED_AB_T (16 32 48 64)
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
@@ -36,6 +38,7 @@
 #   tma            benchmarks/tma_probe.py: the GEMM alone, weight tiles through pointers or TMA ($TMA_T)
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
+#   epilogue       benchmarks/epilogue_probe.py: the fused kernel's epilogue added to a plain GEMM a step at a time ($EPILOGUE_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
@@ -107,6 +110,14 @@ for step in $STEPS; do
                 PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/ab_time.py old ${AB_ARGS:-}
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py new ${AB_ARGS:-}
             done 2>/dev/null | tee "$OUT/ab.txt" ;;
+        fused_ab)
+            for round in $(seq "${FUSED_AB_ROUNDS:-3}"); do
+                for side in old new; do
+                    [ $side = old ] && path="$ROOT/.old/base" || path="$ROOT"
+                    PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults ${FUSED_AB_T:-16 32 48 64} 2>&1 | sed "s/^/$side /"
+                    PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults --pools ${FUSED_AB_T:-16 32 48 64} 2>&1 | sed "s/^/$side /"
+                done
+            done | tee "$OUT/fused_ab.txt" ;;
         ab_vfirst)
             for round in 1 2 3; do
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py default --paged
@@ -146,6 +157,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${SPLITK_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/splitk_probe.py ${SPLITK_T:-} 2>&1 | tee "$OUT/splitk.txt" ;;
         persistent)
             timeout "${PERSISTENT_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/persistent_probe.py ${PERSISTENT_T:-} 2>&1 | tee "$OUT/persistent.txt" ;;
+        epilogue)
+            timeout "${EPILOGUE_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/epilogue_probe.py ${EPILOGUE_T:-} 2>&1 | tee "$OUT/epilogue.txt" ;;
         gap)
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
         host_ratios)

@@ -1,6 +1,7 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
-Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools] [T ...]``.
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools] [--defaults]
+[T ...]`` (``--defaults``: the default configuration alone, for an A/B of two checkouts).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
 replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
@@ -26,10 +27,14 @@ TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]]:
     """The grid swept at ``num_tokens``: around the best of the last sweep (benchmarks/NOTES.md).
 
+    With ``--defaults`` on the command line: the default configuration alone.
+
     Each with the registers a thread may take (Triton's ``maxnreg``; None: the compiler's choice).
     At small T each configuration runs with K's RoPE rows, and with the epilogue's other loads,
     before the GEMM loop and after it.
     """
+    if "--defaults" in sys.argv:
+        return [(_launch.ProjectionConfig(), None)]
     if num_tokens <= 16:
         grid = [(16, 128, s) for s in (4, 5, 6)]
     elif num_tokens <= 32:
@@ -90,7 +95,7 @@ def main() -> None:
     gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
     gemm.projection_path = "gemm"
     pools = "--pools" in sys.argv
-    for num_tokens in [int(t) for t in sys.argv[1:] if t != "--pools"] or TOKENS:
+    for num_tokens in [int(t) for t in sys.argv[1:] if not t.startswith("--")] or TOKENS:
         if pools:
             _sweep_pools(num_tokens, draft, weight, norm, cos_sin)
         else:
