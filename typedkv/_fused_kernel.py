@@ -135,6 +135,25 @@ def _weight_row(w_row, dims, dims_ok, weight_stride_d):
 
 
 @triton.jit
+def _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER: tl.constexpr, PASS: tl.constexpr):
+    """``(eps, w1, w2, w3)``: the layer's eps (a per-layer load, else ``eps``) and its K norm weights at the
+    three pieces' dims, all loads issued together. ``norm`` is ``(eps_ptr, eps_stride, weight_ptr,
+    weight_stride_l, weight_stride_d)``, ``pieces`` ``(dims1, dims2, dims3, pair_ok, rest_ok)``; ``w3``
+    is ``w1`` without pass-through dims."""
+    eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d = norm
+    dims1, dims2, dims3, pair_ok, rest_ok = pieces
+    w_row = weight_ptr + layer * weight_stride_l
+    if EPS_PER_LAYER:
+        eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
+    w1 = _weight_row(w_row, dims1, pair_ok, weight_stride_d)
+    w2 = _weight_row(w_row, dims2, pair_ok, weight_stride_d)
+    w3 = w1
+    if PASS > 0:
+        w3 = _weight_row(w_row, dims3, rest_ok, weight_stride_d)
+    return eps, w1, w2, w3
+
+
+@triton.jit
 def _normed2(x, rstd, w, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """``x * rstd * w`` of ``[M, F]`` tiles (``w`` from `_weight_row`), rounded to ``store_ty`` as the unfused path."""
     return _cast(x * rstd * w[None, :], store_ty, SOFT_ROUND).to(tl.float32)
@@ -265,6 +284,8 @@ def project_kv_kernel(
         rest_ok = rest < PASS
         dims3 = R + rest
         rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
+        pieces = (dims1, dims2, dims3, pair_ok, rest_ok)
+        norm = (eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
         if EARLY_ROPE:
             # Their dependent loads (position, then cos/sin) in flight while the weights stream in,
             # not after: at small T the epilogue's latency is a part of the time worth having.
@@ -275,13 +296,7 @@ def project_kv_kernel(
             k_base = _layer_base(k_ptr, layer_offsets_ptr, layer, layer, k_stride_l, LAYER_VEC, LAYER_TABLE)
             scale = _layer_scale(scales[0], layer, K_SCALE)
             if NORM:
-                if EPS_PER_LAYER:
-                    eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
-                w_row = weight_ptr + layer * weight_stride_l
-                w1 = _weight_row(w_row, dims1, pair_ok, weight_stride_d)
-                w2 = _weight_row(w_row, dims2, pair_ok, weight_stride_d)
-                if PASS > 0:
-                    w3 = _weight_row(w_row, dims3, rest_ok, weight_stride_d)
+                eps, w1, w2, w3 = _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER, PASS)
         if W_TMA and PASS == 0:
             # The whole head as one tile and one dot (products half as wide ran the fused
             # kernel at ~1.4x torch.mm where a plain GEMM of whole heads ran at 1.02x), its
@@ -314,6 +329,11 @@ def project_kv_kernel(
                         acc3 = _project(
                             acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION
                         )
+        if NORM and not EARLY_LOADS:
+            # The norm's loads together, before the first layout conversion (a barrier no load
+            # moves across): loaded where each was used, w2's followed y1's conversion in the
+            # SASS. The H200 measured the two orders the same (benchmarks/NOTES.md, T = 16-2048).
+            eps, w1, w2, w3 = _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER, PASS)
         if W_TMA:
             row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # kv as a GEMM would have stored it.
@@ -324,23 +344,14 @@ def project_kv_kernel(
         if not EARLY_ROPE:
             pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
         if NORM:
-            if EPS_PER_LAYER and not EARLY_LOADS:
-                eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
             # RMSNorm in float32 over the whole head row, then rounded to the storage dtype, as the unfused path.
             sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
             if PASS > 0:
                 sum_sq += tl.sum(x3 * x3, axis=1)
             rstd = _rstd(sum_sq, D, eps)[:, None]
-            if not EARLY_LOADS:
-                w_row = weight_ptr + layer * weight_stride_l
-                w1 = _weight_row(w_row, dims1, pair_ok, weight_stride_d)
             y1 = _normed2(x1, rstd, w1, store_ty, SOFT_ROUND)
-            if not EARLY_LOADS:
-                w2 = _weight_row(w_row, dims2, pair_ok, weight_stride_d)
             y2 = _normed2(x2, rstd, w2, store_ty, SOFT_ROUND)
             if PASS > 0:
-                if not EARLY_LOADS:
-                    w3 = _weight_row(w_row, dims3, rest_ok, weight_stride_d)
                 y3 = _normed2(x3, rstd, w3, store_ty, SOFT_ROUND)
         else:
             y1 = x1
