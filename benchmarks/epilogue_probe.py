@@ -2,15 +2,17 @@
 
 Not part of the package. Usage: ``python benchmarks/epilogue_probe.py [T ...]``. The fused kernel
 (`typedkv._fused_kernel.project_kv_kernel`, weight tiles by TMA) reads 1.08x ``torch.mm`` at T = 64
-and 1.19-1.24x from T = 2048 on, where a plain GEMM of the same tiles (``tma_probe.py``) reads
-1.02x. This kernel is that GEMM with the fused kernel's K epilogue added
-(``LEVEL``: 0 stores every tile as it is; 1 adds K's rounding and RMSNorm; 2 adds RoPE, which is the
-fused kernel's dense path), over the same mainloop (``hidden`` by pointer or, ``A_TMA``, by TMA; the
-weight by TMA; programs in bands), and at small T with each K head's hidden dimension split over two
-programs (``SPLIT``), so that K's epilogue overlaps V's stream. Output: ``kv``-shaped ``[T, L*2H*D]``. Each variant beside ``torch.mm`` and the fused
-kernel itself in one process (CUDA-graph replays, rotating inputs, alternated, 3 rounds, medians);
-prints each variant's time over ``torch.mm``'s, its registers and spills, and its largest difference
-from the unfused result at its level.
+and 1.19-1.24x from T = 2048 on, where a plain GEMM of whole heads (``tma_probe.py``) reads 1.02x.
+This kernel is a GEMM of the fused kernel's tiles with its K epilogue added (``LEVEL``: 0 stores
+every tile as it is; 1 adds K's rounding and RMSNorm; 2 adds RoPE, which is the fused kernel's
+dense path), over the same mainloop (``hidden`` by pointer or, ``A_TMA``, by TMA; the weight by
+TMA; programs in bands), and at small T with each K head split over two programs (``SPLIT``: its
+hidden dimension, or its token block). Output: ``kv``-shaped ``[T, L*2H*D]``. Each variant beside
+``torch.mm`` and the fused kernel itself in one process (CUDA-graph replays, rotating inputs,
+alternated, 3 rounds, medians); prints each variant's time over ``torch.mm``'s, its registers and
+spills, and its largest difference from the unfused result at its level. On the H200 (2026-12-01,
+docs/performance.md): up to T = 64 level 0 matches ``torch.mm`` and level 2 is the fused kernel's
+time; both splits are slower.
 """
 
 from __future__ import annotations
