@@ -39,6 +39,9 @@
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
 #   epilogue       benchmarks/epilogue_probe.py: the fused kernel's epilogue added to a plain GEMM a step at a time ($EPILOGUE_T)
+#   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py), its
+#                  details and per-instruction source pages as CSV, and benchmarks/ncu_regions.py on each
+#                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
@@ -159,6 +162,15 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${PERSISTENT_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/persistent_probe.py ${PERSISTENT_T:-} 2>&1 | tee "$OUT/persistent.txt" ;;
         epilogue)
             timeout "${EPILOGUE_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/epilogue_probe.py ${EPILOGUE_T:-} 2>&1 | tee "$OUT/epilogue.txt" ;;
+        ncu_fused)
+            for t in ${NCU_T:-64 2048}; do
+                timeout 200 ncu -k regex:project_kv_kernel --launch-skip 3 --launch-count 1 --set full \
+                    --sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "$OUT/fused_T$t" \
+                    env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/profile_fused.py "$t" > "$OUT/ncu_T$t.log" 2>&1
+                ncu -i "$OUT/fused_T$t.ncu-rep" --page details --csv > "$OUT/details_T$t.csv" 2>&1
+                ncu -i "$OUT/fused_T$t.ncu-rep" --page source --csv --print-source sass > "$OUT/source_T$t.csv" 2>&1
+                echo "T=$t"; python3 benchmarks/ncu_regions.py "$OUT/source_T$t.csv"
+            done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
         gap)
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
         host_ratios)
