@@ -206,32 +206,39 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
     compiled: dict[str, object] = {}
     if T <= 64:
         bm = 16 if T <= 16 else 32 if T <= 32 else 64
-        shapes = [(bm, 128, 5 if T <= 32 else 4, 4, 1)]
+        shapes = [(bm, 128, 5 if T <= 32 else 4, 4, 1, D)]
         kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, False, None, 3)]
     else:
-        shapes = [(128, 64, 4, 8, 8), (128, 64, 3, 8, 8)]
-        kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, True, 128, 1)]
-    for bm, bk, stages, warps, group_m in shapes:
-        w_desc = TensorDescriptor.from_tensor(weight, [D, bk])
+        # The last two: the plain GEMM (level 0) with tiles of two heads' columns, or of 256 tokens,
+        # as a Hopper GEMM would take them (is a wider tile what the mainloop lacks at large T?).
+        shapes = [(128, 64, 4, 8, 8, D), (128, 64, 3, 8, 8, D), (128, 64, 3, 8, 8, 2 * D), (256, 64, 3, 8, 8, D)]
+        kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, True, 128, 1), (0, False, None, 1)]
+    for bm, bk, stages, warps, group_m, cols in shapes:
+        w_desc = TensorDescriptor.from_tensor(weight, [cols, bk])
         a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]
         blocks = triton.cdiv(T, bm)
         parts = torch.empty(2, blocks * bm, L * H * D, device=device, dtype=torch.float32)
         counts = torch.zeros(blocks, L * H, device=device, dtype=torch.int32)
         for level, a_tma, maxnreg, split in kinds:
-            if maxnreg is not None and stages != 3:
+            if maxnreg is not None and (stages != 3 or bm != 128 or cols != D):
                 continue  # the cap is for two programs of 8 warps to an SM (<= 98 KB each)
-            grid = (blocks, N // D + (L * H if split > 1 else 0))
+            if (cols != D or bm > 128) and level > 0:
+                continue  # wider tiles: the plain GEMM alone (its kernel's heads are then column tiles)
+            if T > 64 and cols == D and bm == 128 and level == 0 and not a_tma:
+                continue
+            grid = (blocks, N // cols + (L * H if split > 1 else 0))
             name = (
-                f"m{bm}_k{bk}_s{stages}_w{warps}_L{level}" + ("_atma" if a_tma else "")
+                f"m{bm}_n{cols}_k{bk}_s{stages}_w{warps}_L{level}" + ("_atma" if a_tma else "")
                 + (f"_r{maxnreg}" if maxnreg else "") + ("_splitk" if split == 2 else "_krows" if split == 3 else "")
             )  # fmt: skip
             extra = {"maxnreg": maxnreg} if maxnreg else {}
 
             def call(h: torch.Tensor, a: object, p: torch.Tensor, o: torch.Tensor, g=grid, lv=level, at=a_tma,
-                     bm=bm, bk=bk, st=stages, w=warps, gm=group_m, wd=w_desc, x=extra, sp=split, ps=parts, cs=counts) -> object:  # fmt: skip
+                     bm=bm, bk=bk, st=stages, w=warps, gm=group_m, wd=w_desc, x=extra, sp=split, ps=parts, cs=counts,
+                     n=cols) -> object:  # fmt: skip
                 return gemm_epilogue[g](
-                    h, a if at else None, wd, norm, cos_sin, p, o, ps, cs, T, positions_max, HIDDEN=K, L=L, H=H,
-                    D=D, BM=bm, BK=bk, STAGES=st, GROUP_M=gm, LEVEL=lv, A_TMA=at, SPLIT=sp, num_warps=w, **x,
+                    h, a if at else None, wd, norm, cos_sin, p, o, ps, cs, T, positions_max, HIDDEN=K, L=L,
+                    H=H * D // n, D=n, BM=bm, BK=bk, STAGES=st, GROUP_M=gm, LEVEL=lv, A_TMA=at, SPLIT=sp, num_warps=w, **x,
                 )  # fmt: skip
 
             variants[name] = [
