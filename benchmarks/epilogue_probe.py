@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
-from probe_timing import measure
+from probe_timing import gemm_inputs, measure
 
 from typedkv import KVMaterializer
 from typedkv._epilogue import _rope_row, _rstd
@@ -190,14 +190,11 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
     device = weight.device
     L, H, D, K = sizes
     N = L * 2 * H * D
-    sets = 4 if T <= 256 else 1
-    hiddens = [torch.randn(T, K, device=device, dtype=DTYPE) for _ in range(sets)]
-    positions = [torch.randint(0, positions_max, (T,), device=device) for _ in range(sets)]
-    outs = [torch.empty(T, N, device=device, dtype=DTYPE) for _ in range(sets)]
+    hiddens, outs, kv_ref, mm_calls = gemm_inputs(weight, T, 4 if T <= 256 else 1)
+    positions = [torch.randint(0, positions_max, (T,), device=device) for _ in hiddens]
     k_out, v_out = torch.empty(2, L, T, H, D, device=device, dtype=DTYPE)
-    kv_ref = hiddens[0] @ weight.t()
     variants: dict[str, list[Callable[[], object]]] = {
-        "mm": [lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs, strict=True)],
+        "mm": mm_calls,
         "fused": [
             lambda h=h, p=p: fused(h, p, k_out=k_out, v_out=v_out) for h, p in zip(hiddens, positions, strict=True)
         ],

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
-from probe_timing import measure
+from probe_timing import gemm_inputs, measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -77,12 +77,9 @@ def main() -> None:
     norm = torch.rand(BN, device=device, dtype=torch.bfloat16) + 0.5
     cos_sin = torch.randn(32768, BN, device=device, dtype=torch.float32)
     for T in tokens:
-        sets = 2
-        hiddens = [torch.randn(T, K, device=device, dtype=torch.bfloat16) for _ in range(sets)]
+        hiddens, outs, ref, mm_calls = gemm_inputs(weight, T, 2)
         positions = torch.randint(0, 32768, (T,), device=device, dtype=torch.int32)
-        outs = [torch.empty(T, N, device=device, dtype=torch.bfloat16) for _ in range(sets)]
-        ref = hiddens[0] @ weight.t()
-        variants = {"mm": [lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs, strict=True)]}
+        variants = {"mm": mm_calls}
         for bm, bk, stages, warps in ((128, 64, 4, 8), (128, 64, 3, 8), (128, 64, 4, 4), (128, 128, 3, 8)):
             w_desc = TensorDescriptor.from_tensor(weight, [BN, bk])
             a_descs = [TensorDescriptor.from_tensor(h, [bm, bk]) for h in hiddens]

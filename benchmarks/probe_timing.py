@@ -1,4 +1,6 @@
-"""What the GEMM probes (tma_probe.py, splitk_probe.py, persistent_probe.py) share: check each variant once, then time them.
+"""What the GEMM probes (tma_probe.py, splitk_probe.py, persistent_probe.py, epilogue_probe.py) share.
+
+Their inputs at one T beside ``torch.mm`` (`gemm_inputs`); each variant checked once, then timed (`measure`).
 
 Not part of the package; imported by those scripts (run as ``python benchmarks/NAME.py``, this
 directory first on the path).
@@ -14,6 +16,20 @@ import torch
 from typedkv import _bench
 
 Variants = Mapping[str, Sequence[Callable[[], object]]]
+
+
+def gemm_inputs(
+    weight: torch.Tensor, num_tokens: int, sets: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[Callable[[], object]]]:
+    """``(hiddens, outs, ref, mm)``: ``sets`` random ``[T, K]`` inputs and ``[T, N]`` outputs in ``weight``'s dtype
+    (``weight`` ``[N, K]``), the first input's product, and ``torch.mm`` into each output (the probes' baseline)."""
+    n, k = weight.shape
+    hiddens = [torch.randn(num_tokens, k, device=weight.device, dtype=weight.dtype) for _ in range(sets)]
+    outs = [torch.empty(num_tokens, n, device=weight.device, dtype=weight.dtype) for _ in range(sets)]
+    mm: list[Callable[[], object]] = [
+        lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs, strict=True)
+    ]
+    return hiddens, outs, hiddens[0] @ weight.t(), mm
 
 
 def measure(

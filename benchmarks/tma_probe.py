@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
-from probe_timing import measure
+from probe_timing import gemm_inputs, measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -53,11 +53,8 @@ def main() -> None:
     N, K = 10240, 4096
     weight = torch.randn(N, K, device=device, dtype=torch.bfloat16) / 64
     for T in tokens:
-        sets = 4 if T <= 256 else 1
-        hiddens = [torch.randn(T, K, device=device, dtype=torch.bfloat16) for _ in range(sets)]
-        outs = [torch.empty(T, N, device=device, dtype=torch.bfloat16) for _ in range(sets)]
-        ref = hiddens[0] @ weight.t()
-        variants = {"mm": [lambda h=h, o=o: torch.mm(h, weight.t(), out=o) for h, o in zip(hiddens, outs, strict=True)]}
+        hiddens, outs, ref, mm_calls = gemm_inputs(weight, T, 4 if T <= 256 else 1)
+        variants = {"mm": mm_calls}
         for bm in (16,) if T <= 16 else (32,) if T <= 32 else (64,) if T <= 64 else (64, 128):
             for bk, stages, warps in ((64, 4, 4), (64, 6, 4), (128, 3, 4), (128, 4, 8)):
                 grid = (triton.cdiv(T, bm), N // 128)
