@@ -697,7 +697,7 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # The same where the weight's tiles can load by TMA (`weight_blocks`). T = 33-64:
 # TMA, 128 hidden columns a step, 4 stages: fused_sweep.py 1.057x torch.mm at T = 48
 # and 1.083x at 64 (by pointer 1.109x / 1.159x; GEMM + kernel 1.107x / 1.118x in the
-# same run). Above T = 64: TMA, 8 warps (4 spill: 255 registers), 4 stages, bands of 8
+# same run). Above T = 64: TMA, 8 warps (149 registers; 4 warps spill at 255), 4 stages, bands of 8
 # token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
 # 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, each beside
 # the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
