@@ -606,8 +606,9 @@ def test_misuse_writes_nothing() -> None:
         _launch.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
         _launch.ProjectionConfig(block_m=32, block_k=32, early_rope=False, early_loads=True),
         _launch.ProjectionConfig(block_m=16, block_k=32, group_m=2),
+        _launch.ProjectionConfig(block_m=32, block_k=32, num_stages=3, v_stages=2),
     ],
-    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads", "m16-bands-of-2"],
+    ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads", "m16-bands-of-2", "m32-v-shallower"],
 )
 def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""
@@ -740,31 +741,41 @@ def test_default_blocks_fit_shared_memory() -> None:
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4)
-    # Where the weight can load by TMA: from T = 33, TMA; above 64 in bands of 8 token blocks, of 64 tokens
-    # and 4 warps up to 256 (three stages from 129), of 128 tokens and 8 warps above.
-    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, False, 1, 4)
-    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 128, 4, False, False, True, 1, 4)
-    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (64, 64, 4, False, False, True, 8, 4)
-    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (64, 64, 4, False, False, True, 8, 4)
-    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4)
-    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4)
-    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3)
+    # Where the weight can load by TMA: by pointer up to 16 tokens, TMA from 17; from 33 to 128 V's pipeline
+    # shallower than K's; above 128 in bands of 8 token blocks, of 64 tokens and 4 warps up to 256, of 128
+    # tokens and 8 warps above.
+    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 5, True, True, False, 1, 4, 5)
+    assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
+    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
+    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
+    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
+    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
+    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
+    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
+    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4)
     no_tma = _launch.ProjectionConfig(tma=False)
-    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4)
+    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4)
-    # Fields given are kept as given.
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2)
+    # Where shared memory makes K's pipeline shallower, V's follows in proportion (at least 2 stages).
+    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4)
+    assert default.blocks(48, 128, 2, 48 * 1024, tma_possible=True) == (64, 64, 2, False, False, True, 1, 4, 2)
+    # Fields given are kept as given; V's depth is K's unless given, where K's is.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6)
+    assert pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True) == (64, 256, 6, False, False, True, 1, 4, 6)
+    shallow_v = _launch.ProjectionConfig(v_stages=3)
+    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

@@ -56,8 +56,8 @@ def cpu(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 
 @pytest.fixture(params=["pointer", "tma"])
 def weight_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused kernel's weight tiles by pointer, or by TMA wherever the layout allows (the defaults take TMA
-    only above T = 64): each test so marked runs both ways."""
+    """The fused kernel's weight tiles by pointer, or by TMA wherever the layout allows (as the defaults on
+    Hopper): each test so marked runs both ways."""
     from typedkv import _fused_impl, _launch
 
     defaults = _launch.projection_launch.__kwdefaults__
@@ -363,8 +363,8 @@ def test_fused_sample_under_memcheck() -> None:
 
 
 def test_weights_by_tma_above_64_tokens_cuda() -> None:
-    """On Hopper the defaults load the weight's tiles by TMA above T = 64 where the layout allows: the oracle's K
-    and V; GPT-J pairs (rows not consecutive) load by pointer."""
+    """On Hopper the defaults load the weight's tiles by TMA above T = 16 (here 300) where the layout allows: the
+    oracle's K and V; GPT-J pairs (rows not consecutive) load by pointer."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
     for rope_style, by_tma in (("neox", True), ("gptj", False)):
@@ -375,18 +375,19 @@ def test_weights_by_tma_above_64_tokens_cuda() -> None:
         assert [launch.weight_blocks is not None for launch in launches] == [by_tma]
 
 
-def test_auto_takes_fused_to_64_tokens_where_weights_load_by_tma_cuda() -> None:
-    """On a device the measured tables know, "auto" takes the fused kernel at T = 48 where its weight tiles load
-    by TMA (`PROJECTION_FUSED_FASTER_TMA`), GEMM + kernel where they load by pointer (GPT-J pairs)."""
+def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None:
+    """On a device the measured tables know, "auto" takes the fused kernel at T = 48 and 100 where its weight
+    tiles load by TMA (`PROJECTION_FUSED_FASTER_TMA`), GEMM + kernel where they load by pointer (GPT-J pairs)."""
     from typedkv import _launch
 
     if torch.cuda.get_device_name() not in _launch.PROJECTION_FUSED_FASTER_TMA:
         pytest.skip("no measured table for this device")
     for rope_style, fused_way in (("neox", True), ("gptj", False)):
         draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
-        x, positions, xc, pc = cuda_call(draft, 48)
-        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
-        assert (draft.m._workspace is None) == fused_way
+        for num_tokens in (48, 100):
+            x, positions, xc, pc = cuda_call(draft, num_tokens)
+            assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+            assert (draft.m._workspace is None) == fused_way
 
 
 @pytest.mark.production

@@ -226,6 +226,7 @@ def project_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    V_STAGES: tl.constexpr,  # the V heads' pipeline depth (fewer: more of the memory's bandwidth to K's loads)
     EARLY_ROPE: tl.constexpr,  # load K's RoPE rows before the GEMM loop (else after it)
     EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
@@ -393,11 +394,11 @@ def project_kv_kernel(
         if W_TMA:
             acc = _whole_head_tma(
                 a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, BLOCK_D, BLOCK_K,
-                NUM_STAGES, PRECISION,
+                V_STAGES, PRECISION,
             )  # fmt: skip
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-            for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+            for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=V_STAGES):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)

@@ -616,6 +616,8 @@ class Blocks(NamedTuple):
     tma: bool
     group_m: int
     num_warps: int
+    # The V heads' pipeline depth; None in the tables: as K's (``num_stages``).
+    v_stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -647,6 +649,11 @@ class ProjectionConfig:
     # Token blocks per band of programs (1: none): programs running together share a
     # band of ``hidden``'s rows, which stays in L2 while every head passes over it.
     group_m: int | None = None
+    # The V heads' pipeline depth (None: the table's where ``num_stages`` is the table's too,
+    # else as K's). Where all programs run at once (small T) each program's loads are bound
+    # by their latency: K's programs, with more of them in flight than V's, end their loop
+    # first, and their longer epilogue overlaps V's last loads.
+    v_stages: int | None = None
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
@@ -675,7 +682,14 @@ class ProjectionConfig:
             stages -= 1
         while self.block_k is None and block_k > 16 and not fits():
             block_k //= 2
-        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps)
+        if self.v_stages is not None:
+            v_stages = self.v_stages
+        elif self.num_stages is None and measured.v_stages is not None:
+            # The table's V depth in proportion to K's, where shared memory made K's shallower.
+            v_stages = max(2, -(-stages * measured.v_stages // measured.num_stages))
+        else:
+            v_stages = stages
+        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps, v_stages)
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, blocks), from benchmarks/fused_sweep.py
@@ -694,20 +708,30 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
     (math.inf, Blocks(128, 64, 3, False, False, False, 1, 4)),
 )
 
-# The same where the weight's tiles can load by TMA (`weight_blocks`). T = 33-64:
-# TMA, 128 hidden columns a step, 4 stages: fused_sweep.py 1.057x torch.mm at T = 48
-# and 1.083x at 64 (by pointer 1.109x / 1.159x; GEMM + kernel 1.107x / 1.118x in the
-# same run). Above T = 64: TMA, 8 warps (149 registers; 4 warps spill at 255), 4 stages, bands of 8
-# token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
-# 16384 (1.73x); without bands 1.28x / 1.65x. T = 65-256 (a later sweep, each beside
-# the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no spills), bands of 8, 4 stages
-# up to 128 (1.283x against 1.339x with the large-T row) and 3 from there (74 KB of
-# shared memory: room for three programs to an SM, the 320 programs of T = 256 in one
-# wave; 1.253x against 1.720x). Up to T = 32 not measured with TMA: as by pointer.
+# The same where the weight's tiles can load by TMA (`weight_blocks`). Up to T = 64
+# (2026-12-01, fused_sweep.py, two runs; benchmarks/NOTES.md): one wave of programs,
+# each one's loads bound by their latency, and K's pipeline deeper than V's, so that K's
+# loop ends first and its epilogue overlaps V's last loads. T = 33-64: 64 hidden columns
+# a step, K 9 stages, V 7: 1.009-1.013x torch.mm at T = 48 and 1.044-1.079x at 64
+# (K and V 4 stages of 128 columns, the default before: 1.059-1.065x / 1.086-1.097x;
+# both 9 stages: 1.09-1.14x; V 5: 1.10-1.14x). T = 65-128 the same way: one program of
+# 128 tokens a head (8 warps, 178 registers), K 7 stages, V 6: 1.087-1.109x (GEMM + kernel
+# 1.102-1.131x; 64 tokens a program, 4 stages, bands of 8, the default before: 1.28-1.33x).
+# T = 17-32: TMA, 5 stages of 128 columns, 1.022-1.024x (by pointer 1.040-1.042x). T <= 16
+# by pointer, as above (1.013-1.020x; by TMA, K 6 stages, V 5: 0.989-1.006x): TMA's
+# descriptors are made and encoded at every call, and at decode sizes the host time that
+# costs outweighs it (host_ratios.py, three rounds: the eager `KVMaterializer` call
+# 1.54-1.89x a bare launch by TMA, 1.19-1.30x by pointer). Above T = 256: TMA, 8 warps
+# (149 registers; 4 warps spill at 255), 4 stages, bands of 8 token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
+# 16384 (1.73x); without bands 1.28x / 1.65x. T = 129-256 (a later sweep, each beside
+# the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no
+# spills), bands of 8, 3 stages (74 KB of shared memory: room for three programs to an
+# SM, the 320 programs of T = 256 in one wave; 1.253x against 1.720x).
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
-    *PROJECTION_BLOCKS[:2],
-    (64, Blocks(64, 128, 4, False, False, True, 1, 4)),
-    (128, Blocks(64, 64, 4, False, False, True, 8, 4)),
+    PROJECTION_BLOCKS[0],
+    (32, Blocks(32, 128, 5, False, True, True, 1, 4)),
+    (64, Blocks(64, 64, 9, False, False, True, 1, 4, 7)),
+    (128, Blocks(128, 64, 7, False, False, True, 1, 8, 6)),
     (256, Blocks(64, 64, 3, False, False, True, 8, 4)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
@@ -733,13 +757,16 @@ def _shared_memory(device: torch.device) -> int:
 PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 33),)}
 
 # The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
-# bytes; up to T = 32 its launches are those above, `PROJECTION_BLOCKS_TMA`). H200, at
-# T = 64 (2026-12-01), each / torch.mm: fused_sweep.py 1.082-1.096x against GEMM +
-# kernel's 1.108-1.119x; typedkv bench's end-to-end section, three runs, 1.081-1.099x
-# against 1.103-1.111x, per-layer pools 1.097-1.111x against 1.127-1.137x. From T =
-# 128 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at 128-256 with the
-# best configuration swept, 1.08x against 1.15-1.22x at 2048-16384).
-PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 65),)}
+# bytes; `PROJECTION_BLOCKS_TMA`). H200, each / torch.mm, fused against GEMM + kernel
+# (2026-12-01, fused_sweep.py, `PROJECTION_BLOCKS_TMA`'s rows): 1.01-1.02x against
+# 1.11-1.12x at T = 16 (by pointer), 1.02x against 1.10x at 32, 1.01x against 1.11x at
+# 48, 1.04-1.08x against 1.11-1.13x at 64, 1.11x against 1.10x at 80, 1.11x against
+# 1.13x at 96, 1.09-1.10x against 1.12-1.13x at 128. Before K's pipeline was made
+# deeper than V's, at T = 64: fused_sweep.py 1.082-1.096x against 1.108-1.119x; typedkv
+# bench's end-to-end section, three runs, 1.081-1.099x against 1.103-1.111x. From T =
+# 129 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at 256 with the best
+# configuration swept, 1.08x against 1.15-1.22x at 2048-16384).
+PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 129),)}
 
 # Where the GEMM path writes V straight into dense outputs, measured per device as
 # above: V's rows of each layer as one batched GEMM into v_out ([L, T, H*D] is a batch
@@ -824,7 +851,7 @@ def projection_launch(
     settled = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
     )
-    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps = settled
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages = settled
     blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
@@ -837,7 +864,8 @@ def projection_launch(
         hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
         isinstance(eps, torch.Tensor), slots is not None, page_size, _table_mode(layer_offsets, table_multiple),
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, early_rope,
+        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
+        early_rope,
         early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED, blocks is not None, group_m,
         programmatic_launch(hidden.device),
     )  # fmt: skip
