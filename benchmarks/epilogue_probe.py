@@ -12,7 +12,10 @@ hidden dimension, or its token block). Output: ``kv``-shaped ``[T, L*2H*D]``. Ea
 alternated, 3 rounds, medians); prints each variant's time over ``torch.mm``'s, its registers and
 spills, and its largest difference from the unfused result at its level. On the H200 (2026-12-01,
 docs/performance.md): up to T = 64 level 0 matches ``torch.mm`` and level 2 is the fused kernel's
-time; both splits are slower.
+time; both splits are slower. Above T = 64 also tiles of two heads' columns (128 x 256: ``HEADS``
+2, K's epilogue per head) and of 256 tokens (the plain GEMM alone): at T = 16384 two heads a tile
+read 1.017-1.032x as a plain GEMM and 1.088-1.091x with K's epilogue (one head: 1.10-1.14x and
+1.15-1.22x; the fused kernel 1.19-1.20x).
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ except ImportError:  # older Triton
 
 
 @triton.jit
-def _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
-    """K's steps on a ``[BM, D]`` float32 tile, stored to ``out``: rounded, RMSNorm (LEVEL 1), then RoPE (LEVEL 2)."""
+def _k_head(x, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+    """K's steps on one head's ``[BM, D]`` tile ``x`` (float32, on the storage grid), stored to ``out``."""
     HALF: tl.constexpr = D // 2
     pair = tl.arange(0, HALF)
     store_ty: tl.constexpr = out.dtype.element_ty
-    x1, x2 = _halves(acc.to(store_ty).to(tl.float32), BM, HALF)
+    x1, x2 = _halves(x, BM, HALF)
     w1 = tl.load(norm_ptr + layer * D + pair).to(tl.float32)
     w2 = tl.load(norm_ptr + layer * D + HALF + pair).to(tl.float32)
     rstd = _rstd(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), D, 1e-6)[:, None]
@@ -58,6 +61,20 @@ def _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL: tl.constexp
         o2 = y2
     tl.store(out + pair[None, :], o1.to(store_ty), mask=tok_ok[:, None])
     tl.store(out + HALF + pair[None, :], o2.to(store_ty), mask=tok_ok[:, None])
+
+
+@triton.jit
+def _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                HEADS: tl.constexpr):  # fmt: skip
+    """K's steps on a ``[BM, D]`` float32 tile of ``HEADS`` (1 or 2) heads, stored to ``out``: rounded, RMSNorm
+    (LEVEL 1), then RoPE (LEVEL 2), each head on its own."""
+    x = acc.to(out.dtype.element_ty).to(tl.float32)
+    if HEADS == 1:
+        _k_head(x, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D)
+    else:
+        first, second = _halves(x, BM, D // 2)
+        _k_head(first, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D // 2)
+        _k_head(second, out + D // 2, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D // 2)
 
 
 @triton.jit
@@ -79,8 +96,11 @@ def _tile(a_ptr, a_desc, w_desc, block, tok, tok_ok, head, k_first, span, HIDDEN
 def gemm_epilogue(a_ptr, a_desc, w_desc, norm_ptr, cos_sin_ptr, pos_ptr, c_ptr, part_ptr, count_ptr, T,
                   num_positions, HIDDEN: tl.constexpr, L: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr,
-                  LEVEL: tl.constexpr, A_TMA: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                  LEVEL: tl.constexpr, A_TMA: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr):  # fmt: skip
     """``c[:, head] = epilogue(a @ w[head]^T)`` for one ``[BM, D]`` tile; heads ``[0, H)`` of a layer are K.
+
+    A tile may hold ``HEADS`` (1 or 2) of the model's heads: ``D`` and ``H`` then count tile columns and
+    tiles, and K's epilogue runs per model head (``D // HEADS`` wide).
 
     ``SPLIT`` 2: each K head's hidden dimension is split over two programs (the grid's last ``L * H``
     programs are the second halves), so K's products end halfway through the weights' stream and their
@@ -111,7 +131,7 @@ def gemm_epilogue(a_ptr, a_desc, w_desc, norm_ptr, cos_sin_ptr, pos_ptr, c_ptr, 
     if SPLIT == 2:
         span = tl.where(is_k, HIDDEN // 2, HIDDEN)
     k_first = part * span
-    rope = (pos_ptr, 1, num_positions, cos_sin_ptr, D, 1)
+    rope = (pos_ptr, 1, num_positions, cos_sin_ptr, D // HEADS, 1)
     if SPLIT == 3:
         if is_k:
             # Half the rows: the grid's last L * H programs take each K head's second half.
@@ -122,7 +142,7 @@ def gemm_epilogue(a_ptr, a_desc, w_desc, norm_ptr, cos_sin_ptr, pos_ptr, c_ptr, 
                 a_ptr, a_desc, w_desc, block, rows, rows_ok, head, 0, HIDDEN, HIDDEN, ROWS, BK, D, STAGES, False
             )
             k_out = c_ptr + rows.to(tl.int64)[:, None] * (NUM_HEADS * D) + head * D
-            _k_epilogue(k_acc, k_out, rows, rows_ok, layer, norm_ptr, rope, LEVEL, ROWS, D)
+            _k_epilogue(k_acc, k_out, rows, rows_ok, layer, norm_ptr, rope, LEVEL, ROWS, D, HEADS)
             return
     acc = _tile(a_ptr, a_desc, w_desc, block, tok, tok_ok, head, k_first, span, HIDDEN, BM, BK, D, STAGES, A_TMA)
     out = c_ptr + tok.to(tl.int64)[:, None] * (NUM_HEADS * D) + head * D
@@ -141,9 +161,9 @@ def gemm_epilogue(a_ptr, a_desc, w_desc, norm_ptr, cos_sin_ptr, pos_ptr, c_ptr, 
         if arrived == 1:
             acc += tl.load(parts + (1 - part) * rows * (L * H * D), cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-            _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D)
+            _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D, HEADS)
     else:
-        _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D)
+        _k_epilogue(acc, out, tok, tok_ok, layer, norm_ptr, rope, LEVEL, BM, D, HEADS)
 
 
 def expected(kv: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, level: int,
@@ -206,8 +226,8 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
         shapes = [(bm, 128, 5 if T <= 32 else 4, 4, 1, D)]
         kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, False, None, 3)]
     else:
-        # The last two: the plain GEMM (level 0) with tiles of two heads' columns, or of 256 tokens,
-        # as a Hopper GEMM would take them (is a wider tile what the mainloop lacks at large T?).
+        # The last two: tiles of two heads' columns (the plain GEMM and K's steps), or of 256 tokens
+        # (the plain GEMM), as a Hopper GEMM would take them: is a wider tile what the mainloop lacks?
         shapes = [(128, 64, 4, 8, 8, D), (128, 64, 3, 8, 8, D), (128, 64, 3, 8, 8, 2 * D), (256, 64, 3, 8, 8, D)]
         kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, True, 128, 1), (0, False, None, 1)]
     for bm, bk, stages, warps, group_m, cols in shapes:
@@ -219,8 +239,8 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
         for level, a_tma, maxnreg, split in kinds:
             if maxnreg is not None and (stages != 3 or bm != 128 or cols != D):
                 continue  # the cap is for two programs of 8 warps to an SM (<= 98 KB each)
-            if (cols != D or bm > 128) and level > 0:
-                continue  # wider tiles: the plain GEMM alone (its kernel's heads are then column tiles)
+            if bm > 128 and level > 0:
+                continue  # tiles of 256 tokens: the plain GEMM alone
             if T > 64 and cols == D and bm == 128 and level == 0 and not a_tma:
                 continue
             grid = (blocks, N // cols + (L * H if split > 1 else 0))
@@ -235,7 +255,8 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
                      n=cols) -> object:  # fmt: skip
                 return gemm_epilogue[g](
                     h, a if at else None, wd, norm, cos_sin, p, o, ps, cs, T, positions_max, HIDDEN=K, L=L,
-                    H=H * D // n, D=n, BM=bm, BK=bk, STAGES=st, GROUP_M=gm, LEVEL=lv, A_TMA=at, SPLIT=sp, num_warps=w, **x,
+                    H=H * D // n, D=n, BM=bm, BK=bk, STAGES=st, GROUP_M=gm, LEVEL=lv, A_TMA=at, SPLIT=sp, HEADS=n // D,
+                    num_warps=w, **x,
                 )  # fmt: skip
 
             variants[name] = [

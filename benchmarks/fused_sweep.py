@@ -1,7 +1,8 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
-Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools] [--defaults]
-[T ...]`` (``--defaults``: the default configuration alone, for an A/B of two checkouts).
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools]
+[--defaults | --v-stages] [T ...]`` (``--defaults``: the default configuration alone, for an A/B
+of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
 replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
@@ -30,29 +31,35 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     With ``--defaults`` on the command line: the default configuration alone.
 
     Each with the registers a thread may take (Triton's ``maxnreg``; None: the compiler's choice).
-    At small T each configuration runs with K's RoPE rows, and with the epilogue's other loads,
-    before the GEMM loop and after it.
     """
     if "--defaults" in sys.argv:
         return [(_launch.ProjectionConfig(), None)]
-    if num_tokens <= 16:
-        grid = [(16, 128, s) for s in (4, 5, 6)]
-    elif num_tokens <= 32:
-        grid = [(32, 128, 4), (32, 128, 5), (32, 64, 5), (32, 64, 6)]
-    elif num_tokens <= 64:
-        # The defaults by pointer and by TMA, and by TMA with the RoPE rows and the epilogue's
-        # other loads before the loop (not measured with TMA yet: the epilogue is this size's tail,
-        # every program reaching it at once).
-        return [
-            (_launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma), None)
-            for block_m, block_k, warps, stages, early_rope, early_loads, tma in [
-                (64, 64, 4, 6, False, False, False),
-                (64, 128, 4, 4, False, False, True),
-                (64, 128, 4, 4, True, False, True),
-                (64, 128, 4, 4, False, True, True),
-                (64, 128, 4, 4, True, True, True),
-                (64, 64, 4, 6, False, False, True),
-            ]
+    if "--v-stages" in sys.argv:
+        # The default, and the same with V's programs on a shallower pipeline than K's.
+        return [(_launch.ProjectionConfig(v_stages=v_stages), None) for v_stages in (None, 2, 3, 4)]
+    if num_tokens <= 64:
+        # The default, and K's pipeline deeper than V's (weights by TMA): a program's loads are
+        # bound by their latency, so the deeper pipeline's K heads end their loop first and their
+        # epilogue overlaps V's last loads. 2026-12-01: K 9 stages of 64 columns, V 7 read 1.01x at
+        # T = 48 and 1.04-1.08x at 64, against 1.06x / 1.09-1.10x with K and V 4 stages of 128 columns
+        # (V 9: 1.09-1.14x; V shallower than those 4 stages of 128 columns: 1.1-1.9x).
+        block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+        grid = {
+            16: [(128, 6, None), (128, 6, 5), (128, 6, 4), (64, 12, 9), (64, 12, 8)],
+            32: [(128, 5, None), (128, 5, 4), (128, 5, 3), (64, 11, 8), (64, 11, 7), (64, 9, 6)],
+            64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7)],
+        }[block_m]
+        return [(_launch.ProjectionConfig(), None)] + [
+            (_launch.ProjectionConfig(block_m, block_k, 4, stages, None, None, True, v_stages=v_stages), None)
+            for block_k, stages, v_stages in grid
+        ]
+    elif num_tokens <= 128:
+        # The default (one program of 128 tokens a head, all in one wave, K 7 stages, V 6) and
+        # around it. 2026-12-01: 1.09-1.11x at T = 80-128, against 1.28-1.33x with the default
+        # before (64 tokens a program, 4 stages, bands of 8: two waves of programs).
+        return [(_launch.ProjectionConfig(), None)] + [
+            (_launch.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
+            for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5)]
         ]
     else:
         # The defaults by pointer and by TMA (above T = 256: 128 tokens, 8 warps, 4 stages, bands
@@ -192,7 +199,7 @@ def _sweep(
 def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
-        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m}"
+        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
     )
 
 
