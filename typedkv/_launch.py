@@ -708,11 +708,11 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
     (math.inf, Blocks(128, 64, 3, False, False, False, 1, 4)),
 )
 
-# The same where the weight's tiles can load by TMA (`weight_blocks`). Up to T = 64
-# (2026-12-01, fused_sweep.py, two runs; benchmarks/NOTES.md): one wave of programs,
+# The same where the weight's tiles can load by TMA (`weight_blocks`). Up to T = 128
+# (2026-12-01, fused_sweep.py, two to five runs; benchmarks/NOTES.md): one wave of programs,
 # each one's loads bound by their latency, and K's pipeline deeper than V's, so that K's
 # loop ends first and its epilogue overlaps V's last loads. T = 33-64: 64 hidden columns
-# a step, K 9 stages, V 7: 1.009-1.013x torch.mm at T = 48 and 1.044-1.079x at 64
+# a step, K 9 stages, V 7: 1.009-1.024x torch.mm at T = 48 and 1.044-1.079x at 64
 # (K and V 4 stages of 128 columns, the default before: 1.059-1.065x / 1.086-1.097x;
 # both 9 stages: 1.09-1.14x; V 5: 1.10-1.14x). T = 65-128 the same way: one program of
 # 128 tokens a head (8 warps, 178 registers), K 7 stages, V 6: 1.087-1.109x (GEMM + kernel
