@@ -1,8 +1,9 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools]
-[--defaults | --v-stages] [T ...]`` (``--defaults``: the default configuration alone, for an A/B
-of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep).
+[--defaults | --v-stages | --early] [T ...]`` (``--defaults``: the default configuration alone,
+for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
+``--early``: the default with the epilogue's loads before the loop or after it).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
 replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
@@ -34,6 +35,13 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     """
     if "--defaults" in sys.argv:
         return [(_launch.ProjectionConfig(), None)]
+    if "--early" in sys.argv:
+        # The default with K's RoPE rows, and the epilogue's other loads, before the loop or after it.
+        return [
+            (_launch.ProjectionConfig(early_rope=rope, early_loads=loads), None)
+            for rope in (False, True)
+            for loads in (False, True)
+        ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
         return [(_launch.ProjectionConfig(v_stages=v_stages), None) for v_stages in (None, 2, 3, 4)]
