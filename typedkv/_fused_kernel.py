@@ -226,7 +226,7 @@ def project_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    V_STAGES: tl.constexpr,  # the V heads' pipeline depth (fewer: more of the memory's bandwidth to K's loads)
+    V_STAGES: tl.constexpr,  # V's pipeline depth (shallower than K's: K's loop ends first, its epilogue hidden)
     EARLY_ROPE: tl.constexpr,  # load K's RoPE rows before the GEMM loop (else after it)
     EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)

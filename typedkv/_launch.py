@@ -722,8 +722,9 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # descriptors are made and encoded at every call, and at decode sizes the host time that
 # costs outweighs it (host_ratios.py, three rounds: the eager `KVMaterializer` call
 # 1.54-1.89x a bare launch by TMA, 1.19-1.30x by pointer). Above T = 256: TMA, 8 warps
-# (149 registers; 4 warps spill at 255), 4 stages, bands of 8 token blocks: 1.20x at T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at
-# 16384 (1.73x); without bands 1.28x / 1.65x. T = 129-256 (a later sweep, each beside
+# (149 registers; 4 warps spill at 255), 4 stages, bands of 8 token blocks: 1.20x at
+# T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at 16384 (1.73x); without
+# bands 1.28x / 1.65x. T = 129-256 (a later sweep, each beside
 # the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no
 # spills), bands of 8, 3 stages (74 KB of shared memory: room for three programs to an
 # SM, the 320 programs of T = 256 in one wave; 1.253x against 1.720x).
@@ -759,13 +760,13 @@ PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H
 # The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
 # bytes; `PROJECTION_BLOCKS_TMA`). H200, each / torch.mm, fused against GEMM + kernel
 # (2026-12-01, fused_sweep.py, `PROJECTION_BLOCKS_TMA`'s rows): 1.01-1.02x against
-# 1.11-1.12x at T = 16 (by pointer), 1.02x against 1.10x at 32, 1.01x against 1.11x at
-# 48, 1.04-1.08x against 1.11-1.13x at 64, 1.11x against 1.10x at 80, 1.11x against
-# 1.13x at 96, 1.09-1.10x against 1.12-1.13x at 128. Before K's pipeline was made
+# 1.11-1.12x at T = 16 (by pointer), 1.02x against 1.10x at 32, 1.01-1.02x against
+# 1.10-1.11x at 48, 1.04-1.08x against 1.11-1.15x at 64, 1.11x against 1.10x at 80,
+# 1.11x against 1.13x at 96, 1.09-1.10x against 1.12-1.13x at 128. Before K's pipeline was made
 # deeper than V's, at T = 64: fused_sweep.py 1.082-1.096x against 1.108-1.119x; typedkv
 # bench's end-to-end section, three runs, 1.081-1.099x against 1.103-1.111x. From T =
-# 129 on GEMM + kernel is faster (1.09-1.13x against 1.25-1.34x at 256 with the best
-# configuration swept, 1.08x against 1.15-1.22x at 2048-16384).
+# 129 on GEMM + kernel is faster (1.11-1.13x against 1.25-1.31x at T = 256, 1.08x
+# against 1.15-1.22x at 2048-16384).
 PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 129),)}
 
 # Where the GEMM path writes V straight into dense outputs, measured per device as
@@ -865,9 +866,8 @@ def projection_launch(
         isinstance(eps, torch.Tensor), slots is not None, page_size, _table_mode(layer_offsets, table_multiple),
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
-        early_rope,
-        early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED, blocks is not None, group_m,
-        programmatic_launch(hidden.device),
+        early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+        blocks is not None, group_m, programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
