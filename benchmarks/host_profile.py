@@ -7,7 +7,11 @@ alternately as the bench does, then cProfile's top functions by their own time o
 (the profiler's overhead inflates every figure; compare shares, not microseconds). Beside them,
 the primitives a call pays for on this host: a CUDA ``torch.empty``, a direct launch of the
 compiled one-line kernel, ``torch.cuda.is_current_stream_capturing``, the current device
-(through ``torch.cuda`` and directly), a tensor's dtype, shape, strides and device.
+(through ``torch.cuda`` and directly), a tensor's dtype, shape, strides and device; and what a
+TMA descriptor costs the fused kernel's calls: making one for the bench's weight (as
+`typedkv._launch.weight_descriptors` does at every call), and a direct launch of a one-tile
+kernel that takes one (Triton's launcher encodes it at every launch) beside the pointer kernel's.
+(The TMA lines were added on 2026-12-01 and not run yet.)
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ import sys
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 from host_time import _touch  # the one-line kernel whose bare launch host_time.py times too
 
 from typedkv import _bench
+from typedkv._launch import TensorDescriptor
+
+
+@triton.jit
+def _touch_tile(desc, out_ptr):  # type: ignore[no-untyped-def]  # Triton reads parameter annotations: none here
+    """One 16 x 16 tile loaded through a TMA descriptor and stored."""
+    rows = tl.arange(0, 16)
+    tl.store(out_ptr + rows[:, None] * 16 + rows[None, :], desc.load([0, 0]))
 
 
 def main() -> None:
@@ -48,6 +62,21 @@ def main() -> None:
         "cuda_getDevice": torch._C._cuda_getDevice,
         "tensor_layout_facts": lambda: (x.dtype, x.shape, x.stride(), x.device),
     }
+    if TensorDescriptor is not None and torch.cuda.get_device_capability(device)[0] >= 9:
+        # The bench draft's weight (5 layers x 2 x 8 heads x 128 rows, hidden 4096) and a head's tile.
+        weight = torch.zeros(5 * 2 * 8 * 128, 4096, device=device, dtype=torch.bfloat16)
+        shape, strides = list(weight.shape), list(weight.stride())
+        tile = TensorDescriptor(weight, shape, strides, [16, 16])
+        out = torch.empty(16, 16, device=device, dtype=torch.bfloat16)
+        compiled_tile = _touch_tile[(1,)](tile, out)
+
+        def direct_tma() -> None:
+            compiled_tile.run(
+                1, 1, 1, stream, compiled_tile.function, compiled_tile.packed_metadata, None, None, None, tile, out
+            )
+
+        primitives["tma_descriptor_made"] = lambda: TensorDescriptor(weight, shape, strides, [128, 64])
+        primitives["direct_launch_tma_tile"] = direct_tma
     for name, fn in primitives.items():
         print(f"{name:>40}: {_bench.host_time_us(functools.partial(_returns_none, fn)):8.2f} us", flush=True)
     for name in names:
