@@ -170,7 +170,7 @@ class KVMaterializer(nn.Module):
     computes ``hidden @ W^T`` and, in its epilogue, norms, rotates and stores K
     and V: no ``kv`` in memory, no workspace), or ``"auto"`` (the default): the
     fused path where a table measured per GPU and per ``T`` range says it is
-    faster (on the H200: ``T < 33``, and ``T < 65`` where the weight's tiles
+    faster (on the H200: ``T < 33``, and ``T < 129`` where the weight's tiles
     load by TMA -- NeoX RoPE, head pieces of powers of two rows, the weight on
     16 bytes; a device not measured takes GEMM + kernel; see
     docs/performance.md). Both paths check a call alike (the same
