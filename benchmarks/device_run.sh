@@ -25,8 +25,8 @@
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
-#   host_ratios    benchmarks/host_ratios.py (the bench's host-time ratios), .old/base and this checkout
-#                  alternated, $HOST_ROUNDS rounds (3)
+#   host_ratios    benchmarks/host_ratios.py (the bench's host-time ratios), the trees in $HOST_TREES
+#                  (default: .old/base and this checkout) alternated, $HOST_ROUNDS rounds (3)
 #   pdl_ab         programmatic dependent launch on and off, alternated in separate processes:
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
@@ -175,8 +175,9 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
         host_ratios)
             for round in $(seq "${HOST_ROUNDS:-3}"); do
-                PYTHONPATH="$ROOT/.old/base:/tmp/site" python3 benchmarks/host_ratios.py old
-                PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/host_ratios.py new
+                for tree in ${HOST_TREES:-.old/base .}; do
+                    PYTHONPATH="$ROOT/$tree:/tmp/site" python3 benchmarks/host_ratios.py "$tree"
+                done
             done 2>&1 | tee "$OUT/host_ratios.txt" ;;
         split_ab)
             for round in $(seq "${SPLIT_AB_ROUNDS:-1}"); do

@@ -747,10 +747,10 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
     assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
     assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3)
-    # Where the weight can load by TMA: by pointer up to 16 tokens, TMA from 17; from 33 to 128 V's pipeline
-    # shallower than K's; above 128 in bands of 8 token blocks, of 64 tokens and 4 warps up to 256, of 128
-    # tokens and 8 warps above.
-    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 5, True, True, False, 1, 4, 5)
+    # Where the weight can load by TMA: TMA; up to 128 tokens V's pipeline shallower than K's but from 17 to 32;
+    # above 128 in bands of 8 token blocks, of 64 tokens and 4 warps up to 256, of 128 tokens and 8 warps above.
+    assert default.blocks(1, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
+    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
     assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
     assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
     assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)

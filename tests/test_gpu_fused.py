@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 from memcheck import run_under_memcheck
 from test_fused_projection import Draft, H, L, P, assert_matches_oracle
 from test_gpu import assert_no_sync, compiled_variants
@@ -149,6 +150,54 @@ def test_deterministic_cuda() -> None:
     for _ in range(3):
         again = draft.m(xc, pc)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["dense", "into_pool"])
+@pytest.mark.parametrize("rotary_dim", [128, 64], ids=["full_rotary", "partial_rotary"])
+def test_weight_descriptors_encoded_per_address_cuda(
+    monkeypatch: pytest.MonkeyPatch, rotary_dim: int, pool: bool
+) -> None:
+    """Direct launches pass the weight's TMA descriptors encoded once per weight address: each call after the
+    first (new data each time) holds the oracle, a weight changed in place is read anew, a weight moved to
+    another address is encoded anew, and on Triton 3.6 no call after the first encodes again."""
+    from typedkv import _fused_impl, _launch
+
+    defaults = _launch.projection_launch.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(tma=True))
+    _fused_impl._LAUNCHES.clear()
+    encoded: list[Any] = []
+    encode = _launch._encode_descriptor
+    monkeypatch.setattr(_launch, "_encode_descriptor", lambda d, meta: encoded.append(d) or encode(d, meta))
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=rotary_dim, hidden=256, bias=True)
+    k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
+    v_pool = torch.zeros_like(k_pool)
+
+    def check(seed: int) -> None:
+        x, positions, xc, pc = cuda_call(draft, 40, seed)
+        if pool:
+            slots = torch.randperm(S, device="cuda")[:40]
+            draft.m.into_pool(xc, pc, slots, k_pool, v_pool)
+            got = k_pool[:, slots].cpu(), v_pool[:, slots].cpu()
+        else:
+            got = cpu(draft.m(xc, pc))
+        assert_matches_oracle(got, draft.oracle(x, positions), torch.bfloat16)
+
+    for seed in (1, 2, 3):
+        check(seed)
+    pieces = 1 if rotary_dim == 128 else 3  # a whole head's tile; else the two rotary halves' and the rest's
+    unwrapped = triton.__version__.startswith("3.6.")
+    assert len(encoded) == (pieces if unwrapped else 0)
+    # In place: the same address, new values (a descriptor holds the address, not the values).
+    draft.weight = -draft.weight
+    draft.m.kv_weight.copy_(draft.weight.reshape(draft.m.kv_weight.shape))
+    check(4)
+    assert len(encoded) == (pieces if unwrapped else 0)
+    # Moved: a buffer at another address, the same layout.
+    draft.m.kv_weight = draft.m.kv_weight.clone()
+    check(5)
+    check(6)
+    assert len(encoded) == (2 * pieces if unwrapped else 0)
 
 
 # ------------------------------------------------------------------- pools

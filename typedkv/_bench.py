@@ -443,7 +443,8 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
 
 
 def host_overhead(device: torch.device) -> dict[str, float]:
-    """Host microseconds per call at T = 16 (decode): typedkv vs an sglang-style wrapper and a bare launch."""
+    """Host microseconds per call at T = 16 (decode; the materializer's at 64 too): typedkv vs an sglang-style
+    wrapper and a bare launch."""
     x = make_inputs(MAIN, 16, device)
     H = MAIN.num_kv_heads
 
@@ -471,8 +472,12 @@ def host_overhead(device: torch.device) -> dict[str, float]:
         out["typedkv_debug_us"] = host_time_us(production, calls=1000)
     finally:
         set_debug(False)
-    # Every public call in production mode, alternated with the bare launch (the host is noisy).
+    # Every public call in production mode, alternated with the bare launch (the host is noisy);
+    # the materializer's calls at T = 64 too, where its fused kernel loads the weight by TMA
+    # (on Hopper and later).
     calls = public_calls(device)
+    wider = public_calls(device, 64)
+    calls |= {f"{name}_t64": wider[name] for name in MATERIALIZER_CALLS}
     for name, fn in calls.items():
         out[f"{name}_us"] = host_time_us(fn)
         out[f"{name}_bare_launch_us"] = host_time_us(bare)
@@ -482,6 +487,10 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     for name in calls:
         out[f"{name}_vs_bare"] = round(out[f"{name}_us"] / out[f"{name}_bare_launch_us"], 3)
     return out
+
+
+MATERIALIZER_CALLS = ("materializer_call", "materializer_into_pool_per_layer")
+"""`public_calls`' names of `KVMaterializer`'s calls (dense outputs; per-layer pools)."""
 
 
 def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callable[[], None]]:
@@ -571,7 +580,7 @@ def table(result: dict[str, Any]) -> str:
             )
     host = result.get("host")
     if host:
-        lines += ["", "host time per call at T=16 (us):"]
+        lines += ["", "host time per call at T=16, *_t64 at T=64 (us):"]
         lines += [f"  {k:>48}: {v}" for k, v in host.items()]
     return "\n".join(lines)
 

@@ -316,28 +316,27 @@ class KernelLaunch:
         small T (H200: 0.2-0.7 us at T = 1-256), its early programs holding SMs the GEMM's
         last ones wait for.
         """
-        params = self.arguments(values)
-        kernel = self.kernel
         if not self.direct:
+            params = self.arguments(values)
             if INTERPRETED:
                 with _INTERPRETER_LOCK:
-                    kernel[self.grid](*params, num_warps=self.num_warps)
+                    self.kernel[self.grid](*params, num_warps=self.num_warps)
             else:
-                kernel[self.grid](*params, num_warps=self.num_warps)
+                self.kernel[self.grid](*params, num_warps=self.num_warps)
             return
         programmatic = self.programmatic and not after_gemm
         if _current_device() != self._index:
             with torch.cuda.device(self.device):
-                self._cuda(params, values, programmatic)
+                self._cuda(values, programmatic)
         else:
-            self._cuda(params, values, programmatic)
+            self._cuda(values, programmatic)
 
-    def _cuda(self, params: tuple[Any, ...], values: tuple[Any, ...], programmatic: bool) -> None:
+    def _cuda(self, values: tuple[Any, ...], programmatic: bool) -> None:
         aligned = self._aligned(values)
         compiled = self._compiled[programmatic]
         if compiled is None or not aligned or not _hooks_idle():
             options = _PROGRAMMATIC if programmatic else {}
-            compiled = self.kernel[self.grid](*params, num_warps=self.num_warps, **options)
+            compiled = self.kernel[self.grid](*self.arguments(values), num_warps=self.num_warps, **options)
             # Only a kernel compiled for aligned pointers serves later aligned calls.
             if aligned and not hasattr(compiled, "result"):
                 self._compiled[programmatic] = compiled
@@ -346,6 +345,10 @@ class KernelLaunch:
             stream = _current_stream(self._index)
         else:
             stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._direct(compiled, programmatic, stream, self._gather(values + self._fixed))
+
+    def _direct(self, compiled: Any, programmatic: bool, stream: int, params: tuple[Any, ...]) -> None:
+        """Run ``compiled`` (the ``programmatic`` variant) on ``stream`` with the kernel's arguments ``params``."""
         grid = self.grid
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
@@ -717,11 +720,14 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # both 9 stages: 1.09-1.14x; V 5: 1.10-1.14x). T = 65-128 the same way: one program of
 # 128 tokens a head (8 warps, 178 registers), K 7 stages, V 6: 1.087-1.109x (GEMM + kernel
 # 1.102-1.131x; 64 tokens a program, 4 stages, bands of 8, the default before: 1.28-1.33x).
-# T = 17-32: TMA, 5 stages of 128 columns, 1.022-1.024x (by pointer 1.040-1.042x). T <= 16
-# by pointer, as above (1.013-1.020x; by TMA, K 6 stages, V 5: 0.989-1.006x): TMA's
-# descriptors are made and encoded at every call, and at decode sizes the host time that
-# costs outweighs it (host_ratios.py, three rounds: the eager `KVMaterializer` call
-# 1.54-1.89x a bare launch by TMA, 1.19-1.30x by pointer). Above T = 256: TMA, 8 warps
+# T = 17-32: TMA, 5 stages of 128 columns, 1.022-1.024x (by pointer 1.040-1.042x). T <= 16:
+# TMA, K 6 stages of 128 columns, V 5, RoPE rows and the other loads early: 0.983-0.998x
+# dense and 0.988-1.007x into per-layer pools at T = 1 and 16 (two runs, 2026-12-02), against
+# 1.005-1.025x / 1.012-1.024x by pointer (PROJECTION_BLOCKS[0]). It stayed by pointer while
+# every call made and encoded the descriptors (eager `KVMaterializer` call 1.54-1.89x a bare
+# launch by TMA, 1.19-1.30x by pointer); `ProjectionLaunch` now encodes them once per weight
+# address, and the two read alike (host_ratios.py, three rounds: 1.15-1.44x by TMA,
+# 1.13-1.35x by pointer at T = 16; 1.13-1.16x by TMA at T = 64). Above T = 256: TMA, 8 warps
 # (149 registers; 4 warps spill at 255), 4 stages, bands of 8 token blocks: 1.20x at
 # T = 2048 (1.44x by pointer, 4 warps, no bands) and 1.21x at 16384 (1.73x); without
 # bands 1.28x / 1.65x. T = 129-256 (a later sweep, each beside
@@ -729,7 +735,7 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # spills), bands of 8, 3 stages (74 KB of shared memory: room for three programs to an
 # SM, the 320 programs of T = 256 in one wave; 1.253x against 1.720x).
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
-    PROJECTION_BLOCKS[0],
+    (16, Blocks(16, 128, 6, True, True, True, 1, 4, 5)),
     (32, Blocks(32, 128, 5, False, True, True, 1, 4)),
     (64, Blocks(64, 64, 9, False, False, True, 1, 4, 7)),
     (128, Blocks(128, 64, 7, False, False, True, 1, 8, 6)),
@@ -874,7 +880,12 @@ def projection_launch(
 
 
 class ProjectionLaunch(KernelLaunch):
-    """The fused projection's launch: a `KernelLaunch` that knows its weight descriptors' blocks (None: by pointer)."""
+    """The fused projection's launch: a `KernelLaunch` that knows its weight descriptors' blocks (None: by pointer).
+
+    A call's values hold the weight itself where the kernel takes a TMA descriptor of it
+    (`projection_varying`). `arguments` makes the descriptors; a direct launch passes each
+    one encoded, as Triton's launcher would encode it, once per weight address (`_encoded`).
+    """
 
     def __init__(
         self,
@@ -886,6 +897,102 @@ class ProjectionLaunch(KernelLaunch):
     ) -> None:
         super().__init__(kernel, grid, params, num_warps)
         self.weight_blocks = weight_blocks
+        self._descriptor_slots = tuple(i for i, p in enumerate(params) if _is_descriptor(p))
+        self._descriptor_blocks = tuple(params[i].block_shape for i in self._descriptor_slots)
+        # Per compiled variant (plain, programmatic): Triton's launch beneath its descriptor
+        # handling (`_unwrapped_launch`), or False where this Triton's launcher is another.
+        self._unwrapped: list[Any] = [None, None]
+        self._encoded: dict[int, tuple[list[Any], ...]] = {}
+
+    def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The kernel's arguments, in order: `KernelLaunch.arguments`, the weight's descriptors made."""
+        params = super().arguments(values)
+        if not self._descriptor_slots:
+            return params
+        return self._with_descriptors(params)
+
+    def _with_descriptors(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
+        made = list(params)
+        for i, block in zip(self._descriptor_slots, self._descriptor_blocks, strict=True):
+            weight = made[i]
+            made[i] = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), list(block))
+        return tuple(made)
+
+    def _direct(self, compiled: Any, programmatic: bool, stream: int, params: tuple[Any, ...]) -> None:
+        if not self._descriptor_slots:
+            super()._direct(compiled, programmatic, stream, params)
+            return
+        unwrapped = self._unwrapped[programmatic]
+        if unwrapped is None:
+            unwrapped = self._unwrapped[programmatic] = _unwrapped_launch(compiled, self._descriptor_slots) or False
+        if unwrapped is False:
+            super()._direct(compiled, programmatic, stream, self._with_descriptors(params))
+            return
+        launch, metas, flags = unwrapped
+        weight = params[self._descriptor_slots[0]]
+        address = weight.data_ptr()
+        encoded = self._encoded.get(address)
+        if encoded is None:
+            if len(self._encoded) >= 8:  # a launch serves one weight; a few, if its buffer moves
+                self._encoded.clear()
+            # A descriptor is a function of the address, shape, strides, dtype and block alone (the
+            # launch fixes all but the address), so an entry is right whatever tensor later has the address.
+            made = self._with_descriptors(params)
+            encoded = self._encoded[address] = tuple(
+                _encode_descriptor(made[i], meta) for i, meta in zip(self._descriptor_slots, metas, strict=True)
+            )
+        args = list(params)
+        for i, value in zip(reversed(self._descriptor_slots), reversed(encoded), strict=True):
+            args[i : i + 1] = value
+        grid = self.grid
+        launch(
+            grid[0], grid[1], grid[2], stream, compiled.function, *flags, None, None, compiled.packed_metadata, None,
+            None, None, *args,
+        )  # fmt: skip
+
+
+def _encode_descriptor(descriptor: Any, meta: Any) -> list[Any]:
+    """``descriptor``'s arguments as Triton 3.6's launcher passes them (the encoded map, shape, strides)."""
+    return list(_nvidia_driver().make_tensordesc_arg(descriptor, meta))
+
+
+@functools.cache
+def _nvidia_driver() -> Any:
+    return importlib.import_module("triton.backends.nvidia.driver")
+
+
+def _unwrapped_launch(compiled: Any, slots: tuple[int, ...]) -> tuple[Any, list[Any], tuple[bool, bool]] | None:
+    """``(launch, descriptor metadata, (cooperative, programmatic))`` beneath ``compiled``'s descriptor handling.
+
+    Triton 3.6's launcher encodes every TMA descriptor argument at every launch, in Python,
+    before its C launch: a few microseconds a call at decode sizes, where a call is host-bound.
+    Its C launch takes the 13 leading arguments Triton's own call passes, then the
+    kernel's arguments with each descriptor as its encoding, shape and strides. None
+    where the launcher is not that one (another Triton version, a kernel with scratch
+    memory): those launches pass descriptors and let Triton encode them.
+    """
+    try:
+        run = compiled.run
+        wrapped = run.launch
+        cells = dict(
+            zip(wrapped.__code__.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ()), strict=True)
+        )
+        driver = _nvidia_driver()
+        usable = (
+            getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) == 13
+            and len(inspect.signature(driver.make_tensordesc_arg).parameters) == 2
+            and set(cells) >= {"launcher", "tensordesc_indices", "tensordesc_meta"}
+            and cells["tensordesc_indices"] == set(slots)
+            and len(cells["tensordesc_meta"]) == len(slots)
+            and all(isinstance(meta, dict) for meta in cells["tensordesc_meta"])
+            and not run.global_scratch_size
+            and not run.profile_scratch_size
+        )
+        if not usable:
+            return None
+        return cells["launcher"], list(cells["tensordesc_meta"]), (run.launch_cooperative_grid, run.launch_pdl)
+    except (AttributeError, ImportError, KeyError, TypeError, ValueError):
+        return None
 
 
 def weight_blocks(kv_weight: torch.Tensor, head_dim: int, rotary_dim: int, neox: bool) -> tuple[int, int, int] | None:
@@ -926,7 +1033,9 @@ def _tma_device(device: torch.device) -> bool:
 def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
     """The fused kernel's three weight descriptors for `weight_blocks`' ``blocks`` (all None: loads by pointer).
 
-    Made per call: a descriptor holds its tensor's address. A head of full rotary
+    A descriptor holds its tensor's address: a launch's calls make their own, or pass them
+    encoded per address (`ProjectionLaunch`; the calls' values hold the weight in their
+    places, `projection_varying`). A head of full rotary
     (no pass-through rows) loads K as a whole head too: its halves' and pass-through
     descriptors are None (each one passed costs an encoding at every launch).
     """
@@ -941,6 +1050,15 @@ def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int
     if not rest:
         return None, descriptor(head), None
     return descriptor(half), descriptor(head), descriptor(rest)
+
+
+def _descriptor_places(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
+    """`weight_descriptors`' three places, the weight in those that hold a descriptor (None in the others)."""
+    if blocks is None:
+        return None, None, None
+    if not blocks[2]:
+        return None, kv_weight, None
+    return kv_weight, kv_weight, kv_weight
 
 
 def projection_varying(
@@ -958,8 +1076,12 @@ def projection_varying(
     scales: tuple[Scale, Scale] = (None, None),
     weight_blocks: tuple[int, int, int, int] | None = None,
 ) -> tuple[Any, ...]:
-    """The fused projection kernel's per-call arguments, in kernel order; ``weight_blocks`` the launch's own."""
+    """The fused projection kernel's per-call arguments, in kernel order; ``weight_blocks`` the launch's own.
+
+    The weight itself stands where the kernel takes a descriptor of it (`ProjectionLaunch`
+    makes or encodes the descriptors).
+    """
     return (
-        hidden, kv_weight, kv_bias, *weight_descriptors(kv_weight, weight_blocks), k_norm_weight,
+        hidden, kv_weight, kv_bias, *_descriptor_places(kv_weight, weight_blocks), k_norm_weight,
         *_number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, _scale_pair(scales),
     )  # fmt: skip
