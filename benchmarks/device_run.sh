@@ -165,7 +165,7 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
         ncu_fused)
             for t in ${NCU_T:-64 2048}; do
                 timeout 200 ncu -k regex:project_kv_kernel --launch-skip 3 --launch-count 1 --set full \
-                    --sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "$OUT/fused_T$t" \
+                    --warp-sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "$OUT/fused_T$t" \
                     env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/profile_fused.py "$t" > "$OUT/ncu_T$t.log" 2>&1
                 ncu -i "$OUT/fused_T$t.ncu-rep" --page details --csv > "$OUT/details_T$t.csv" 2>&1
                 ncu -i "$OUT/fused_T$t.ncu-rep" --page source --csv --print-source sass > "$OUT/source_T$t.csv" 2>&1

@@ -1,6 +1,7 @@
 """The standalone kernel at the cases where a peer kernel was measured (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [--tokens=T,...] [rounds]``. Each
+Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [--fixed] [--tokens=T,...]
+[rounds]``. Each
 line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
 times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s recorded
 below (a FlagGems-sglang Triton kernel, measured on this GPU model in an earlier run) and the
@@ -9,6 +10,8 @@ T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, war
 two tokens per program, layer order), the configurations alternated within each round.
 ``--tokens=1024,128``: only the cases at those T. ``--no-pdl``: launches without programmatic
 dependent launch (`typedkv._launch.PROGRAMMATIC_LAUNCH`), for an A/B in separate processes.
+``--fixed``: one input set, every call on the same tensors (what L2 holds from the call before counts,
+as in a benchmark that replays one call; `typedkv bench` rotates sets so that L2 holds none).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def main() -> None:
     # --tokens=1024,128: only the cases at those T.
     only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--tokens=")), "")
     chosen = {int(t) for t in only.split(",") if t}
-    args = [a for a in sys.argv[1:] if a not in ("--sweep", "--no-pdl") and not a.startswith("--tokens=")]
+    fixed = "--fixed" in sys.argv
+    args = [a for a in sys.argv[1:] if a not in ("--sweep", "--no-pdl", "--fixed") and not a.startswith("--tokens=")]
     rounds = int(args[0]) if args else 2
     device = torch.device("cuda")
     defaults = _launch.launch_params.__kwdefaults__
@@ -64,12 +68,12 @@ def main() -> None:
             _impl.DENSE.signature._plans.clear()
             # As typedkv bench: input sets rotated so that L2 holds none of them.
             nbytes = _bench.bytes_moved(case, tokens)
-            sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+            sets = 1 if fixed else max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
             calls = [_bench.typedkv_call(case, _bench.make_inputs(case, tokens, device)) for _ in range(sets)]
             us = _bench.gpu_time_us(calls)
             gbps = nbytes / us / 1e3
             shown = (
-                "default"
+                ("fixed" if fixed else "default")
                 if config is None
                 else f"split={config.split_kv} warps={config.num_warps} bt={config.block_t} lf={config.layer_fast:d}"
             )
