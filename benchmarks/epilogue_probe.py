@@ -1,6 +1,7 @@
 """Where the fused projection's time over a plain GEMM goes (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/epilogue_probe.py [T ...]``. The fused kernel
+Not part of the package. Usage: ``python benchmarks/epilogue_probe.py [--pairs] [T ...]`` (``--pairs``:
+tiles of two heads only, among them 64 tokens by 256 columns with room for two programs an SM). The fused kernel
 (`typedkv._fused_kernel.project_kv_kernel`, weight tiles by TMA) reads 1.08x ``torch.mm`` at T = 64
 and 1.19-1.24x from T = 2048 on, where a plain GEMM of whole heads (``tma_probe.py``) reads 1.02x.
 This kernel is a GEMM of the fused kernel's tiles with its K epilogue added (``LEVEL``: 0 stores
@@ -186,7 +187,7 @@ def expected(kv: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tensor, positi
 
 
 def main() -> None:
-    tokens = [int(a) for a in sys.argv[1:]] or [64, 256, 2048, 16384]
+    tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 256, 2048, 16384]
     device = torch.device("cuda")
     L, H, D, K = 5, 8, 128, 4096
     N = L * 2 * H * D
@@ -221,7 +222,12 @@ def _probe(T: int, weight: torch.Tensor, norm: torch.Tensor, cos_sin: torch.Tens
     }
     levels: dict[str, int] = {}
     compiled: dict[str, object] = {}
-    if T <= 64:
+    if "--pairs" in sys.argv:
+        # Two heads a tile of 64 tokens, 4 warps, <= 100 KB of shared memory: two programs an SM, so
+        # that one's epilogue may overlap the other's loop (beside the one-program 128 x 256 tile).
+        shapes = [(128, 64, 3, 8, 8, 2 * D), (64, 32, 5, 4, 8, 2 * D), (64, 64, 2, 4, 8, 2 * D)]
+        kinds = [(0, True, None, 1), (2, True, None, 1)]
+    elif T <= 64:
         bm = 16 if T <= 16 else 32 if T <= 32 else 64
         shapes = [(bm, 128, 5 if T <= 32 else 4, 4, 1, D)]
         kinds = [(0, True, None, 1), (2, True, None, 1), (2, False, None, 1), (2, False, None, 3)]
