@@ -122,6 +122,29 @@ def test_programmatic_launch_reads_the_prior_kernels_output_cuda() -> None:
 
 
 @pytest.mark.production
+def test_direct_launches_through_the_c_launch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout's calls after its first launch its compiled kernel directly, on Triton 3.6 through the
+    launcher's C launch itself: the reference's K and V on new data at every call."""
+    import triton
+
+    from typedkv import _impl, _launch
+
+    found: list[Any] = []
+    unwrapped = _launch._unwrapped_launch
+    monkeypatch.setattr(_launch, "_unwrapped_launch", lambda c, s: found.append(unwrapped(c, s)) or found[-1])
+    _impl.DENSE.signature._plans.clear()
+    for seed in range(4):
+        case = cuda(make_case(40, 3, 2, 128, 64, torch.bfloat16, seed=seed))
+        k, v = case.run()
+        assert_matches_reference(case, k, v)
+    assert found, "no direct launch"
+    if triton.__version__.startswith("3.6."):
+        assert all(entry is not None and entry[1] == [] for entry in found)
+    else:
+        assert not any(found)
+
+
+@pytest.mark.production
 def test_unaligned_kv_after_aligned_cuda() -> None:
     """One layout, kv 16-byte aligned and then two bytes off (the same shape and strides).
 

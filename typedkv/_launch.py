@@ -267,6 +267,7 @@ class KernelLaunch:
     (ints, constexprs) is fixed by the layout. On CUDA the compiled kernel is called
     directly once Triton has built it: every value Triton specialises on is
     fixed by the layout, except pointer alignment, which is checked on each call.
+    Under Triton 3.6 the call goes to its launcher's C launch itself (`_unwrapped_launch`).
     """
 
     def __init__(self, kernel: Any, grid: tuple[int, int, int], params: tuple[Any, ...], num_warps: int) -> None:
@@ -296,6 +297,9 @@ class KernelLaunch:
         wait_at = _wait_prior_index(kernel)
         self.programmatic = wait_at is not None and params[wait_at] is True
         self._compiled: list[Any] = [None, None]  # [plain launch, programmatic launch]
+        # Per compiled variant: Triton's C launch beneath its launcher's per-launch Python
+        # (`_unwrapped_launch`), or False where this Triton's launcher is another.
+        self._unwrapped: list[Any] = [None, None]
 
     @property
     def compiled(self) -> Any:
@@ -349,10 +353,29 @@ class KernelLaunch:
 
     def _direct(self, compiled: Any, programmatic: bool, stream: int, params: tuple[Any, ...]) -> None:
         """Run ``compiled`` (the ``programmatic`` variant) on ``stream`` with the kernel's arguments ``params``."""
+        unwrapped = self._unwrapped[programmatic]
+        if unwrapped is None:
+            unwrapped = self._unwrapped[programmatic] = _unwrapped_launch(compiled, ()) or False
         grid = self.grid
-        compiled.run(
-            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *params
-        )
+        if unwrapped is False:
+            compiled.run(
+                grid[0],
+                grid[1],
+                grid[2],
+                stream,
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *params,
+            )
+            return
+        launch, _, flags = unwrapped
+        launch(
+            grid[0], grid[1], grid[2], stream, compiled.function, *flags, None, None, compiled.packed_metadata, None,
+            None, None, *params,
+        )  # fmt: skip
 
     def _aligned(self, values: tuple[Any, ...]) -> bool:
         """Whether this call's tensors start on 16 bytes, as Triton specialises (those inside tuples too)."""
@@ -899,9 +922,6 @@ class ProjectionLaunch(KernelLaunch):
         self.weight_blocks = weight_blocks
         self._descriptor_slots = tuple(i for i, p in enumerate(params) if _is_descriptor(p))
         self._descriptor_blocks = tuple(params[i].block_shape for i in self._descriptor_slots)
-        # Per compiled variant (plain, programmatic): Triton's launch beneath its descriptor
-        # handling (`_unwrapped_launch`), or False where this Triton's launcher is another.
-        self._unwrapped: list[Any] = [None, None]
         self._encoded: dict[int, tuple[list[Any], ...]] = {}
 
     def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -962,35 +982,42 @@ def _nvidia_driver() -> Any:
 
 
 def _unwrapped_launch(compiled: Any, slots: tuple[int, ...]) -> tuple[Any, list[Any], tuple[bool, bool]] | None:
-    """``(launch, descriptor metadata, (cooperative, programmatic))`` beneath ``compiled``'s descriptor handling.
+    """``(launch, descriptor metadata, (cooperative, programmatic))``: Triton 3.6's C launch of ``compiled``.
 
-    Triton 3.6's launcher encodes every TMA descriptor argument at every launch, in Python,
-    before its C launch: a few microseconds a call at decode sizes, where a call is host-bound.
-    Its C launch takes the 13 leading arguments Triton's own call passes, then the
-    kernel's arguments with each descriptor as its encoding, shape and strides. None
-    where the launcher is not that one (another Triton version, a kernel with scratch
-    memory): those launches pass descriptors and let Triton encode them.
+    At decode sizes a call is host-bound, and Triton 3.6's launcher spends Python on every
+    launch before its C launch: a function that asks for scratch memory (none here), and,
+    for a kernel that takes TMA descriptors (``slots``: their argument positions), another
+    that encodes each descriptor anew. The C launch takes the 13 leading arguments
+    Triton's own call passes, then the kernel's arguments, each descriptor as its encoding,
+    shape and strides (`make_tensordesc_arg`'s). None where the launcher is not that one
+    (another Triton version, a kernel with scratch memory): those launches go through
+    Triton's launcher.
     """
     try:
         run = compiled.run
+        driver = _nvidia_driver()
+        if (
+            getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13
+            or len(inspect.signature(driver.make_tensordesc_arg).parameters) != 2
+            or run.global_scratch_size
+            or run.profile_scratch_size
+        ):
+            return None
+        flags = (run.launch_cooperative_grid, run.launch_pdl)
         wrapped = run.launch
+        if not slots:
+            # Without descriptors the launcher's launch is the C function itself.
+            return None if hasattr(wrapped, "__code__") else (wrapped, [], flags)
         cells = dict(
             zip(wrapped.__code__.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ()), strict=True)
         )
-        driver = _nvidia_driver()
         usable = (
-            getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) == 13
-            and len(inspect.signature(driver.make_tensordesc_arg).parameters) == 2
-            and set(cells) >= {"launcher", "tensordesc_indices", "tensordesc_meta"}
+            set(cells) >= {"launcher", "tensordesc_indices", "tensordesc_meta"}
             and cells["tensordesc_indices"] == set(slots)
             and len(cells["tensordesc_meta"]) == len(slots)
             and all(isinstance(meta, dict) for meta in cells["tensordesc_meta"])
-            and not run.global_scratch_size
-            and not run.profile_scratch_size
         )
-        if not usable:
-            return None
-        return cells["launcher"], list(cells["tensordesc_meta"]), (run.launch_cooperative_grid, run.launch_pdl)
+        return (cells["launcher"], list(cells["tensordesc_meta"]), flags) if usable else None
     except (AttributeError, ImportError, KeyError, TypeError, ValueError):
         return None
 
