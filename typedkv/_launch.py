@@ -359,17 +359,9 @@ class KernelLaunch:
         grid = self.grid
         if unwrapped is False:
             compiled.run(
-                grid[0],
-                grid[1],
-                grid[2],
-                stream,
-                compiled.function,
-                compiled.packed_metadata,
-                None,
-                None,
-                None,
+                grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                 *params,
-            )
+            )  # fmt: skip
             return
         launch, _, flags = unwrapped
         launch(
@@ -1064,7 +1056,7 @@ def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int
     encoded per address (`ProjectionLaunch`; the calls' values hold the weight in their
     places, `projection_varying`). A head of full rotary
     (no pass-through rows) loads K as a whole head too: its halves' and pass-through
-    descriptors are None (each one passed costs an encoding at every launch).
+    descriptors are None (each one passed is one more to encode).
     """
     if blocks is None:
         return None, None, None
