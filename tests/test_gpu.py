@@ -131,7 +131,12 @@ def test_direct_launches_through_the_c_launch_cuda(monkeypatch: pytest.MonkeyPat
 
     found: list[Any] = []
     unwrapped = _launch._unwrapped_launch
-    monkeypatch.setattr(_launch, "_unwrapped_launch", lambda c, s: found.append(unwrapped(c, s)) or found[-1])
+
+    def recorded(compiled: Any, slots: tuple[int, ...]) -> Any:
+        found.append(unwrapped(compiled, slots))
+        return found[-1]
+
+    monkeypatch.setattr(_launch, "_unwrapped_launch", recorded)
     _impl.DENSE.signature._plans.clear()
     for seed in range(4):
         case = cuda(make_case(40, 3, 2, 128, 64, torch.bfloat16, seed=seed))

@@ -168,7 +168,12 @@ def test_weight_descriptors_encoded_per_address_cuda(
     _fused_impl._LAUNCHES.clear()
     encoded: list[Any] = []
     encode = _launch._encode_descriptor
-    monkeypatch.setattr(_launch, "_encode_descriptor", lambda d, meta: encoded.append(d) or encode(d, meta))
+
+    def counted(descriptor: Any, meta: Any) -> list[Any]:
+        encoded.append(descriptor)
+        return encode(descriptor, meta)
+
+    monkeypatch.setattr(_launch, "_encode_descriptor", counted)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=rotary_dim, hidden=256, bias=True)
     k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
     v_pool = torch.zeros_like(k_pool)
