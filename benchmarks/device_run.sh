@@ -43,6 +43,7 @@
 #                  details and per-instruction source pages as CSV, and benchmarks/ncu_regions.py on each
 #                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
+#   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -173,6 +174,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
         gap)
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
+        chunk)
+            timeout "${CHUNK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/chunk_probe.py ${CHUNK_T:-} 2>&1 | tee "$OUT/chunk.txt" ;;
         host_ratios)
             for round in $(seq "${HOST_ROUNDS:-3}"); do
                 for tree in ${HOST_TREES:-.old/base .}; do
