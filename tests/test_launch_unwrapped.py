@@ -127,3 +127,31 @@ def test_fused_launch_passes_each_descriptor_encoded(
     direct(moved)  # another address: encoded for it
     assert len(triton36) == 2 * pieces
     assert seen[-1][13 + slots_at[0]][1] == moved.data_ptr()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="TMA launches are built for CPU tensors under the interpreter only")
+def test_fused_launch_through_another_launcher_passes_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the launcher is not Triton 3.6's, a direct launch calls it as Triton does: the weight's descriptors
+    made, nothing encoded."""
+    monkeypatch.setattr(_launch, "_nvidia_driver", lambda: types.SimpleNamespace())  # no 3.6 layout
+    draft = Draft(torch.float16, head_dim=64, rotary_dim=32, hidden=80)
+    x, positions = draft.call(37)
+    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, _launch.ProjectionConfig(tma=True), False)
+    seen: list[tuple[Any, ...]] = []
+    compiled = types.SimpleNamespace(run=lambda *args: seen.append(args), function=1234, packed_metadata="meta")
+    values = _launch.projection_varying(
+        x, draft.m.kv_weight, None, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots, k_dst, v_dst,
+        None, weight_blocks=launch.weight_blocks,
+    )  # fmt: skip
+    launch._direct(compiled, False, 77, launch._gather(values + launch._fixed))
+    (args,) = seen
+    assert args[:9] == (*launch.grid, 77, 1234, "meta", None, None, None)
+    made = args[9:]
+    want = launch.arguments(values)
+    assert len(made) == len(want)
+    for i, (got, expected) in enumerate(zip(made, want, strict=True)):
+        if i in launch._descriptor_slots:
+            assert isinstance(got, _launch.TensorDescriptor) and got.base is draft.m.kv_weight
+            assert list(got.block_shape) == list(expected.block_shape)
+        else:
+            assert got is expected

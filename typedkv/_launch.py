@@ -20,6 +20,7 @@ import math
 import operator
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -351,23 +352,34 @@ class KernelLaunch:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         self._direct(compiled, programmatic, stream, self._gather(values + self._fixed))
 
+    # The kernel's TMA descriptor arguments (positions in its argument list; `ProjectionLaunch`).
+    _descriptor_slots: tuple[int, ...] = ()
+
     def _direct(self, compiled: Any, programmatic: bool, stream: int, params: tuple[Any, ...]) -> None:
         """Run ``compiled`` (the ``programmatic`` variant) on ``stream`` with the kernel's arguments ``params``."""
         unwrapped = self._unwrapped[programmatic]
         if unwrapped is None:
-            unwrapped = self._unwrapped[programmatic] = _unwrapped_launch(compiled, ()) or False
+            unwrapped = self._unwrapped[programmatic] = _unwrapped_launch(compiled, self._descriptor_slots) or False
         grid = self.grid
         if unwrapped is False:
             compiled.run(
                 grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                *params,
+                *self._described(params),
             )  # fmt: skip
             return
-        launch, _, flags = unwrapped
+        launch, metas, flags = unwrapped
         launch(
             grid[0], grid[1], grid[2], stream, compiled.function, *flags, None, None, compiled.packed_metadata, None,
-            None, None, *params,
+            None, None, *self._encoded(params, metas),
         )  # fmt: skip
+
+    def _described(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``params`` as Triton's launcher takes them (`ProjectionLaunch`: the weight's descriptors made)."""
+        return params
+
+    def _encoded(self, params: tuple[Any, ...], metas: list[Any]) -> Sequence[Any]:
+        """``params`` as the C launch takes them (`ProjectionLaunch`: each descriptor as its encoding)."""
+        return params
 
     def _aligned(self, values: tuple[Any, ...]) -> bool:
         """Whether this call's tensors start on 16 bytes, as Triton specialises (those inside tuples too)."""
@@ -899,7 +911,7 @@ class ProjectionLaunch(KernelLaunch):
 
     A call's values hold the weight itself where the kernel takes a TMA descriptor of it
     (`projection_varying`). `arguments` makes the descriptors; a direct launch passes each
-    one encoded, as Triton's launcher would encode it, once per weight address (`_encoded`).
+    one encoded, as Triton's launcher would encode it, once per weight address (`_encodings`).
     """
 
     def __init__(
@@ -914,53 +926,39 @@ class ProjectionLaunch(KernelLaunch):
         self.weight_blocks = weight_blocks
         self._descriptor_slots = tuple(i for i, p in enumerate(params) if _is_descriptor(p))
         self._descriptor_blocks = tuple(params[i].block_shape for i in self._descriptor_slots)
-        self._encoded: dict[int, tuple[list[Any], ...]] = {}
+        self._encodings: dict[int, tuple[list[Any], ...]] = {}
 
     def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
         """The kernel's arguments, in order: `KernelLaunch.arguments`, the weight's descriptors made."""
-        params = super().arguments(values)
+        return self._described(super().arguments(values))
+
+    def _described(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
         if not self._descriptor_slots:
             return params
-        return self._with_descriptors(params)
-
-    def _with_descriptors(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
         made = list(params)
         for i, block in zip(self._descriptor_slots, self._descriptor_blocks, strict=True):
             weight = made[i]
             made[i] = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), list(block))
         return tuple(made)
 
-    def _direct(self, compiled: Any, programmatic: bool, stream: int, params: tuple[Any, ...]) -> None:
+    def _encoded(self, params: tuple[Any, ...], metas: list[Any]) -> Sequence[Any]:
         if not self._descriptor_slots:
-            super()._direct(compiled, programmatic, stream, params)
-            return
-        unwrapped = self._unwrapped[programmatic]
-        if unwrapped is None:
-            unwrapped = self._unwrapped[programmatic] = _unwrapped_launch(compiled, self._descriptor_slots) or False
-        if unwrapped is False:
-            super()._direct(compiled, programmatic, stream, self._with_descriptors(params))
-            return
-        launch, metas, flags = unwrapped
-        weight = params[self._descriptor_slots[0]]
-        address = weight.data_ptr()
-        encoded = self._encoded.get(address)
+            return params
+        address = params[self._descriptor_slots[0]].data_ptr()
+        encoded = self._encodings.get(address)
         if encoded is None:
-            if len(self._encoded) >= 8:  # a launch serves one weight; a few, if its buffer moves
-                self._encoded.clear()
+            if len(self._encodings) >= 8:  # a launch serves one weight; a few, if its buffer moves
+                self._encodings.clear()
             # A descriptor is a function of the address, shape, strides, dtype and block alone (the
             # launch fixes all but the address), so an entry is right whatever tensor later has the address.
-            made = self._with_descriptors(params)
-            encoded = self._encoded[address] = tuple(
+            made = self._described(params)
+            encoded = self._encodings[address] = tuple(
                 _encode_descriptor(made[i], meta) for i, meta in zip(self._descriptor_slots, metas, strict=True)
             )
         args = list(params)
         for i, value in zip(reversed(self._descriptor_slots), reversed(encoded), strict=True):
             args[i : i + 1] = value
-        grid = self.grid
-        launch(
-            grid[0], grid[1], grid[2], stream, compiled.function, *flags, None, None, compiled.packed_metadata, None,
-            None, None, *args,
-        )  # fmt: skip
+        return args
 
 
 def _encode_descriptor(descriptor: Any, meta: Any) -> list[Any]:
