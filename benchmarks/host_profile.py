@@ -8,10 +8,10 @@ alternately as the bench does, then cProfile's top functions by their own time o
 the primitives a call pays for on this host: a CUDA ``torch.empty``, a direct launch of the
 compiled one-line kernel, ``torch.cuda.is_current_stream_capturing``, the current device
 (through ``torch.cuda`` and directly), a tensor's dtype, shape, strides and device; and what a
-TMA descriptor costs the fused kernel's calls: making one for the bench's weight (as
-`typedkv._launch.weight_descriptors` does at every call), and a direct launch of a one-tile
-kernel that takes one (Triton's launcher encodes it at every launch) beside the pointer kernel's.
-(The TMA lines were added on 2026-12-01 and not run yet.)
+TMA descriptor costs where it is made and encoded per launch: making one for the bench's weight,
+and a direct launch, through Triton's launcher, of a one-tile kernel that takes one (the launcher
+encodes it at every launch; the fused kernel's launches now encode theirs once per weight
+address, `typedkv._launch.ProjectionLaunch`). (The TMA lines were added on 2026-12-01 and not run.)
 """
 
 from __future__ import annotations

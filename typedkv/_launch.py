@@ -793,7 +793,7 @@ PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H
 # The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
 # bytes; `PROJECTION_BLOCKS_TMA`). H200, each / torch.mm, fused against GEMM + kernel
 # (2026-12-01, fused_sweep.py, `PROJECTION_BLOCKS_TMA`'s rows): 1.01-1.02x against
-# 1.11-1.12x at T = 16 (by pointer), 1.02x against 1.10x at 32, 1.01-1.02x against
+# 1.11-1.12x at T = 16 (by pointer; by TMA since 2026-12-02, 0.98-1.00x), 1.02x against 1.10x at 32, 1.01-1.02x against
 # 1.10-1.11x at 48, 1.04-1.08x against 1.11-1.15x at 64, 1.11x against 1.10x at 80,
 # 1.11x against 1.13x at 96, 1.09-1.10x against 1.12-1.13x at 128. Before K's pipeline was made
 # deeper than V's, at T = 64: fused_sweep.py 1.082-1.096x against 1.108-1.119x; typedkv
