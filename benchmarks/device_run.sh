@@ -44,6 +44,8 @@
 #                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
+#   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
+#   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -176,6 +178,10 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
         chunk)
             timeout "${CHUNK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/chunk_probe.py ${CHUNK_T:-} 2>&1 | tee "$OUT/chunk.txt" ;;
+        after_gemm)
+            timeout "${AFTER_GEMM_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/after_gemm_sweep.py ${AFTER_GEMM_T:-} 2>&1 | tee "$OUT/after_gemm.txt" ;;
+        streamk)
+            timeout "${STREAMK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/streamk_probe.py ${STREAMK_T:-} 2>&1 | tee "$OUT/streamk.txt" ;;
         host_ratios)
             for round in $(seq "${HOST_ROUNDS:-3}"); do
                 for tree in ${HOST_TREES:-.old/base .}; do
