@@ -1,0 +1,434 @@
+"""A warp-specialised Hopper GEMM in Gluon against ``torch.mm`` (a developer script for the H200).
+
+Not part of the package. Usage: ``python benchmarks/gluon_probe.py [T ...]`` on the GPU (Triton 3.6);
+``python benchmarks/gluon_probe.py --compile`` compiles every configuration for sm_90 on the CPU and
+prints its registers, shared memory and whether it was warp-specialised (no GPU needed).
+
+``c[T, N] = a[T, K] @ w[N, K]^T`` in bf16 with float32 accumulation (N = 10240, K = 4096, the
+draft's fused projection), written by hand in Gluon (``triton.experimental.gluon``, the 3.6 API):
+
+* a worker partition of one warp (24 registers, ``setmaxnreg``) issues the TMA loads of the A and
+  W tiles into a ring of ``STAGES`` shared-memory slots: it waits on the slot's "empty" barrier,
+  sets the "ready" barrier's expected bytes and starts both copies on it;
+* the default partition (4 warps, one warpgroup, or 8) waits on "ready", issues the async
+  ``warpgroup_mma`` (W's tile transposed by a shared-memory permute), waits until at most one MMA
+  is in flight and then releases the previous slot by arriving on its "empty" barrier; at the end
+  of a tile it converts the accumulator to bf16 and stores it (masked ``gl.store`` or a TMA store).
+
+Tiles are taken in grouped order (``GROUP_M`` row blocks at a time over every column block).
+Non-persistent variants run one program a tile; persistent ones (``_p``) one program an SM, the
+producer loading the next tile's stages while the consumer stores the last.
+
+The ``_epi`` variants (of the two best configurations, ``ws_128x256_w8_s3_tma_p`` and
+``ws_128x128_w4_s5_tma_p``) add the fused KV kernel's K-head epilogue (``EPILOGUE``) before the TMA
+store, on each tile's one or two 128-column heads: the accumulator rounded to bf16, RMSNorm over the
+head (``rsqrt(mean(x^2) + 1e-6)``, times a bf16 ``norm[128]``, rounded to bf16), then NeoX RoPE at
+the row's ``positions`` entry of a float32 ``cos_sin[4096, 128]`` table (cos in the first 64
+columns, sin in the last). It is done in the accumulator's own layout (per-head sums by column
+masks; the rotate-half partner by a ``[BM, BN / 128, 2, 64]`` reshape, split and join, the pair in
+one thread's registers). Their check is against the same steps in torch on ``torch.mm``'s result.
+
+Variants, each / ``torch.mm`` (CUDA-graph replays, rotating inputs, alternated, 3 rounds, medians,
+as the other GEMM probes through probe_timing.py); each checked once first on random data (its
+largest ``|c - a @ w^T|`` beside ``torch.mm``'s result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is meant)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
+    gluon = gl = None
+
+N_OUT, K_IN, BK = 10240, 4096, 64
+
+
+def _jit(fn: Callable[..., object]) -> Callable[..., object]:
+    """``gluon.jit`` where Gluon is there (the module imports without it)."""
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@_jit
+def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s ``(row, column)`` offsets, grouped: ``GROUP_M`` row blocks over every column block."""
+    in_group = GROUP_M * tiles_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_m
+    pid_n = (tile % in_group) // group_m
+    return pid_m * BM, pid_n * BN
+
+
+@_jit
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr):  # fmt: skip
+    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``."""
+    nbytes: gl.constexpr = (BM + BN) * BK * 2
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        for k in range(k_steps):
+            s = it % STAGES
+            # The slot's previous use released (the first pass waits on parity 1: passes at once).
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+            it += 1
+
+
+@_jit
+def _k_head_epilogue(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr,
+                     BM: gl.constexpr, BN: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
+    """As the fused KV kernel's K heads: each 128-column head of the (bf16-rounded) tile RMS-normed, rounded, NeoX-roped.
+
+    All in the accumulator's layout: per-head sums by column masks, the rotate-half partner by a
+    ``[BM, BN / 128, 2, 64]`` reshape whose pair dimension is in each thread's registers (split, join).
+    """
+    D: gl.constexpr = 128
+    HALF: gl.constexpr = D // 2
+    HEADS: gl.constexpr = BN // D
+    x = acc.to(gl.bfloat16).to(gl.float32)
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    sq = x * x
+    if HEADS == 1:
+        rstd = gl.expand_dims(gl.rsqrt(gl.sum(sq, axis=1) / D + 1e-6), 1)
+    else:
+        rstd = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for h in gl.static_range(HEADS):
+            in_head = gl.expand_dims((cols // D) == h, 0)
+            head_rstd = gl.rsqrt(gl.sum(gl.where(in_head, sq, 0.0), axis=1) / D + 1e-6)
+            rstd = gl.where(in_head, gl.expand_dims(head_rstd, 1), rstd)
+    norm = gl.load(norm_ptr + cols % D).to(gl.float32)
+    y = (x * rstd * gl.expand_dims(norm, 0)).to(gl.bfloat16).to(gl.float32)
+    # rotate_half(y): [-y2, y1] per head, the pair (j, j + 64) one thread's two registers.
+    y1, y2 = gl.split(gl.permute(gl.reshape(y, [BM, HEADS, 2, HALF]), (0, 1, 3, 2)))
+    rot = gl.reshape(gl.permute(gl.join(-y2, y1), (0, 1, 3, 2)), [BM, BN])
+    rot = gl.convert_layout(rot, acc_layout)
+    pos = gl.load(positions_ptr + rows, mask=rows < T, other=0)
+    table = cos_sin_ptr + gl.expand_dims(pos * D, 1) + gl.expand_dims(cols % HALF, 0)
+    cos = gl.load(table)
+    sin = gl.load(table + HALF)
+    return y * cos + rot * sin
+
+
+@_jit
+def _consumer(a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
+              T, N, tiles_m, tiles_n, num_tiles, k_steps,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, TMA_STORE: gl.constexpr,
+              EPILOGUE: gl.constexpr):  # fmt: skip
+    """The MMA warpgroup(s): each tile's k-steps by wgmma as the slots fill, then its store."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
+    )
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # At most this MMA in flight: the previous one has read its slot, which goes back.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        if EPILOGUE:
+            out = _k_head_epilogue(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr, BM, BN, acc_layout)
+            out = out.to(gl.bfloat16)
+        else:
+            out = acc.to(gl.bfloat16)
+        if TMA_STORE:
+            tma.store_wait(0)  # the last tile's store has read c_smem
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)  # rows >= T clipped
+        else:
+            rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+            rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            gl.store(c_ptr + rm[:, None] * N + rn[None, :], out, mask=(rm < T)[:, None])
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@_jit
+def gemm_ws(a_desc, w_desc, c_desc, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr, T, N, tiles_m, tiles_n, num_tiles,
+            k_steps, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+            GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, TMA_STORE: gl.constexpr,
+            EPILOGUE: gl.constexpr = False):  # fmt: skip
+    """``c = a @ w^T``: the tiles ``program_id, program_id + num_programs, ...`` (one each when not persistent).
+
+    With ``EPILOGUE`` each tile's 128-column heads are RMS-normed by ``norm_ptr`` and NeoX-roped at
+    ``positions_ptr``'s rows of ``cos_sin_ptr`` (``[max_pos, 128]`` float32) before the store.
+    """
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_desc.layout)
+    else:
+        c_smem = a_bufs  # unused
+    gl.warp_specialize(
+        [
+            (_consumer, (a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
+                         T, N, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
+                         TMA_STORE, EPILOGUE)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                         BM, BN, BK, STAGES, GROUP_M)),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One variant: tile ``bm x bn``, ``warps`` in the default partition, ``stages`` ring slots."""
+
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+    tma_store: bool
+    persistent: bool
+    group_m: int = 8
+    epilogue: bool = False
+
+    @property
+    def name(self) -> str:
+        store = "tma" if self.tma_store else "st"
+        return f"ws_{self.bm}x{self.bn}_w{self.warps}_s{self.stages}_{store}{'_p' if self.persistent else ''}{'_epi' if self.epilogue else ''}"
+
+    @property
+    def warps_mn(self) -> tuple[int, int]:
+        """The accumulator's warps over rows and columns (a warpgroup's 4 warps along M, 16 rows each)."""
+        warps_m = min(self.warps, self.bm // 16)
+        return warps_m, self.warps // warps_m
+
+    def smem_kb(self) -> float:
+        return (self.stages * (self.bm + self.bn) * BK * 2 + self.tma_store * self.bm * self.bn * 2) / 1024
+
+
+def _layout(block: list[int]) -> object:
+    """The NVMMA shared layout of a bf16 tile ``block`` (rows of >= 64 elements: 128-byte swizzle)."""
+    assert block[-1] >= 64
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _grid_args(cfg: Config, num_tokens: int, sms: int) -> tuple[int, tuple[int, int, int, int]]:
+    tiles_m, tiles_n = triton.cdiv(num_tokens, cfg.bm), N_OUT // cfg.bn
+    num_tiles = tiles_m * tiles_n
+    programs = min(num_tiles, sms) if cfg.persistent else num_tiles
+    return programs, (tiles_m, tiles_n, num_tiles, K_IN // BK)
+
+
+def _constexprs(cfg: Config) -> dict[str, int]:
+    warps_m, warps_n = cfg.warps_mn
+    return dict(BM=cfg.bm, BN=cfg.bn, BK=BK, STAGES=cfg.stages, GROUP_M=cfg.group_m, WARPS_M=warps_m,
+                WARPS_N=warps_n, TMA_STORE=int(cfg.tma_store), EPILOGUE=int(cfg.epilogue))  # fmt: skip
+
+
+class Gemm:
+    """One configuration's launch over fixed ``weight`` ``[N, K]``: ``__call__(a_desc, c_desc, c)`` writes ``a @ weight^T``.
+
+    ``rope`` is ``(norm, positions, cos_sin)``, the epilogue's inputs (passed always, read by ``_epi`` variants only).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, num_tokens: int, cfg: Config, sms: int, rope: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.cfg, self.num_tokens, self.rope = cfg, num_tokens, rope
+        self.programs, self.sizes = _grid_args(cfg, num_tokens, sms)
+        self.w_desc = TensorDescriptor.from_tensor(weight, [cfg.bn, BK], _layout([cfg.bn, BK]))
+
+    def descs(self, a: torch.Tensor, c: torch.Tensor) -> tuple[object, object]:
+        cfg = self.cfg
+        return (
+            TensorDescriptor.from_tensor(a, [cfg.bm, BK], _layout([cfg.bm, BK])),
+            TensorDescriptor.from_tensor(c, [cfg.bm, cfg.bn], _layout([cfg.bm, cfg.bn])),
+        )
+
+    def __call__(self, a_desc: object, c_desc: object, c: torch.Tensor) -> None:
+        gemm_ws[(self.programs,)](
+            a_desc, self.w_desc, c_desc, c, *self.rope, self.num_tokens, N_OUT, *self.sizes, **_constexprs(self.cfg),
+            num_warps=self.cfg.warps,
+        )  # fmt: skip
+
+
+def configs(num_tokens: int) -> list[Config]:
+    """The variants at ``num_tokens``: the ring (at most 8 slots) and any TMA-store tile within 220 KB, one program an SM."""
+    shapes = [(64, 128, 4), (64, 256, 4)] if num_tokens <= 64 else [(128, 128, 4), (128, 256, 8), (64, 256, 4)]
+    out = []
+    for bm, bn, warps in shapes:
+        for tma_store in (False, True):
+            stage_kb = (bm + bn) * BK * 2 / 1024
+            stages = min(8, int((220 - tma_store * bm * bn * 2 / 1024) // stage_kb))
+            for persistent in (False, True) if num_tokens > 64 else (False,):
+                out.append(Config(bm, bn, warps, stages, tma_store, persistent))
+    best = {"ws_128x256_w8_s3_tma_p", "ws_128x128_w4_s5_tma_p"}  # with the K-head epilogue too
+    return out + [dataclasses.replace(cfg, epilogue=True) for cfg in out if cfg.name in best]
+
+
+MAX_POS, HEAD_DIM = 4096, 128
+
+
+def rope_inputs(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The epilogue's ``(norm [128] bf16, positions [T] int32, cos_sin [MAX_POS, 128] float32)``: a genuine rotary table."""
+    norm = (torch.rand(HEAD_DIM, device=device) + 0.5).to(torch.bfloat16)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), device=device, dtype=torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(MAX_POS, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return norm, positions, torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
+
+
+def epilogue_ref(ref: torch.Tensor, norm: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """The ``_epi`` variants' result from ``ref`` (the bf16 product): per head RMSNorm, rounded, NeoX RoPE, bf16."""
+    x = ref.float().view(ref.shape[0], -1, HEAD_DIM)
+    rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    y = (x * rstd * norm.float()).bfloat16().float()
+    cs = cos_sin[positions.long()][:, None, :]
+    half = HEAD_DIM // 2
+    cos, sin = cs[..., :half], cs[..., half:]
+    y1, y2 = y[..., :half], y[..., half:]
+    out = torch.cat([y1 * cos - y2 * sin, y2 * cos + y1 * sin], dim=-1)
+    return out.view(ref.shape).bfloat16()
+
+
+def compile_all(dump: str = "/tmp/gluon") -> int:
+    """Compile every configuration for sm_90 (CPU, no GPU): registers, shared memory, warp specialisation.
+
+    Each one's TTGIR, PTX and cubin are written under ``dump``; registers as ``cuobjdump -res-usage`` reads them.
+    """
+    import os
+    import re
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(gemm_ws.arg_names)
+    bad = 0
+    for cfg in {c.name: c for t in (64, 2048) for c in configs(t)}.values():
+        const = _constexprs(cfg)
+        signature: dict[str, str] = {}
+        for name in names:
+            if name in const:
+                signature[name] = "constexpr"
+            elif name.endswith("_desc"):
+                block = {"a_desc": [cfg.bm, BK], "w_desc": [cfg.bn, BK], "c_desc": [cfg.bm, cfg.bn]}[name]
+                signature[name] = f"tensordesc<bf16{block},{_layout(block)!r}>"
+            elif name in ("c_ptr", "norm_ptr"):
+                signature[name] = "*bf16"
+            elif name == "positions_ptr":
+                signature[name] = "*i32"
+            elif name == "cos_sin_ptr":
+                signature[name] = "*fp32"
+            else:
+                signature[name] = "i32"
+        constexprs = {(names.index(k),): v for k, v in const.items()}
+        attrs = {
+            (names.index(k),): [["tt.divisibility", 16]]
+            for k in ("c_ptr", "N", "norm_ptr", "positions_ptr", "cos_sin_ptr")
+        }
+        src = GluonASTSource(fn=gemm_ws, signature=signature, constexprs=constexprs, attrs=attrs)
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+        except Exception as e:  # a configuration that does not compile
+            bad += 1
+            print(f"{cfg.name:<28} FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        md = kernel.metadata
+        ttgir, ptx = str(kernel.asm["ttgir"]), str(kernel.asm["ptx"])
+        os.makedirs(dump, exist_ok=True)
+        for ext, text in (("ttgir", ttgir), ("ptx", ptx)):
+            with open(os.path.join(dump, f"{cfg.name}.{ext}"), "w") as f:
+                f.write(text)
+        with open(os.path.join(dump, f"{cfg.name}.cubin"), "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        reg = re.search(r"REG:(\d+)", usage)
+        regs = sorted(set(re.findall(r"setmaxnreg\.((?:inc|dec)\.sync\.aligned\.u32\s+\d+)", ptx)))
+        regs = [" ".join((r.split(".")[0], r.split()[-1])) for r in regs]
+        ws = "ttg.warp_specialize" in ttgir
+        maxnreg = re.findall(r"\.maxnreg\s+(\d+)", ptx) or "-"
+        print(f"{cfg.name:<28} ok  regs {reg.group(1) if reg else '?'}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
+              f"num_warps {md.num_warps}  warp_specialize {ws}  setmaxnreg {regs or 'none'}  "
+              f"wgmma {ptx.count('wgmma.mma_async')}  "
+              f"maxnreg {maxnreg}", flush=True)  # fmt: skip
+    return 1 if bad else 0
+
+
+def main() -> int:
+    if "--compile" in sys.argv:
+        return compile_all()
+    from probe_timing import gemm_inputs, measure
+
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    weight = torch.randn(N_OUT, K_IN, device=device, dtype=torch.bfloat16) / 64
+    for num_tokens in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 2048, 16384]:
+        hiddens, outs, ref, mm_calls = gemm_inputs(weight, num_tokens, 4)
+        rope = rope_inputs(num_tokens, device)
+        epi_ref = epilogue_ref(ref, *rope)
+        variants: dict[str, Sequence[Callable[[], object]]] = {"mm": mm_calls}
+        for cfg in configs(num_tokens):
+            gemm = Gemm(weight, num_tokens, cfg, sms, rope)
+            descs = [gemm.descs(h, o) for h, o in zip(hiddens, outs, strict=True)]
+            variants[cfg.name] = [lambda g=gemm, d=d, o=o: g(d[0], d[1], o) for d, o in zip(descs, outs, strict=True)]
+
+        def verdict(
+            name: str,
+            calls: Sequence[Callable[[], object]],
+            out: torch.Tensor = outs[0],
+            ref: torch.Tensor = ref,
+            epi_ref: torch.Tensor = epi_ref,
+        ) -> str:
+            out.fill_(float("nan"))
+            calls[0]()
+            torch.cuda.synchronize()
+            expected = epi_ref if name.endswith("_epi") else ref
+            error = (out.float() - expected.float()).abs().max().item()
+            return f"{error:.3g}{'' if error <= 0.05 else ' WRONG'}"
+
+        med, errors = measure(f"T={num_tokens}", variants, verdict)
+        mm = med["mm"]
+        print(f"T={num_tokens} mm {mm:.2f} us", flush=True)
+        for name, us in sorted(med.items(), key=lambda item: item[1]):
+            print(f"   {name:<30} {us / mm:.3f}  (err {errors[name]})", flush=True)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
