@@ -1,6 +1,6 @@
 """A warp-specialised Hopper GEMM in Gluon against ``torch.mm`` (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/gluon_probe.py [T ...]`` on the GPU (Triton 3.6);
+Not part of the package. Usage: ``python benchmarks/gluon_probe.py [T ...] [--all]`` on the GPU (Triton 3.6);
 ``python benchmarks/gluon_probe.py --compile`` compiles every configuration for sm_90 on the CPU and
 prints its registers, shared memory and whether it was warp-specialised (no GPU needed).
 
@@ -27,6 +27,25 @@ the row's ``positions`` entry of a float32 ``cos_sin[4096, 128]`` table (cos in 
 columns, sin in the last). It is done in the accumulator's own layout (per-head sums by column
 masks; the rotate-half partner by a ``[BM, BN / 128, 2, 64]`` reshape, split and join, the pair in
 one thread's registers). Their check is against the same steps in torch on ``torch.mm``'s result.
+
+The ``_epi2`` variants (of the same two) make it cheaper (``EPILOGUE`` 2, ``_k_head_epilogue2``):
+
+* only K tiles take it: the fused weight's rows are per layer ``[K heads: 1024 rows, V heads: 1024]``,
+  so a tile is all-K or all-V; a runtime branch per tile on ``off_n % 2048 < 1024`` (``LAYER_COLS``,
+  ``K_COLS``), V tiles stored as the plain path (their check: ``epilogue_ref(..., k_only=True)``,
+  V columns ``torch.mm``'s);
+* cos and sin are loaded once per row and column pair, ``[BM, 64]`` float32 (not ``[BM, BN]`` each,
+  4x redundant), and the norm once, ``[64]`` twice: the tile viewed as ``[BM, HEADS, 64, 2]`` and
+  split into its halves ``x1, x2`` (``[BM, HEADS, 64]``), the tables loaded in the halves' sliced
+  layouts and broadcast by ``expand_dims``; per-head sums over the 64 axis; ``x1 cos - x2 sin``,
+  ``x2 cos + x1 sin`` joined back. The same numerics (bf16 rounding of x and of the normed y).
+
+``ws_128x128_w4_s4_tma_p_pp`` (and ``_pp_epi2``) is a ping-pong: two 4-warp consumer partitions
+(``PARTS`` 2), each taking alternate tiles of the program with its own c tile, their k-loops
+alternating by two ``turn`` mbarriers, so one's epilogue and store overlap the other's MMA.
+
+At T > 64 only the two best configurations, their ``_epi`` and ``_epi2`` variants and the ping-pong ones run, unless
+``--all`` (every shape and store, as ``--compile`` always does).
 
 Variants, each / ``torch.mm`` (CUDA-graph replays, rotating inputs, alternated, 3 rounds, medians,
 as the other GEMM probes through probe_timing.py); each checked once first on random data (its
@@ -132,19 +151,66 @@ def _k_head_epilogue(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr,
 
 
 @_jit
-def _consumer(a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
+def _k_head_epilogue2(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr,
+                      BM: gl.constexpr, BN: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
+    """``_k_head_epilogue``'s numerics, but cos, sin and the norm loaded once per row / once a tile.
+
+    The tile viewed as ``[BM, HEADS, 64, 2]`` (the pair ``(j, j + 64)`` in one thread's registers) and
+    split into the halves ``x1, x2`` (``[BM, HEADS, 64]``); the per-head sums over axis 2; ``cos, sin``
+    ``[BM, 64]`` float32 and the norm's two halves ``[64]`` loaded in the halves' sliced layouts and
+    broadcast (``expand_dims``) over the heads (and rows); the two rotated halves joined back.
+    """
+    D: gl.constexpr = 128
+    HALF: gl.constexpr = D // 2
+    HEADS: gl.constexpr = BN // D
+    x = acc.to(gl.bfloat16).to(gl.float32)
+    x1, x2 = gl.split(gl.permute(gl.reshape(x, [BM, HEADS, 2, HALF]), (0, 1, 3, 2)))
+    half_layout: gl.constexpr = x1.type.layout  # [BM, HEADS, HALF]
+    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [BM, HALF]
+    col_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, half_layout))  # [HALF]
+    rstd = gl.rsqrt(gl.sum(x1 * x1 + x2 * x2, axis=2) / D + 1e-6)  # [BM, HEADS]
+    rstd = gl.expand_dims(rstd, 2)
+    j = gl.arange(0, HALF, layout=col_layout)
+    n1 = gl.expand_dims(gl.expand_dims(gl.load(norm_ptr + j).to(gl.float32), 0), 0)
+    n2 = gl.expand_dims(gl.expand_dims(gl.load(norm_ptr + HALF + j).to(gl.float32), 0), 0)
+    y1 = (x1 * rstd * n1).to(gl.bfloat16).to(gl.float32)
+    y2 = (x2 * rstd * n2).to(gl.bfloat16).to(gl.float32)
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, row_half))
+    pos = gl.load(positions_ptr + rows, mask=rows < T, other=0)
+    jr = gl.arange(0, HALF, layout=gl.SliceLayout(0, row_half))
+    table = cos_sin_ptr + gl.expand_dims(pos * D, 1) + gl.expand_dims(jr, 0)  # [BM, HALF]
+    cos = gl.expand_dims(gl.load(table), 1)
+    sin = gl.expand_dims(gl.load(table + HALF), 1)
+    out1 = y1 * cos - y2 * sin
+    out2 = y2 * cos + y1 * sin
+    out = gl.reshape(gl.permute(gl.join(out1, out2), (0, 1, 3, 2)), [BM, BN])
+    return gl.convert_layout(out, acc_layout)
+
+
+@_jit
+def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
               T, N, tiles_m, tiles_n, num_tiles, k_steps,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, TMA_STORE: gl.constexpr,
-              EPILOGUE: gl.constexpr):  # fmt: skip
-    """The MMA warpgroup(s): each tile's k-steps by wgmma as the slots fill, then its store."""
+              EPILOGUE: gl.constexpr, PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):  # fmt: skip
+    """The MMA warpgroup(s): each tile's k-steps by wgmma as the slots fill, then its store.
+
+    Ping-pong (``PARTS`` 2): consumer ``PART`` takes this program's tiles ``PART, PART + 2, ...``; the
+    ring's slots follow the program's tile order, so ``it`` skips the other consumer's k-steps. The
+    consumers' k-loops alternate by the ``turn`` barriers (``PART`` waits on ``turn[PART]``, then
+    arrives on the other's): no consumer waits on a ``ready`` phase more than one ahead of its slot's.
+    """
+    K_COLS: gl.constexpr = 1024  # a layer's K heads (H * D) in the fused weight's rows ...
+    LAYER_COLS: gl.constexpr = 2048  # ... then its V heads
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
-    it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    it = PART * k_steps
+    for tile in range(gl.program_id(0) + PART * gl.num_programs(0), num_tiles, PARTS * gl.num_programs(0)):
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        if PARTS > 1:  # the first consumer's first turn passes at once (parity 1)
+            mbarrier.wait(turn.index(PART), ((it // (PARTS * k_steps)) & 1) ^ (1 - PART))
         for k in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -153,11 +219,19 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, pos
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
             it += 1
+        if PARTS > 1:  # the other consumer's turn (its MMAs queue behind these)
+            mbarrier.arrive(turn.index(1 - PART))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-        if EPILOGUE:
+        if EPILOGUE == 1:  # every tile
             out = _k_head_epilogue(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr, BM, BN, acc_layout)
             out = out.to(gl.bfloat16)
+        elif EPILOGUE == 2:  # K tiles only (a runtime branch): V tiles as the plain path
+            if (off_n % LAYER_COLS) < K_COLS:
+                out = _k_head_epilogue2(acc, off_m, T, norm_ptr, positions_ptr, cos_sin_ptr, BM, BN, acc_layout)
+                out = out.to(gl.bfloat16)
+            else:
+                out = acc.to(gl.bfloat16)
         else:
             out = acc.to(gl.bfloat16)
         if TMA_STORE:
@@ -169,6 +243,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, pos
             rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
             rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             gl.store(c_ptr + rm[:, None] * N + rn[None, :], out, mask=(rm < T)[:, None])
+        it += (PARTS - 1) * k_steps  # the other consumer's tile
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -177,11 +252,12 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, pos
 def gemm_ws(a_desc, w_desc, c_desc, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr, T, N, tiles_m, tiles_n, num_tiles,
             k_steps, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
             GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, TMA_STORE: gl.constexpr,
-            EPILOGUE: gl.constexpr = False):  # fmt: skip
+            EPILOGUE: gl.constexpr = 0, PINGPONG: gl.constexpr = 0):  # fmt: skip
     """``c = a @ w^T``: the tiles ``program_id, program_id + num_programs, ...`` (one each when not persistent).
 
-    With ``EPILOGUE`` each tile's 128-column heads are RMS-normed by ``norm_ptr`` and NeoX-roped at
-    ``positions_ptr``'s rows of ``cos_sin_ptr`` (``[max_pos, 128]`` float32) before the store.
+    With ``EPILOGUE`` 1 each tile's 128-column heads are RMS-normed by ``norm_ptr`` and NeoX-roped at
+    ``positions_ptr``'s rows of ``cos_sin_ptr`` (``[max_pos, 128]`` float32) before the store; with 2
+    the K tiles' only (columns ``c % 2048 < 1024``), cos, sin and the norm loaded once a row / tile.
     """
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_desc.layout)
@@ -195,20 +271,43 @@ def gemm_ws(a_desc, w_desc, c_desc, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_desc.layout)
     else:
         c_smem = a_bufs  # unused
-    gl.warp_specialize(
-        [
-            (_consumer, (a_bufs, w_bufs, ready, empty, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
-                         T, N, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
-                         TMA_STORE, EPILOGUE)),
-            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                         BM, BN, BK, STAGES, GROUP_M)),
-        ],
-        [1],
-        [24],
-    )  # fmt: skip
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+    if PINGPONG:  # two consumer warpgroups (alternate tiles, own c_smem), one's epilogue beside the other's MMA
+        c_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_desc.layout)
+        gl.warp_specialize(
+            [
+                (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr,
+                             cos_sin_ptr, T, N, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, STAGES, GROUP_M,
+                             WARPS_M, WARPS_N, TMA_STORE, EPILOGUE, 0, 2)),
+                (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, c_smem1, c_ptr, norm_ptr, positions_ptr,
+                             cos_sin_ptr, T, N, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, STAGES, GROUP_M,
+                             WARPS_M, WARPS_N, TMA_STORE, EPILOGUE, 1, 2)),
+                (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                             BM, BN, BK, STAGES, GROUP_M)),
+            ],
+            [4, 1],
+            [232, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, norm_ptr, positions_ptr, cos_sin_ptr,
+                             T, N, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
+                             TMA_STORE, EPILOGUE)),
+                (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                             BM, BN, BK, STAGES, GROUP_M)),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 @dataclass(frozen=True)
@@ -222,12 +321,13 @@ class Config:
     tma_store: bool
     persistent: bool
     group_m: int = 8
-    epilogue: bool = False
+    pingpong: bool = False  # two consumer partitions of ``warps`` each, alternate tiles
+    epilogue: int = 0  # 0 none, 1 ``_epi`` (every tile), 2 ``_epi2`` (K tiles, loads once)
 
     @property
     def name(self) -> str:
         store = "tma" if self.tma_store else "st"
-        return f"ws_{self.bm}x{self.bn}_w{self.warps}_s{self.stages}_{store}{'_p' if self.persistent else ''}{'_epi' if self.epilogue else ''}"
+        return f"ws_{self.bm}x{self.bn}_w{self.warps}_s{self.stages}_{store}{'_p' if self.persistent else ''}{'_pp' if self.pingpong else ''}{('', '_epi', '_epi2')[self.epilogue]}"
 
     @property
     def warps_mn(self) -> tuple[int, int]:
@@ -236,7 +336,8 @@ class Config:
         return warps_m, self.warps // warps_m
 
     def smem_kb(self) -> float:
-        return (self.stages * (self.bm + self.bn) * BK * 2 + self.tma_store * self.bm * self.bn * 2) / 1024
+        c_tiles = self.tma_store * (1 + self.pingpong)
+        return (self.stages * (self.bm + self.bn) * BK * 2 + c_tiles * self.bm * self.bn * 2) / 1024
 
 
 def _layout(block: list[int]) -> object:
@@ -255,7 +356,8 @@ def _grid_args(cfg: Config, num_tokens: int, sms: int) -> tuple[int, tuple[int, 
 def _constexprs(cfg: Config) -> dict[str, int]:
     warps_m, warps_n = cfg.warps_mn
     return dict(BM=cfg.bm, BN=cfg.bn, BK=BK, STAGES=cfg.stages, GROUP_M=cfg.group_m, WARPS_M=warps_m,
-                WARPS_N=warps_n, TMA_STORE=int(cfg.tma_store), EPILOGUE=int(cfg.epilogue))  # fmt: skip
+                WARPS_N=warps_n, TMA_STORE=int(cfg.tma_store), EPILOGUE=int(cfg.epilogue),
+                PINGPONG=int(cfg.pingpong))  # fmt: skip
 
 
 class Gemm:
@@ -285,8 +387,12 @@ class Gemm:
         )  # fmt: skip
 
 
-def configs(num_tokens: int) -> list[Config]:
-    """The variants at ``num_tokens``: the ring (at most 8 slots) and any TMA-store tile within 220 KB, one program an SM."""
+def configs(num_tokens: int, every: bool = False) -> list[Config]:
+    """The variants at ``num_tokens``: the ring (at most 8 slots) and any TMA-store tile within 220 KB, one program an SM.
+
+    Above 64 tokens only the two best persistent TMA-store ones and their ``_epi`` and ``_epi2`` variants
+    unless ``every`` (then every shape and store, and the epilogue variants of the best two).
+    """
     shapes = [(64, 128, 4), (64, 256, 4)] if num_tokens <= 64 else [(128, 128, 4), (128, 256, 8), (64, 256, 4)]
     out = []
     for bm, bn, warps in shapes:
@@ -296,10 +402,17 @@ def configs(num_tokens: int) -> list[Config]:
             for persistent in (False, True) if num_tokens > 64 else (False,):
                 out.append(Config(bm, bn, warps, stages, tma_store, persistent))
     best = {"ws_128x256_w8_s3_tma_p", "ws_128x128_w4_s5_tma_p"}  # with the K-head epilogue too
-    return out + [dataclasses.replace(cfg, epilogue=True) for cfg in out if cfg.name in best]
+    if num_tokens > 64 and not every:
+        out = [cfg for cfg in out if cfg.name in best]
+    out += [dataclasses.replace(cfg, epilogue=e) for e in (1, 2) for cfg in out if cfg.name in best]
+    if num_tokens > 64:  # ping-pong: two 4-warp consumers of 128x128 tiles, 4 slots and two c tiles (192 KB)
+        pp = Config(128, 128, 4, 4, True, True, pingpong=True)
+        out += [pp, dataclasses.replace(pp, epilogue=2)]
+    return out
 
 
 MAX_POS, HEAD_DIM = 4096, 128
+K_COLS, LAYER_COLS = 1024, 2048  # a layer's K heads' columns, then its V heads' (as the kernel's)
 
 
 def rope_inputs(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -311,8 +424,13 @@ def rope_inputs(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, to
     return norm, positions, torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
 
 
-def epilogue_ref(ref: torch.Tensor, norm: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """The ``_epi`` variants' result from ``ref`` (the bf16 product): per head RMSNorm, rounded, NeoX RoPE, bf16."""
+def epilogue_ref(
+    ref: torch.Tensor, norm: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_only: bool = False
+) -> torch.Tensor:
+    """The ``_epi`` variants' result from ``ref`` (the bf16 product): per head RMSNorm, rounded, NeoX RoPE, bf16.
+
+    With ``k_only`` (the ``_epi2`` variants) only the K columns (``c % 2048 < 1024``) so; the V columns ``ref``'s.
+    """
     x = ref.float().view(ref.shape[0], -1, HEAD_DIM)
     rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
     y = (x * rstd * norm.float()).bfloat16().float()
@@ -320,8 +438,11 @@ def epilogue_ref(ref: torch.Tensor, norm: torch.Tensor, positions: torch.Tensor,
     half = HEAD_DIM // 2
     cos, sin = cs[..., :half], cs[..., half:]
     y1, y2 = y[..., :half], y[..., half:]
-    out = torch.cat([y1 * cos - y2 * sin, y2 * cos + y1 * sin], dim=-1)
-    return out.view(ref.shape).bfloat16()
+    out = torch.cat([y1 * cos - y2 * sin, y2 * cos + y1 * sin], dim=-1).view(ref.shape).bfloat16()
+    if k_only:
+        is_k = torch.arange(ref.shape[1], device=ref.device) % LAYER_COLS < K_COLS
+        out = torch.where(is_k, out, ref)
+    return out
 
 
 def compile_all(dump: str = "/tmp/gluon") -> int:
@@ -338,7 +459,7 @@ def compile_all(dump: str = "/tmp/gluon") -> int:
 
     names = list(gemm_ws.arg_names)
     bad = 0
-    for cfg in {c.name: c for t in (64, 2048) for c in configs(t)}.values():
+    for cfg in {c.name: c for t in (64, 2048) for c in configs(t, every=True)}.values():
         const = _constexprs(cfg)
         signature: dict[str, str] = {}
         for name in names:
@@ -378,11 +499,12 @@ def compile_all(dump: str = "/tmp/gluon") -> int:
         tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         reg = re.search(r"REG:(\d+)", usage)
+        local = re.search(r"LOCAL:(\d+)", usage)
         regs = sorted(set(re.findall(r"setmaxnreg\.((?:inc|dec)\.sync\.aligned\.u32\s+\d+)", ptx)))
         regs = [" ".join((r.split(".")[0], r.split()[-1])) for r in regs]
         ws = "ttg.warp_specialize" in ttgir
         maxnreg = re.findall(r"\.maxnreg\s+(\d+)", ptx) or "-"
-        print(f"{cfg.name:<28} ok  regs {reg.group(1) if reg else '?'}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
+        print(f"{cfg.name:<28} ok  regs {reg.group(1) if reg else '?'}  local {local.group(1) if local else '?'}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
               f"num_warps {md.num_warps}  warp_specialize {ws}  setmaxnreg {regs or 'none'}  "
               f"wgmma {ptx.count('wgmma.mma_async')}  "
               f"maxnreg {maxnreg}", flush=True)  # fmt: skip
@@ -401,8 +523,9 @@ def main() -> int:
         hiddens, outs, ref, mm_calls = gemm_inputs(weight, num_tokens, 4)
         rope = rope_inputs(num_tokens, device)
         epi_ref = epilogue_ref(ref, *rope)
+        epi2_ref = epilogue_ref(ref, *rope, k_only=True)
         variants: dict[str, Sequence[Callable[[], object]]] = {"mm": mm_calls}
-        for cfg in configs(num_tokens):
+        for cfg in configs(num_tokens, every="--all" in sys.argv):
             gemm = Gemm(weight, num_tokens, cfg, sms, rope)
             descs = [gemm.descs(h, o) for h, o in zip(hiddens, outs, strict=True)]
             variants[cfg.name] = [lambda g=gemm, d=d, o=o: g(d[0], d[1], o) for d, o in zip(descs, outs, strict=True)]
@@ -413,11 +536,12 @@ def main() -> int:
             out: torch.Tensor = outs[0],
             ref: torch.Tensor = ref,
             epi_ref: torch.Tensor = epi_ref,
+            epi2_ref: torch.Tensor = epi2_ref,
         ) -> str:
             out.fill_(float("nan"))
             calls[0]()
             torch.cuda.synchronize()
-            expected = epi_ref if name.endswith("_epi") else ref
+            expected = epi_ref if name.endswith("_epi") else epi2_ref if name.endswith("_epi2") else ref
             error = (out.float() - expected.float()).abs().max().item()
             return f"{error:.3g}{'' if error <= 0.05 else ' WRONG'}"
 
