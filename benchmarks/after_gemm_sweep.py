@@ -98,6 +98,8 @@ def check() -> int:
 def main() -> int:
     if "--check" in sys.argv:
         return check()
+    from probe_timing import report
+
     from typedkv import _bench, _bench_e2e
 
     device = torch.device("cuda")
@@ -127,10 +129,7 @@ def main() -> int:
                 ]
                 times[_name(config)].append(_bench.gpu_time_us(calls, replays=15, min_calls=min_calls))
         _materializer(None, weight, norm, cos_sin, H)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"T={T} mm {med['mm']:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<44} {us / med['mm']:.3f}", flush=True)
+        report(f"T={T}", {k: statistics.median(v) for k, v in times.items()})
         torch.cuda.empty_cache()
     return 0
 

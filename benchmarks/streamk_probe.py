@@ -141,7 +141,7 @@ def check() -> int:
 def main() -> int:
     if "--check" in sys.argv:
         return check()
-    from probe_timing import gemm_inputs, measure
+    from probe_timing import gemm_inputs, measure, report
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -174,11 +174,7 @@ def main() -> int:
             torch.cuda.synchronize()
             return f"{(out.float() - ref.float()).abs().max().item():.3g}"
 
-        med, errors = measure(f"T={num_tokens}", variants, verdict)
-        mm = med["mm"]
-        print(f"T={num_tokens} mm {mm:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<24} {us / mm:.3f}  (err {errors[name]})", flush=True)
+        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, verdict))
         torch.cuda.empty_cache()
     return 0
 
