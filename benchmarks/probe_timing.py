@@ -59,6 +59,22 @@ def measure(
     return {name: statistics.median(t) for name, t in times.items()}, errors
 
 
+def largest_error(
+    out: torch.Tensor, ref: torch.Tensor, calls: int = 1
+) -> Callable[[str, Sequence[Callable[[], object]]], str]:
+    """A `measure` check: a variant's first call run ``calls`` times into ``out`` (NaN before each, so that
+    a call that writes nothing shows), then its largest difference from ``ref``."""
+
+    def check(name: str, variant: Sequence[Callable[[], object]]) -> str:
+        for _ in range(calls):
+            out.fill_(float("nan"))
+            variant[0]()
+        torch.cuda.synchronize()
+        return f"{(out.float() - ref.float()).abs().max().item():.3g}"
+
+    return check
+
+
 def report(label: str, med: Mapping[str, float], errors: Mapping[str, str] | None = None) -> None:
     """``label`` with ``torch.mm``'s median (``med["mm"]``, microseconds), then each variant's median over it,
     fastest first, with its check's verdict (``errors``) where given."""
