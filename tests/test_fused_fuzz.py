@@ -49,7 +49,9 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+GPU_FUZZ = settings(FUZZ, max_examples=int(_EXAMPLES or 100))
 MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 @dataclass
@@ -75,13 +77,13 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, production: bool) -> Case:
+def cases(draw: st.DrawFn, production: bool, pool: bool, max_tokens: int = 24, max_hidden: int = 96) -> Case:
+    """A call into dense outputs (``pool`` False) or into a pool; faults only in ``production`` mode."""
     dtype = draw(st.sampled_from(DTYPES))
     head_dim = draw(st.sampled_from([16, 24, 32]))
     rotary_dim = draw(st.sampled_from(sorted({2, 8, 16, head_dim})))
-    destination = draw(st.sampled_from(["new", "views", *POOL_LAYOUTS]))
-    pool = destination in POOL_LAYOUTS
-    num_tokens = draw(st.integers(0, 24))
+    destination = draw(st.sampled_from(POOL_LAYOUTS if pool else ("new", "views")))
+    num_tokens = draw(st.integers(0, max_tokens))
     fp8 = pool and draw(st.booleans())
     pool_dtype = draw(st.sampled_from(FP8)) if fp8 else dtype
     flawed = st.lists(st.integers(0, max(num_tokens - 1, 0)), max_size=3, unique=True)
@@ -93,7 +95,7 @@ def cases(draw: st.DrawFn, production: bool) -> Case:
         norm=draw(st.booleans()),
         bias=draw(st.booleans()),
         eps=draw(st.sampled_from(["one", "tensor", "list"])),
-        hidden=draw(st.integers(1, 96)),
+        hidden=draw(st.integers(1, max_hidden)),
         num_tokens=num_tokens,
         seed=draw(st.integers(0, 2**16)),
         destination=destination,
@@ -106,7 +108,8 @@ def cases(draw: st.DrawFn, production: bool) -> Case:
     )
 
 
-def _draft(case: Case) -> Draft:
+def _draft(case: Case, device: torch.device) -> Draft:
+    """The case's draft, its materializer on ``device`` (its weights and the oracle stay on the CPU)."""
     per_layer = [1e-6, 0.5, 4.0]
     eps: Any = {"one": 0.5, "tensor": torch.tensor(per_layer), "list": per_layer}[case.eps]
     draft = Draft(
@@ -114,6 +117,7 @@ def _draft(case: Case) -> Draft:
         rope_style=case.rope_style, norm=case.norm, bias=case.bias, eps=eps, seed=case.seed,
     )  # fmt: skip
     draft.eps = 0.5 if case.eps == "one" else torch.tensor(per_layer, dtype=torch.float64)
+    draft.m.to(device)
     return draft
 
 
@@ -127,55 +131,65 @@ def _positions(case: Case, positions: Tensor) -> Tensor:
 # ------------------------------------------------------------------ dense
 
 
-@pytest.mark.parametrize("mode", MODES)
-@FUZZ
-@given(data=st.data())
-def test_dense_outputs_hold_the_oracle(mode: str, data: st.DataObject) -> None:
-    case = data.draw(cases(mode == "production").filter(lambda c: c.destination in ("new", "views")))
-    draft = _draft(case)
+def check_dense(case: Case, device: torch.device) -> None:
+    """The fused path's K and V into dense outputs: the oracle's, and nothing written beside the views."""
+    draft = _draft(case, device)
     x, positions = draft.call(case.num_tokens, seed=case.seed + 1)
     positions = _positions(case, positions)
     m = draft.m
     m.projection_path = "fused"
     if case.destination == "new":
-        got = m(x, positions)
+        k, v = m(x.to(device), positions.to(device))
     else:
         # K and V as views of one slab, each a head_dim-wide window of rows twice as wide.
         d = case.head_dim
-        slab = torch.full((2, L, case.num_tokens + 3, H, 2 * d), 3.0, dtype=case.dtype)
+        slab = torch.full((2, L, case.num_tokens + 3, H, 2 * d), 3.0, dtype=case.dtype, device=device)
         k_out, v_out = slab[0, :, 2 : 2 + case.num_tokens, :, :d], slab[1, :, 1 : 1 + case.num_tokens, :, d:]
-        got = m(x, positions, k_out=k_out, v_out=v_out)
-        assert got[0] is k_out and got[1] is v_out
-        rest = torch.ones(slab.shape, dtype=torch.bool)
+        k, v = m(x.to(device), positions.to(device), k_out=k_out, v_out=v_out)
+        assert k is k_out and v is v_out
+        rest = torch.ones(slab.shape, dtype=torch.bool, device=device)
         rest[0, :, 2 : 2 + case.num_tokens, :, :d] = False
         rest[1, :, 1 : 1 + case.num_tokens, :, d:] = False
         assert (slab[rest] == 3.0).all(), "written outside the output views"
-    assert_matches_oracle(got, draft.oracle(x, positions), case.dtype)
+    assert_matches_oracle((k.cpu(), v.cpu()), draft.oracle(x, positions), case.dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@FUZZ
+@given(data=st.data())
+def test_dense_outputs_hold_the_oracle(mode: str, data: st.DataObject) -> None:
+    check_dense(data.draw(cases(mode == "production", pool=False)), CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@GPU_FUZZ
+@given(data=st.data())
+def test_dense_outputs_hold_the_oracle_cuda(mode: str, data: st.DataObject) -> None:
+    check_dense(data.draw(cases(mode == "production", pool=False, max_tokens=80, max_hidden=300)), CUDA)
 
 
 # ------------------------------------------------------------------- pools
 
 
-def _paged(case: Case, slots: int, hnd: bool) -> Tensor:
-    pages, page, d = slots // case.page_size, case.page_size, case.head_dim
-    shape = (L, pages, H, page, d) if hnd else (L, pages, page, H, d)
-    return torch.empty(shape, dtype=case.pool_dtype)
-
-
-def _pools(case: Case, slots: int) -> tuple[Any, Any, typedkv.KVLayout | None]:
-    """A fresh K and V pool of the case's layout, every byte `GUARD`."""
+def _pools(case: Case, slots: int, device: torch.device) -> tuple[Any, Any, typedkv.KVLayout | None]:
+    """A fresh K and V pool of the case's layout on ``device``, every byte `GUARD`."""
     flat = (L, slots, H, case.head_dim)
+
+    def empty(*shape: int) -> Tensor:
+        return torch.empty(shape, dtype=case.pool_dtype, device=device)
+
+    def paged(hnd: bool) -> Tensor:
+        pages, page = slots // case.page_size, case.page_size
+        return empty(L, pages, H, page, case.head_dim) if hnd else empty(L, pages, page, H, case.head_dim)
+
     made: dict[str, Any] = {
-        "flat": lambda: (torch.empty(flat, dtype=case.pool_dtype), torch.empty(flat, dtype=case.pool_dtype), None),
-        "NHD": lambda: (_paged(case, slots, False), _paged(case, slots, False), "NHD"),
-        "HND": lambda: (_paged(case, slots, True), _paged(case, slots, True), "HND"),
-        "list": lambda: (
-            list(torch.empty(flat, dtype=case.pool_dtype)),
-            list(torch.empty(flat, dtype=case.pool_dtype)),
-            None,
-        ),
-        "list_HND": lambda: (list(_paged(case, slots, True)), list(_paged(case, slots, True)), "HND"),
-        "combined": lambda: (*torch.empty(2, *flat, dtype=case.pool_dtype), None),
+        "flat": lambda: (empty(*flat), empty(*flat), None),
+        "NHD": lambda: (paged(False), paged(False), "NHD"),
+        "HND": lambda: (paged(True), paged(True), "HND"),
+        "list": lambda: (list(empty(*flat)), list(empty(*flat)), None),
+        "list_HND": lambda: (list(paged(True)), list(paged(True)), "HND"),
+        "combined": lambda: (*empty(2, *flat), None),
     }
     k_pool, v_pool, kv_layout = made[case.destination]()
     for t in _layers(k_pool) + _layers(v_pool):
@@ -188,10 +202,10 @@ def _layers(pool: Tensor | list[Tensor]) -> list[Tensor]:
 
 
 def _rows(pool: Tensor | list[Tensor], case: Case) -> Tensor:
-    """``[L, slots, H, D]``: every row of the pool by slot, in the pool's dtype."""
+    """``[L, slots, H, D]`` on the CPU: every row of the pool by slot, in the pool's dtype."""
     layers = _layers(pool)
     stacked = layers[0] if isinstance(pool, Tensor) else torch.stack([t.view(torch.uint8) for t in layers])
-    stacked = stacked.view(case.pool_dtype)
+    stacked = stacked.view(case.pool_dtype).cpu()
     if case.destination in ("HND", "list_HND"):
         stacked = stacked.transpose(2, 3)
     return stacked.reshape(L, -1, H, case.head_dim)
@@ -214,12 +228,9 @@ _SCALES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
-@FUZZ
-@given(data=st.data())
-def test_pools_hold_what_gemm_and_kernel_write(mode: str, data: st.DataObject) -> None:
-    case = data.draw(cases(mode == "production").filter(lambda c: c.destination in POOL_LAYOUTS))
-    draft = _draft(case)
+def check_pools(case: Case, device: torch.device) -> None:
+    """The fused path into a pool: GEMM + kernel's V, K as the oracle's (or GEMM + kernel's in FP8), no other row."""
+    draft = _draft(case, device)
     x, positions = draft.call(case.num_tokens, seed=case.seed + 1)
     positions = _positions(case, positions)
     slots = 8 * (case.num_tokens // 8 + 2)  # room for every token and rows no token names
@@ -228,10 +239,13 @@ def test_pools_hold_what_gemm_and_kernel_write(mode: str, data: st.DataObject) -
     for i, token in enumerate(case.bad_slots):
         cache_loc[token] = (-1, slots, -7)[i % 3]  # skipped
     written = {}
+    scales = {name: s.to(device) if isinstance(s, Tensor) else s for name, s in _SCALES[case.scales].items()}
     for path in ("fused", "gemm"):
-        k_pool, v_pool, kv_layout = _pools(case, slots)
-        draft.m.projection_path = path  # type: ignore[assignment]
-        draft.m.into_pool(x, positions, cache_loc, k_pool, v_pool, kv_layout=kv_layout, **_SCALES[case.scales])
+        k_pool, v_pool, kv_layout = _pools(case, slots, device)
+        draft.m.projection_path = path
+        draft.m.into_pool(
+            x.to(device), positions.to(device), cache_loc.to(device), k_pool, v_pool, kv_layout=kv_layout, **scales
+        )
         written[path] = (_rows(k_pool, case), _rows(v_pool, case))
     (k_rows, v_rows), (gemm_k, gemm_v) = written["fused"], written["gemm"]
     # V is the projection, exact on the grid in any order of accumulation: the same values (a zero may
@@ -251,3 +265,18 @@ def test_pools_hold_what_gemm_and_kernel_write(mode: str, data: st.DataObject) -
         want = draft.oracle(x, positions)
         oracle = Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept])
         assert_matches_oracle((k_rows[:, named], v_rows[:, named]), oracle, case.dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@FUZZ
+@given(data=st.data())
+def test_pools_hold_what_gemm_and_kernel_write(mode: str, data: st.DataObject) -> None:
+    check_pools(data.draw(cases(mode == "production", pool=True)), CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@GPU_FUZZ
+@given(data=st.data())
+def test_pools_hold_what_gemm_and_kernel_write_cuda(mode: str, data: st.DataObject) -> None:
+    check_pools(data.draw(cases(mode == "production", pool=True, max_tokens=80, max_hidden=300)), CUDA)
