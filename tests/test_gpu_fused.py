@@ -142,6 +142,20 @@ def test_matches_gemm_path_on_random_inputs_cuda() -> None:
         torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 17])
+def test_one_token_with_a_bias_cuda(num_tokens: int) -> None:
+    """At T = 1 with a bias, CUDA's ``torch.addmm`` (a GEMV there, as ``F.linear``) rounds the product before
+    adding the bias (seen by the fused fuzz: bf16, hidden 59). The fused path still stores the projection
+    rounded once, the oracle's V; GEMM + kernel stores the GEMM's own V, as the unfused model would."""
+    draft = cuda_draft(torch.bfloat16, head_dim=16, rotary_dim=2, hidden=59, bias=True)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    draft.m.projection_path = "gemm"
+    _, v = draft.m(xc, pc)
+    model = torch.nn.functional.linear(xc, draft.m.kv_weight, draft.m.kv_bias).view(num_tokens, L, 2, H, 16)
+    assert torch.equal(v, model[:, :, 1].transpose(0, 1))
+
+
 @pytest.mark.usefixtures("weight_loads")
 def test_deterministic_cuda() -> None:
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=4096, bias=True)
