@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _launch
+from . import _fused_ws, _launch
 from ._checking import Bound, Signature
 from ._device_tables import layer_eps
 from ._impl import (
@@ -123,11 +123,23 @@ def project_kv(
     if plan.empty:
         return k_out, v_out
     eps = layer_eps(call.eps, hidden)
+    dims = plan.bound.dims
+    if (
+        _fused_ws.faster(hidden.device, dims["T"])
+        and _fused_ws.launchable(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, k_out, v_out, num_kv_heads=dims["H"], head_dim=dims["D"],
+            neox=call.rope_style == "neox",
+        )
+        and _fused_ws.aligned(hidden, kv_weight, k_out, v_out)
+    ):  # fmt: skip
+        _fused_ws.launch(
+            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
+        )
+        return k_out, v_out
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((0, aligned))
     if launch is None:
-        dims = plan.bound.dims
         launch = launches[0, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,

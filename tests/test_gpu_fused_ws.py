@@ -1,0 +1,196 @@
+"""GPU suite of the warp-specialised fused projection (``pytest -m gpu``; Hopper with Triton 3.6's Gluon).
+
+`typedkv._fused_ws` runs the fused path of dense calls it can run from the T the
+measured table gives (H200: 2048). Here the table is widened to every T
+(`ws_everywhere`) so that small calls exercise it, and each test counts the
+kernel's launches, so that a test of this kernel cannot pass on another one.
+Inputs on the grid of tests/test_fused_projection.py make the GEMM exact in
+float32: V bit for bit, K within one storage ulp of the float64 oracle.
+Gluon kernels do not run under Triton's interpreter: this file has no CPU twin.
+Skipped (by conftest) where no CUDA device is present, and here where the kernel
+cannot run (not Hopper, or another Gluon API).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_fused_projection import H, L, P, assert_matches_oracle
+from test_gpu import compiled_variants
+from test_gpu_fused import cpu, cuda_call, cuda_draft
+from test_gpu_integration import capture
+from torch import Tensor
+
+import typedkv
+from typedkv import _fused_ws, _fused_ws_kernel
+
+pytestmark = [pytest.mark.gpu]
+
+
+@pytest.fixture(autouse=True)
+def hopper_gluon() -> None:
+    if not (_fused_ws.available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the warp-specialised kernel runs on sm_90 with Triton 3.6's Gluon")
+
+
+@pytest.fixture
+def ws_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured table widened to every T on this device."""
+    monkeypatch.setattr(_fused_ws, "PROJECTION_WS_FASTER", {torch.cuda.get_device_name(): ((1, math.inf),)})
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The token counts of the kernel's launches, in order."""
+    seen: list[int] = []
+    real = _fused_ws.launch
+
+    def counted(hidden: Tensor, *args: object) -> None:
+        seen.append(hidden.shape[0])
+        real(hidden, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_fused_ws, "launch", counted)
+    yield seen
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("hidden", [80, 1000, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 127, 128, 300, 2053])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matches_oracle_cuda(launches: list[int], dtype: torch.dtype, norm: bool, num_tokens: int, hidden: int) -> None:
+    """Token counts around the 128-token tiles, hidden sizes off the 64-column steps (their tail read as 0)."""
+    draft = cuda_draft(dtype, head_dim=128, rotary_dim=128, hidden=hidden, norm=norm)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), dtype)
+    assert launches == [num_tokens]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+def test_eps_per_layer_cuda(launches: list[int]) -> None:
+    per_layer = [1e-6, 0.5, 4.0]
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, eps=torch.tensor(per_layer))
+    draft.eps = torch.tensor(per_layer, dtype=torch.float64)
+    x, positions, xc, pc = cuda_call(draft, 200)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    assert launches == [200]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+def test_out_of_range_positions_cuda(launches: list[int]) -> None:
+    """Production mode: a position outside [0, P) gives NaN K, V still written."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128)
+    x, positions = draft.call(150)
+    positions[3], positions[140] = -7, P + 100
+    k, v = cpu(draft.m(x.cuda(), positions.cuda()))
+    assert k[:, [3, 140]].isnan().all() and not k[:, [0, 4, 139]].isnan().any()
+    assert_matches_oracle((k, v), draft.oracle(x, positions), torch.bfloat16)
+    assert launches == [150]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+def test_strided_outputs_keep_their_other_rows_cuda(launches: list[int]) -> None:
+    """Outputs that are views of larger buffers (layer and token strides of their own): the oracle's K and V in
+    the view, every other element of the buffers as it was (the TMA stores clip the last tile's rows past T)."""
+    num_tokens = 130
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    sentinel = -3.0
+    k_buf = torch.full((L + 1, num_tokens + 40, H, 128), sentinel, dtype=torch.bfloat16, device="cuda")
+    v_buf = torch.full_like(k_buf, sentinel)
+    k_out, v_out = k_buf[1:, 8 : 8 + num_tokens], v_buf[:L, 16 : 16 + num_tokens]
+    draft.m(xc, pc, k_out=k_out, v_out=v_out)
+    assert_matches_oracle(cpu((k_out, v_out)), draft.oracle(x, positions), torch.bfloat16)
+    k_rest = torch.ones(k_buf.shape, dtype=torch.bool, device="cuda")
+    k_rest[1:, 8 : 8 + num_tokens] = False
+    v_rest = torch.ones_like(k_rest)
+    v_rest[:L, 16 : 16 + num_tokens] = False
+    assert (k_buf[k_rest] == sentinel).all() and (v_buf[v_rest] == sentinel).all(), "written outside the views"
+    assert launches == [num_tokens]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize(
+    ("rope_style", "rotary_dim", "bias"), [("gptj", 128, False), ("neox", 64, False), ("neox", 128, True)]
+)
+def test_other_layouts_take_the_other_kernel_cuda(
+    launches: list[int], rope_style: typedkv.RopeStyle, rotary_dim: int, bias: bool
+) -> None:
+    """GPT-J pairs, partial rotary and a bias are not this kernel's: the fused path's other kernel, the oracle."""
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=rotary_dim, rope_style=rope_style, bias=bias)
+    x, positions, xc, pc = cuda_call(draft, 200)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    assert launches == []
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+def test_deterministic_and_graph_replay_cuda(launches: list[int]) -> None:
+    """The same bits on every call, and a call captured at a fixed T replayed with new inputs copied in."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
+    _, _, hidden, positions = cuda_call(draft, 260)
+    first = draft.m(hidden, positions)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(first, draft.m(hidden, positions), strict=True))
+    graph, out = capture(lambda: draft.m(hidden, positions))
+    for seed in range(2):
+        _, _, new_hidden, new_positions = cuda_call(draft, 260, seed=40 + seed)
+        hidden.copy_(new_hidden)
+        positions.copy_(new_positions)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = draft.m(new_hidden, new_positions)
+        assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
+    assert draft.m._workspace is None  # the fused path has no GEMM output
+    assert set(launches) == {260}
+
+
+def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
+    """On a device the table knows, "auto" takes this kernel at T = 2048 (the oracle's K and V, no GEMM output)
+    and not at T = 300; per-layer pools are not its."""
+    if torch.cuda.get_device_name() not in _fused_ws.PROJECTION_WS_FASTER:
+        pytest.skip("no measured table for this device")
+    draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512)
+    for num_tokens in (300, 2048):
+        x, positions, xc, pc = cuda_call(draft, num_tokens)
+        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    assert launches == [2048]
+    k_pool = torch.zeros(L, 4096, H, 128, dtype=torch.bfloat16, device="cuda")
+    draft.m.into_pool(xc, pc, torch.randperm(4096, device="cuda")[:2048], list(k_pool), list(torch.zeros_like(k_pool)))
+    assert launches == [2048]
+
+
+def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
+    """Off the grid, at the draft shape of the bench: the two paths differ only by the GEMM's accumulation order."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    weight = (torch.randn(5, 2 * 8 * 128, 4096, device="cuda", generator=g) / 64).bfloat16()
+    m = typedkv.KVMaterializer(
+        weight, torch.rand(5, 128, device="cuda", generator=g) + 0.5, 1e-6,
+        torch.randn(4096, 128, device="cuda", generator=g), num_kv_heads=8,
+    )  # fmt: skip
+    x = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()
+    positions = torch.randint(0, 4096, (2048,), device="cuda", generator=g)
+    m.projection_path = "gemm"
+    want = m(x, positions)
+    m.projection_path = "fused"
+    got = m(x, positions)
+    torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
+    assert launches == [2048]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.production
+def test_new_token_count_compiles_nothing_cuda() -> None:
+    """The kernel compiles once per layout, never per T."""
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
+    draft.m(*cuda_call(draft, 256)[2:])
+    before = compiled_variants(_fused_ws_kernel.project_kv_ws_kernel)
+    for num_tokens in (1, 17, 130, 1000, 2049):
+        draft.m(*cuda_call(draft, num_tokens)[2:])
+    torch.cuda.synchronize()
+    assert compiled_variants(_fused_ws_kernel.project_kv_ws_kernel) == before

@@ -1,0 +1,191 @@
+"""The warp-specialised fused projection (Hopper, Gluon): where it may run, and its launch.
+
+`typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs in
+one persistent, warp-specialised kernel: 1.02-1.05x ``torch.mm`` alone from
+T = 2048 on (H200), where GEMM + kernel reads 1.05-1.10x and `typedkv._fused_kernel`
+1.2x. It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
+these hold (`launchable`, `aligned`), and the fused path takes it from the T
+where it was measured faster (`faster`); everywhere else the fused path launches
+`typedkv._fused_kernel` as before:
+
+- a CUDA device of compute capability 9.0, not Triton's interpreter, and Triton's
+  Gluon with the API this kernel is written against (`available`);
+- ``hidden``, the weight and the outputs bfloat16 or float16, all one dtype; no bias;
+- NeoX RoPE over the whole head, of ``D`` = 128 dims; ``H*D`` a multiple of 256
+  (a tile is two heads, never across K and V);
+- TMA's layout rules: ``hidden``'s and the weight's rows contiguous and on 16
+  bytes; each output ``[L, T, H, D]`` with its heads contiguous (strides
+  ``(., ., D, 1)``) and its other strides on 16 bytes; every base address on 16
+  bytes (checked per call).
+
+The call's checks are the fused path's (`typedkv._fused_impl`): this module only
+says where the kernel may run and launches it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+from typing import Any
+
+import torch
+import triton
+
+from . import _launch
+from ._fused_ws_kernel import project_kv_ws_kernel
+
+try:  # Gluon and its host-side TMA descriptors (Triton 3.6; imported by name: they ship no types)
+    gl: Any = importlib.import_module("triton.experimental.gluon.language")
+    GluonDescriptor: Any = importlib.import_module("triton.experimental.gluon.nvidia.hopper").TensorDescriptor
+except (ImportError, AttributeError):
+    gl = GluonDescriptor = None
+
+HEAD_DIM = 128
+# Tiles of 128 tokens by two heads' rows, 64 hidden columns a step, 3 ring slots, bands of 8
+# token blocks, two consumer warpgroups (benchmarks/gluon_probe.py, H200: the fastest of
+# 128 x 128 / 128 x 256 / 64 x 256 tiles, one program a tile or persistent, plain or TMA stores).
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 256, 64, 3, 8, 8
+
+# Where it beats GEMM + kernel, per device (torch.cuda.get_device_name): [low, high) token
+# counts. H200, L=5, H=8, D=128, hidden 4096, bf16, each / torch.mm alone
+# (benchmarks/gluon_probe.py, the kernel's GEMM with K's epilogue, 2026-12-02): 1.021x at
+# T = 2048, 1.047x at 16384 and 65536, where GEMM + kernel reads 1.05-1.10x; 1.51x at 256.
+# Below 2048 not measured.
+PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((2048, math.inf),)}
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton's Gluon here has the API the kernel is written against (Triton 3.6's)."""
+    if gl is None or GluonDescriptor is None:
+        return False
+    try:
+        params = list(inspect.signature(gl.warp_specialize).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:3] == ["functions_and_args", "worker_num_warps", "worker_num_regs"]
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and not _launch.INTERPRETED and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def faster(device: torch.device, num_tokens: int) -> bool:
+    """Whether the measured table (`PROJECTION_WS_FASTER`) says this kernel is faster at ``num_tokens``."""
+    return device.type == "cuda" and _launch._measured_faster(PROJECTION_WS_FASTER, device, num_tokens)
+
+
+def _rows_ok(t: Any, dtype: torch.dtype) -> bool:
+    """A ``[rows, width]`` tensor of ``dtype`` whose rows TMA can load: contiguous rows, strides and width on 16 bytes."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1:
+        return False
+    size = t.element_size()
+    return (t.stride(0) * size) % 16 == 0 and (t.shape[1] * size) % 16 == 0
+
+
+def _output_ok(t: Any, dtype: torch.dtype, head_dim: int) -> bool:
+    """None (the call allocates it, contiguous), or an ``[L, T, H, D]`` output TMA can store as ``[L, T, H*D]``."""
+    if t is None:
+        return True
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 4:
+        return False
+    size = t.element_size()
+    return t.stride(3) == 1 and t.stride(2) == head_dim and all((s * size) % 16 == 0 for s in t.stride()[:2])
+
+
+def launchable(
+    hidden: Any,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    cos_sin_cache: Any,
+    k_out: Any,
+    v_out: Any,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    neox: bool,
+) -> bool:
+    """Whether this kernel can compute a dense call of this layout (the module's list; addresses aside, `aligned`)."""
+    if not isinstance(hidden, torch.Tensor) or not available() or not _hopper(hidden.device):
+        return False
+    dtype = hidden.dtype
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and kv_bias is None
+        and neox
+        and head_dim == HEAD_DIM
+        and isinstance(cos_sin_cache, torch.Tensor)
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[1] == head_dim
+        and (num_kv_heads * head_dim) % BLOCK_N == 0
+        and _rows_ok(hidden, dtype)
+        and _rows_ok(kv_weight, dtype)
+        and _output_ok(k_out, dtype, head_dim)
+        and _output_ok(v_out, dtype, head_dim)
+    )
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every one of ``tensors`` starts on 16 bytes, as TMA requires."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@functools.cache
+def _smem_layout(rank: int) -> Any:
+    """The shared-memory layout of a 16-bit tile whose rows are 64 elements or more: 128-byte swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=rank)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def launch(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    num_layers: int,
+) -> None:
+    """K and V of ``hidden`` ``[T, hidden]`` into ``k_out``/``v_out`` ``[L, T, H, D]``, the call checked and `launchable`.
+
+    ``eps``: a float, or an ``[L]`` tensor (`typedkv._device_tables.layer_eps`). The
+    descriptors hold this call's addresses, so they are made per call: the kernel takes the
+    path from T = 2048 on, where a call's GPU time is over 250 us.
+    """
+    num_tokens = hidden.shape[0]
+    _, _, num_kv_heads, head_dim = k_out.shape
+    hd = num_kv_heads * head_dim
+    flat, cube = _smem_layout(2), _smem_layout(3)
+    a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], flat)
+    w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [BLOCK_N, BLOCK_K], flat)
+    outs = [
+        GluonDescriptor(
+            out, [num_layers, num_tokens, hd], [out.stride(0), out.stride(1), 1], [1, BLOCK_M, BLOCK_N], cube
+        )
+        for out in (k_out, v_out)
+    ]
+    tiles_m = triton.cdiv(num_tokens, BLOCK_M)
+    tiles_n = kv_weight.shape[0] // BLOCK_N
+    num_tiles = tiles_m * tiles_n
+    per_layer = isinstance(eps, torch.Tensor)
+    # Unused pointers (no per-layer eps, no norm) take tensors the call has anyway.
+    eps_ptr = eps if isinstance(eps, torch.Tensor) else cos_sin_cache
+    eps_stride = eps.stride(0) if isinstance(eps, torch.Tensor) else 0
+    norm = k_norm_weight if k_norm_weight is not None else kv_weight
+    project_kv_ws_kernel[(min(num_tiles, _sm_count(hidden.device)),)](
+        a_desc, w_desc, outs[0], outs[1], 0.0 if per_layer else float(eps), eps_ptr, eps_stride,
+        norm, norm.stride(0), norm.stride(1),
+        positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
+        cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
+        HD=hd, D=head_dim, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, GROUP_M=GROUP_M, WARPS_M=NUM_WARPS,
+        WARPS_N=1, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS,
+    )  # fmt: skip
