@@ -45,6 +45,9 @@
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
+#   gluon          benchmarks/gluon_probe.py: the warp-specialised Gluon GEMM, with K's epilogue or not ($GLUON_T)
+#   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py; the branch gluon-ws,
+#                  or main with benchmarks/gluon_ws_wip.patch applied), then typedkv bench --only e2e
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
@@ -180,6 +183,13 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${CHUNK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/chunk_probe.py ${CHUNK_T:-} 2>&1 | tee "$OUT/chunk.txt" ;;
         after_gemm)
             timeout "${AFTER_GEMM_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/after_gemm_sweep.py ${AFTER_GEMM_T:-} 2>&1 | tee "$OUT/after_gemm.txt" ;;
+        gluon)
+            timeout "${GLUON_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gluon_probe.py ${GLUON_T:-} 2>&1 | tee "$OUT/gluon.txt" ;;
+        ws_tests)
+            timeout "${WS_TESTS_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused_ws.py 2>&1 \
+                | tail -30 | tee "$OUT/ws_tests.txt"
+            timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
+                | tee "$OUT/e2e.txt" ;;
         streamk)
             timeout "${STREAMK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/streamk_probe.py ${STREAMK_T:-} 2>&1 | tee "$OUT/streamk.txt" ;;
         host_ratios)

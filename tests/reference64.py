@@ -23,7 +23,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["materialize_kv64", "materialize_mla_kv64", "rotation_pairs"]
+__all__ = ["BOUNDARY", "materialize_kv64", "materialize_mla_kv64", "rotation_pairs"]
+
+# How close (relative) to a rounding boundary of the storage dtype the exact normed K must be
+# for a float32 norm to round it either way (`materialize_kv64`'s ``other_rounding``): 2**-20,
+# several times the float32 norm's own error.
+BOUNDARY = 2.0**-20
 
 
 def rotation_pairs(rotary_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
@@ -64,6 +69,7 @@ def materialize_kv64(
     rope_style: str = "neox",
     *,
     round_after_norm: bool = True,
+    other_rounding: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """K and V of every layer, K computed in float64.
 
@@ -86,6 +92,12 @@ def materialize_kv64(
         Round the normed K to kv's dtype before RoPE (the contract). ``False``
         gives the single-rounding variant, used by tests to show that the op does
         the intermediate rounding.
+    other_rounding : bool
+        Where the exact normed value lies within ``BOUNDARY`` (relative) of a rounding
+        boundary of kv's dtype, round it to the other neighbour. The op computes the
+        norm in float32 (a sum in its own order, an rsqrt, products: a few 2**-24
+        each), so there it may round either way; a test accepts either K
+        (`tests/test_fused_projection.assert_matches_oracle`).
 
     Returns
     -------
@@ -121,7 +133,13 @@ def materialize_kv64(
 
     # 2. The unfused model stores the normed K in kv's dtype.
     if round_after_norm and k_norm_weight is not None:
-        y = y.to(kv.dtype).to(torch.float64)
+        rounded = y.to(kv.dtype).to(torch.float64)
+        if other_rounding:
+            # Nudged by BOUNDARY either way, a value next to a boundary rounds to both neighbours.
+            below = (y * (1 - BOUNDARY)).to(kv.dtype).to(torch.float64)
+            above = (y * (1 + BOUNDARY)).to(kv.dtype).to(torch.float64)
+            rounded = torch.where(below != rounded, below, above)
+        y = rounded
 
     # 3. RoPE, pair by pair. Out-of-range positions read row 0 and are then
     #    overwritten with NaN, so the reference never indexes out of bounds.

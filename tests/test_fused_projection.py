@@ -22,6 +22,12 @@ change the float32 accumulator, and the projection rounded to the storage dtype
   (after the norm, at the store), and the float64 oracle rounds the first time
   from the exact norm -- the GEMM + kernel path measures 0.93 of this bound
   (and 1.33 of the binade's spacing) at T=70, hidden=16 of `test_token_and_hidden_edges`.
+  Where the exact normed value lies within 2**-20 (relative) of a rounding
+  boundary, a float32 norm may round it either way, one ulp of the normed
+  value apart; times a cos of this file's table (random, up to about 3) that
+  can exceed the bound (float16, T = 300, hidden 80, seed 75 of `Draft`: 1.04
+  on CPU, the reference and the interpreted kernel alike). There the oracle's
+  K from the other rounding is accepted too (`Draft.oracle`, `Oracle`).
   For float32 storage the kernel's float32 norm and rotation are themselves the
   error: 32 times that (as tests/test_numerics.py).
 
@@ -89,14 +95,28 @@ class Draft:
             0, P, (num_tokens,), generator=g
         )
 
-    def oracle(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """K in float64 (not rounded at the end) and V, from the exact projection rounded to the storage dtype."""
+    def oracle(self, hidden: Tensor, positions: Tensor) -> Oracle:
+        """K in float64 (not rounded at the end) and V, from the exact projection rounded to the storage dtype;
+        beside them, K with the normed values next to a rounding boundary rounded the other way."""
         kv = torch.einsum("th,lnh->tln", hidden.double(), self.weight)
         if self.bias is not None:
             kv = kv + self.bias
-        return materialize_kv64(
-            kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, H, self.rope_style
-        )
+        args = (kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, H, self.rope_style)
+        k64, v = materialize_kv64(*args)
+        other_k64, _ = materialize_kv64(*args, other_rounding=True)
+        return Oracle(k64, v, other_k64)
+
+
+class Oracle(tuple[Tensor, Tensor]):
+    """``(k64, v)`` of `Draft.oracle`, with ``other_k64``: K where the exact normed value lies next to a rounding
+    boundary of the storage dtype and rounds the other way (`reference64.materialize_kv64`'s ``other_rounding``)."""
+
+    other_k64: Tensor
+
+    def __new__(cls, k64: Tensor, v: Tensor, other_k64: Tensor) -> Oracle:
+        oracle = super().__new__(cls, (k64, v))
+        oracle.other_k64 = other_k64
+        return oracle
 
 
 def assert_matches_oracle(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor], dtype: torch.dtype) -> None:
@@ -109,6 +129,8 @@ def assert_matches_oracle(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor
     row_max = k64.nan_to_num().abs().amax(-1, keepdim=True)
     tolerance = ULPS[dtype] * torch.finfo(dtype).eps * row_max.clamp(min=torch.finfo(dtype).tiny)
     error = (k.double() - k64).abs().nan_to_num()
+    if isinstance(want, Oracle):  # a normed value next to a rounding boundary may round either way
+        error = torch.minimum(error, (k.double() - want.other_k64).abs().nan_to_num())
     worst = (error / tolerance).max().item()
     assert worst <= 1.0, f"K off by {worst:.2f} x the tolerance"
 
@@ -142,6 +164,23 @@ def test_token_and_hidden_edges(num_tokens: int, hidden: int) -> None:
     draft = Draft(torch.float16, hidden=hidden, rope_style="gptj", rotary_dim=8, bias=True)
     x, positions = draft.call(num_tokens)
     assert_matches_oracle(fused(draft)(x, positions), draft.oracle(x, positions), torch.float16)
+
+
+def test_a_normed_value_next_to_a_boundary_may_round_either_way() -> None:
+    """At this draft (float16, D = 128, hidden 80, seed 75, T = 300) one normed K value lies next to a
+    float16 rounding boundary, and a float32 norm rounds it the other way than the float64 oracle: K
+    then reads 1.04 ulps from the oracle's (at the row's scale), and within 0.5 of the oracle that
+    rounds that value the other way (`Draft.oracle`). The fused path, and GEMM + kernel, on CPU."""
+    draft = Draft(torch.float16, head_dim=128, rotary_dim=128, hidden=80, seed=75)
+    x, positions = draft.call(300, 76)
+    want = draft.oracle(x, positions)
+    k, v = fused(draft)(x, positions)
+    row_max = want[0].abs().amax(-1, keepdim=True)
+    plain = ((k.double() - want[0]).abs() / (torch.finfo(torch.float16).eps * row_max)).max().item()
+    assert plain > 1.0, "the case no longer shows the other rounding: pick another draft"
+    assert_matches_oracle((k, v), want, torch.float16)
+    draft.m.projection_path = "gemm"
+    assert_matches_oracle(draft.m(x, positions), want, torch.float16)
 
 
 @pytest.mark.parametrize("form", ["float", "tensor", "floats"])
