@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_fused_projection import H, L, P, assert_matches_oracle
+from test_fused_projection import H, L, Oracle, P, assert_matches_oracle
 from test_gpu import compiled_variants
-from test_gpu_fused import cpu, cuda_call, cuda_draft
+from test_gpu_fused import S, _pool, _rows, cpu, cuda_call, cuda_draft
 from test_gpu_integration import capture
 from torch import Tensor
 
@@ -114,6 +114,41 @@ def test_strided_outputs_keep_their_other_rows_cuda(launches: list[int]) -> None
 
 
 @pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined", "list_unaligned"])
+def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
+    """Production mode: named rows hold the oracle's K/V, slots negative or >= S skipped, nothing else written;
+    stacked and per-layer pools, pages of 16 (NHD and HND), layers off 16 bytes."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
+    x, positions, xc, pc = cuda_call(draft, 300)
+    cache_loc = torch.randperm(S)[:300]
+    cache_loc[[2, 290]] = torch.tensor([-1, S + 3])
+    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+    kept = (cache_loc >= 0) & (cache_loc < S)
+    want = draft.oracle(x, positions)
+    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
+    assert_matches_oracle(got, Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept]), torch.bfloat16)
+    others = torch.ones(S, dtype=torch.bool)
+    others[cache_loc[kept]] = False
+    for pool in (k_pool, v_pool):
+        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+    assert launches == [300]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+def test_fp8_pools_take_the_other_kernel_cuda(launches: list[int]) -> None:
+    """FP8 pools are not this kernel's: the fused path's other kernel writes them."""
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
+    _, _, xc, pc = cuda_call(draft, 64)
+    k_pool = torch.zeros(L, S, H, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    draft.m.into_pool(xc, pc, torch.randperm(S, device="cuda")[:64], k_pool, torch.zeros_like(k_pool))
+    assert launches == []
+    assert k_pool.view(torch.uint8).any()
+
+
+@pytest.mark.usefixtures("ws_everywhere")
 @pytest.mark.parametrize(
     ("rope_style", "rotary_dim", "bias"), [("gptj", 128, False), ("neox", 64, False), ("neox", 128, True)]
 )
@@ -151,7 +186,7 @@ def test_deterministic_and_graph_replay_cuda(launches: list[int]) -> None:
 
 def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
     """On a device the table knows, "auto" takes this kernel at T = 2048 (the oracle's K and V, no GEMM output)
-    and not at T = 300; per-layer pools are not its."""
+    and not at T = 300; into per-layer pools too."""
     if torch.cuda.get_device_name() not in _fused_ws.PROJECTION_WS_FASTER:
         pytest.skip("no measured table for this device")
     draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512)
@@ -161,7 +196,7 @@ def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
     assert launches == [2048]
     k_pool = torch.zeros(L, 4096, H, 128, dtype=torch.bfloat16, device="cuda")
     draft.m.into_pool(xc, pc, torch.randperm(4096, device="cuda")[:2048], list(k_pool), list(torch.zeros_like(k_pool)))
-    assert launches == [2048]
+    assert launches == [2048, 2048]
 
 
 def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:

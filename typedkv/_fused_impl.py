@@ -210,11 +210,30 @@ def project_kv_into_pool(
     eps = layer_eps(call.eps, hidden)
     k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
+    dims = plan.bound.dims
+    if (
+        _fused_ws.faster(hidden.device, dims["T"])
+        and _fused_ws.launchable_pool(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
+            head_dim=dims["D"], neox=call.rope_style == "neox",
+        )
+        and _fused_ws.aligned(hidden, kv_weight)
+    ):  # fmt: skip
+        destinations = (
+            k_dst,
+            geometry.strides(plan.bound, "k_pool", k_dst),
+            v_dst,
+            geometry.strides(plan.bound, "v_pool", v_dst),
+        )
+        _fused_ws.launch_pool(
+            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
+            destinations, table, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
+        )  # fmt: skip
+        return
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((table_multiple, aligned))
     if launch is None:
-        dims = plan.bound.dims
         launch = launches[table_multiple, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),

@@ -162,17 +162,95 @@ def launch(
     path from T = 2048 on, where a call's GPU time is over 250 us.
     """
     num_tokens = hidden.shape[0]
-    _, _, num_kv_heads, head_dim = k_out.shape
-    hd = num_kv_heads * head_dim
-    flat, cube = _smem_layout(2), _smem_layout(3)
-    a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], flat)
-    w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [BLOCK_N, BLOCK_K], flat)
+    hd = k_out.shape[2] * k_out.shape[3]
+    cube = _smem_layout(3)
     outs = [
         GluonDescriptor(
             out, [num_layers, num_tokens, hd], [out.stride(0), out.stride(1), 1], [1, BLOCK_M, BLOCK_N], cube
         )
         for out in (k_out, v_out)
     ]
+    # The pools' arguments unused: None (constexprs to Triton) and zeros.
+    pools: tuple[Any, ...] = (None, None, None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, 0, 0)
+    _launch_kernel(hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, (*outs, *pools), hd, {})
+
+
+def launchable_pool(
+    hidden: Any,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    cos_sin_cache: Any,
+    k_pool: Any,
+    scales: tuple[Any, Any],
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    neox: bool,
+) -> bool:
+    """Whether this kernel can compute a pool call of this layout: `launchable`'s list with pools of ``hidden``'s
+    dtype (not FP8, no scales) in place of the outputs (any page size, NHD or HND, stacked or per layer)."""
+    if not launchable(
+        hidden, kv_weight, kv_bias, cos_sin_cache, None, None, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        neox=neox,
+    ):  # fmt: skip
+        return False
+    first: Any
+    if isinstance(k_pool, torch.Tensor):
+        first = k_pool
+    else:
+        first = k_pool[0] if isinstance(k_pool, (list, tuple)) and k_pool else None
+    return isinstance(first, torch.Tensor) and first.dtype == hidden.dtype and scales[0] is None and scales[1] is None
+
+
+def launch_pool(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cache_loc: torch.Tensor,
+    destinations: tuple[torch.Tensor, tuple[int, int, int, int], torch.Tensor, tuple[int, int, int, int]],
+    table: torch.Tensor | None,
+    page_size: int,
+    num_rows: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """K and V of ``hidden`` into pool rows at ``cache_loc``'s slots, the call checked and `launchable_pool`.
+
+    ``destinations``: ``(k_dst, k_strides, v_dst, v_strides)`` as `typedkv._impl.pool_destinations` and
+    the pool geometry give them (strides ``(layer, page, slot in page, head)`` in elements);
+    ``table``: the ``[2, L]`` layer offsets of per-layer pools, or None (stacked).
+    """
+    k_dst, k_strides, v_dst, v_strides = destinations
+    pools = (
+        None, None, k_dst, v_dst, table, table.stride(0) if table is not None else 0,
+        table.stride(1) if table is not None else 0, *k_strides, *v_strides, cache_loc, cache_loc.stride(0), num_rows,
+    )  # fmt: skip
+    options = {"POOL": True, "PAGE": page_size, "TABLE": table is not None}
+    _launch_kernel(
+        hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, pools, num_kv_heads * head_dim, options
+    )
+
+
+def _launch_kernel(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    destinations: tuple[Any, ...],
+    hd: int,
+    options: dict[str, Any],
+) -> None:
+    """One launch: ``destinations`` the kernel's arguments from ``k_desc`` to ``num_rows``, ``options`` its
+    constexprs for pools."""
+    num_tokens = hidden.shape[0]
+    flat = _smem_layout(2)
+    a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], flat)
+    w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [BLOCK_N, BLOCK_K], flat)
     tiles_m = triton.cdiv(num_tokens, BLOCK_M)
     tiles_n = kv_weight.shape[0] // BLOCK_N
     num_tiles = tiles_m * tiles_n
@@ -182,10 +260,10 @@ def launch(
     eps_stride = eps.stride(0) if isinstance(eps, torch.Tensor) else 0
     norm = k_norm_weight if k_norm_weight is not None else kv_weight
     project_kv_ws_kernel[(min(num_tiles, _sm_count(hidden.device)),)](
-        a_desc, w_desc, outs[0], outs[1], 0.0 if per_layer else float(eps), eps_ptr, eps_stride,
+        a_desc, w_desc, *destinations, 0.0 if per_layer else float(eps), eps_ptr, eps_stride,
         norm, norm.stride(0), norm.stride(1),
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
-        HD=hd, D=head_dim, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, GROUP_M=GROUP_M, WARPS_M=NUM_WARPS,
-        WARPS_N=1, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS,
+        HD=hd, D=HEAD_DIM, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, GROUP_M=GROUP_M, WARPS_M=NUM_WARPS,
+        WARPS_N=1, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS, **options,
     )  # fmt: skip

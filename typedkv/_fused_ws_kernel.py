@@ -15,8 +15,9 @@ the storage dtype, as a GEMM that stores ``kv`` would; a K tile (the weight's
 rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
 never straddles the two) is RMS-normed per head in float32 and rounded, then
 NeoX-roped, a position outside ``[0, P)`` giving NaN; a V tile is stored as it
-is. Tiles go out by TMA stores into ``[L, T, H*D]`` views of the dense outputs,
-which clip the rows past ``T``; ``hidden``'s rows past ``T`` load as zeros.
+is. Tiles go out by TMA stores into ``[L, T, H*D]`` views of dense outputs,
+which clip the rows past ``T``, or into pool rows at the tokens' slots (`_store_rows`);
+``hidden``'s rows past ``T`` load as zeros.
 
 Gluon kernels do not run under Triton's interpreter: this kernel runs on the GPU
 only, and `typedkv._launch` takes it only where it may (`ws_launchable`).
@@ -50,7 +51,7 @@ except ImportError:  # no Gluon: nothing here can run, and importing the module 
 
 
 # Ints that change with the batch are not specialised on (a new T compiles nothing).
-_PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride")
+_PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride", "slots_stride")
 
 
 @_jit
@@ -138,12 +139,62 @@ def _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty: gl.constexpr, BM:
 
 
 @_jit
-def _consumer(a_bufs, w_bufs, ready, empty, k_desc, v_desc, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
-              num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
-              NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr):  # fmt: skip
-    """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store."""
-    out_ty: gl.constexpr = k_desc.block_type.element_ty
+def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+    """A tile of K (``part`` 0) or V (1) into the pools' rows, at the tokens' slots.
+
+    ``dst`` is ``(k_ptr, v_ptr, layer_offsets_ptr, offsets_stride_part, offsets_stride_layer,
+    k_strides, v_strides, slots_ptr, slots_stride, num_rows)``, each strides ``(layer, page,
+    slot in page, head)`` in elements; a layer starts ``layer * strides[0]`` from the pool's
+    address, or (``TABLE``) at the offset table's entry. Row ``r`` is page ``r // PAGE``, slot
+    ``r % PAGE``; a slot that is negative or ``>= num_rows`` skips the token. ``first``: the
+    tile's first column within the part's ``H*D``.
+    """
+    (
+        k_ptr,
+        v_ptr,
+        offsets_ptr,
+        offsets_stride_part,
+        offsets_stride_layer,
+        k_strides,
+        v_strides,
+        slots_ptr,
+        slots_stride,
+        num_rows,
+    ) = dst
+    if part == 0:
+        base = k_ptr
+        stride_l, stride_page, stride_slot, stride_h = k_strides
+    else:
+        base = v_ptr
+        stride_l, stride_page, stride_slot, stride_h = v_strides
+    if TABLE:
+        layer_start = gl.load(offsets_ptr + part * offsets_stride_part + layer * offsets_stride_layer)
+    else:
+        layer_start = layer.to(gl.int64) * stride_l
+    # Rows of 8 consecutive columns a thread: 16-byte stores where the addresses allow.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    vals = gl.convert_layout(out, layout)
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    slot = gl.load(slots_ptr + rows * slots_stride, mask=rows < num_tokens, other=-1).to(gl.int64)
+    ok = (rows < num_tokens) & (slot >= 0) & (slot < num_rows)
+    row_start = (slot // PAGE) * stride_page + (slot % PAGE) * stride_slot
+    col_start = (cols // D).to(gl.int64) * stride_h + cols % D
+    ptrs = base + layer_start + gl.expand_dims(row_start, 1) + gl.expand_dims(col_start, 0)
+    gl.store(ptrs, vals, mask=gl.expand_dims(ok, 1))
+
+
+@_jit
+def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
+              num_tiles, k_steps, out_ty: gl.constexpr, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr,
+              WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr,
+              PAGE: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
+    """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
+
+    ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools.
+    """
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
@@ -163,34 +214,53 @@ def _consumer(a_bufs, w_bufs, ready, empty, k_desc, v_desc, c_smem, norm, rope, 
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         layer = off_n // (2 * HD)
         col = off_n - layer * (2 * HD)
-        tma.store_wait(0)  # the last tile's store has read c_smem
         if col < HD:
             out = _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty, BM, BN, D, NORM, EPS_PER_LAYER,
-                          acc_layout)  # fmt: skip
-            c_smem.store(out.to(out_ty))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(k_desc, [layer, off_m, col], c_smem.reshape([1, BM, BN]))
+                          acc_layout).to(out_ty)  # fmt: skip
+            part = 0
+            first = col
         else:
-            # V is kv's value, bit for bit.
-            c_smem.store(acc.to(out_ty))
+            out = acc.to(out_ty)  # V is kv's value, bit for bit
+            part = 1
+            first = col - HD
+        if POOL:
+            _store_rows(out, dst, part, layer, off_m, first, num_tokens, D, BM, BN, PAGE, TABLE,
+                        WARPS_M * WARPS_N)  # fmt: skip
+        else:
+            tma.store_wait(0)  # the last tile's store has read c_smem
+            c_smem.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(v_desc, [layer, off_m, col - HD], c_smem.reshape([1, BM, BN]))
-    tma.store_wait(0)
+            if part == 0:
+                tma.async_copy_shared_to_global(dst[0], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+            else:
+                tma.async_copy_shared_to_global(dst[1], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+    if not POOL:
+        tma.store_wait(0)
 
 
 @_jit(do_not_specialize=_PER_CALL)
-def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l,
-                         weight_stride_d,
+def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_ptr, offsets_stride_part,
+                         offsets_stride_layer, k_stride_l, k_stride_page, k_stride_slot, k_stride_h, v_stride_l,
+                         v_stride_page, v_stride_slot, v_stride_h, slots_ptr, slots_stride, num_rows,
+                         eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d,
                          positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r,
                          num_tokens, tiles_m, tiles_n, num_tiles, k_steps,
                          HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
-                         NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr):  # fmt: skip
+                         NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = False):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
-    ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``. The tiles
+    ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
+    ``POOL``, the pools from ``k_ptr`` on (`_store_rows`; the descriptors None). The tiles
     ``program_id, program_id + num_programs, ...`` (one program per SM).
     """
+    if POOL:
+        dst = (k_ptr, v_ptr, offsets_ptr, offsets_stride_part, offsets_stride_layer,
+               (k_stride_l, k_stride_page, k_stride_slot, k_stride_h),
+               (v_stride_l, v_stride_page, v_stride_slot, v_stride_h), slots_ptr, slots_stride, num_rows)  # fmt: skip
+    else:
+        dst = (k_desc, v_desc)
     dtype: gl.constexpr = a_desc.block_type.element_ty
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
@@ -205,9 +275,9 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, eps, eps_ptr, eps_strid
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, w_bufs, ready, empty, k_desc, v_desc, c_smem, norm, rope, num_tokens, tiles_m,
-                         tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N, NORM,
-                         EPS_PER_LAYER)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
+                         tiles_n, num_tiles, k_steps, dtype, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N, NORM,
+                         EPS_PER_LAYER, POOL, PAGE, TABLE)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
                          BM, BN, BK, STAGES, GROUP_M)),
         ],

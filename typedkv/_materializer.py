@@ -433,17 +433,23 @@ class KVMaterializer(nn.Module):
     def _takes_ws(self, call: DenseCall | PoolCall, state: _State) -> bool:
         """Whether "auto" takes the fused path for its warp-specialised kernel (`typedkv._fused_ws`).
 
-        Dense calls that kernel can run (``hidden`` in kv's place in ``call``), at the T
-        measured faster there than GEMM + kernel; the fused path then launches it.
+        Calls that kernel can run (``hidden`` in kv's place in ``call``), dense or into pools,
+        at the T measured faster there than GEMM + kernel; the fused path then launches it.
         """
         hidden = call[0]
-        if self._path != "auto" or not isinstance(call, DenseCall) or not isinstance(hidden, Tensor):
+        if self._path != "auto" or not isinstance(hidden, Tensor) or hidden.dim() != 2:
             return False
-        if hidden.dim() != 2 or not _fused_ws.faster(hidden.device, hidden.shape[0]):
+        if not _fused_ws.faster(hidden.device, hidden.shape[0]):
             return False
+        neox = self.rope_style == "neox"
+        if isinstance(call, PoolCall):
+            return _fused_ws.launchable_pool(
+                hidden, state[0], state[1], state[4], call.k_pool, call.scales, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, neox=neox,
+            )  # fmt: skip
         return _fused_ws.launchable(
             hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, neox=self.rope_style == "neox",
+            head_dim=self.head_dim, neox=neox,
         )  # fmt: skip
 
     def _stand_in(self, hidden: Tensor, kept: _Kept | None) -> Tensor:
