@@ -98,15 +98,15 @@ def check() -> int:
 def main() -> int:
     if "--check" in sys.argv:
         return check()
+    from probe_timing import report
+
     from typedkv import _bench, _bench_e2e
 
     device = torch.device("cuda")
     draft = _bench_e2e.Draft()
     layers, rotary = _bench_e2e._layers(draft, device)
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    rows = slice(draft.num_heads * D, draft.num_heads * D + 2 * H * D)
-    weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
-    norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    weight, norm = _bench_e2e.kv_weights(draft, layers)
     flat = weight.reshape(L * 2 * H * D, draft.hidden)
     cos_sin = rotary.cos_sin_cache
     configs = AB if "--ab" in sys.argv else SWEEP
@@ -129,10 +129,7 @@ def main() -> int:
                 ]
                 times[_name(config)].append(_bench.gpu_time_us(calls, replays=15, min_calls=min_calls))
         _materializer(None, weight, norm, cos_sin, H)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"T={T} mm {med['mm']:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<44} {us / med['mm']:.3f}", flush=True)
+        report(f"T={T}", {k: statistics.median(v) for k, v in times.items()})
         torch.cuda.empty_cache()
     return 0
 

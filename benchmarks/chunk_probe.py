@@ -121,17 +121,14 @@ def check() -> int:
 def main() -> int:
     if "--check" in sys.argv:
         return check()
-    from probe_timing import measure
+    from probe_timing import measure, report
 
     device = torch.device("cuda")
     draft = Draft(5, 8, 128, 4096, device)
     for num_tokens in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536]:
         variants, _ = draft.calls(num_tokens, [1024, 2048, 4096])
         med, _ = measure(f"T={num_tokens}", variants, lambda name, calls: str(calls[0]()))
-        mm = med["mm"]
-        print(f"T={num_tokens} mm {mm:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<18} {us / mm:.3f}", flush=True)
+        report(f"T={num_tokens}", med)
         del variants
         torch.cuda.empty_cache()
     return 0

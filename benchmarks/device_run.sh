@@ -64,8 +64,15 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 ROOT=$(pwd)
+# One developer script of benchmarks/, at most LIMIT seconds, its output also in $OUT/NAME.txt:
+#   probe NAME SCRIPT LIMIT [ARG ...]
+probe() {
+    local name=$1 script=$2 limit=$3
+    shift 3
+    timeout "$limit" env PYTHONPATH="$ROOT:/tmp/site" python3 "benchmarks/$script" "$@" 2>&1 | tee "$OUT/$name.txt"
+}
 fused_sweep() {
-    timeout "${FUSED_SWEEP_S:-200}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py ${FUSED_SWEEP_T:-} 2>&1 | tee "$OUT/fused_sweep.txt"
+    probe fused_sweep fused_sweep.py "${FUSED_SWEEP_S:-200}" ${FUSED_SWEEP_T:-}
 }
 for step in $STEPS; do
     echo "=== $step"
@@ -143,7 +150,7 @@ for step in $STEPS; do
             python3 -m typedkv bench --only MLA --out "$OUT/bench-mla" 2>&1 | tail -60 | tee "$OUT/mla_bench.txt"
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
         mla_sweep)
-            timeout "${MLA_SWEEP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/mla_sweep.py 2>&1 | tee "$OUT/mla_sweep.txt" ;;
+            probe mla_sweep mla_sweep.py "${MLA_SWEEP_S:-240}" ;;
         fused_sweep)
             fused_sweep ;;
         host_profile)
@@ -161,13 +168,13 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                     | sed 's/^/nopdl /'
             done | tee "$OUT/pdl_e2e.txt" ;;
         tma)
-            timeout "${TMA_S:-400}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/tma_probe.py ${TMA_T:-} 2>&1 | tee "$OUT/tma.txt" ;;
+            probe tma tma_probe.py "${TMA_S:-400}" ${TMA_T:-} ;;
         splitk)
-            timeout "${SPLITK_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/splitk_probe.py ${SPLITK_T:-} 2>&1 | tee "$OUT/splitk.txt" ;;
+            probe splitk splitk_probe.py "${SPLITK_S:-240}" ${SPLITK_T:-} ;;
         persistent)
-            timeout "${PERSISTENT_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/persistent_probe.py ${PERSISTENT_T:-} 2>&1 | tee "$OUT/persistent.txt" ;;
+            probe persistent persistent_probe.py "${PERSISTENT_S:-240}" ${PERSISTENT_T:-} ;;
         epilogue)
-            timeout "${EPILOGUE_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/epilogue_probe.py ${EPILOGUE_T:-} 2>&1 | tee "$OUT/epilogue.txt" ;;
+            probe epilogue epilogue_probe.py "${EPILOGUE_S:-300}" ${EPILOGUE_T:-} ;;
         ncu_fused)
             for t in ${NCU_T:-64 2048}; do
                 timeout 200 ncu -k regex:project_kv_kernel --launch-skip 3 --launch-count 1 --set full \
@@ -178,20 +185,20 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 echo "T=$t"; python3 benchmarks/ncu_regions.py "$OUT/source_T$t.csv"
             done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
         gap)
-            timeout "${GAP_S:-240}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/e2e_gap.py ${GAP_T:-} 2>&1 | tee "$OUT/gap.txt" ;;
+            probe gap e2e_gap.py "${GAP_S:-240}" ${GAP_T:-} ;;
         chunk)
-            timeout "${CHUNK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/chunk_probe.py ${CHUNK_T:-} 2>&1 | tee "$OUT/chunk.txt" ;;
+            probe chunk chunk_probe.py "${CHUNK_S:-300}" ${CHUNK_T:-} ;;
         after_gemm)
-            timeout "${AFTER_GEMM_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/after_gemm_sweep.py ${AFTER_GEMM_T:-} 2>&1 | tee "$OUT/after_gemm.txt" ;;
+            probe after_gemm after_gemm_sweep.py "${AFTER_GEMM_S:-300}" ${AFTER_GEMM_T:-} ;;
         gluon)
-            timeout "${GLUON_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gluon_probe.py ${GLUON_T:-} 2>&1 | tee "$OUT/gluon.txt" ;;
+            probe gluon gluon_probe.py "${GLUON_S:-300}" ${GLUON_T:-} ;;
         ws_tests)
             timeout "${WS_TESTS_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused_ws.py 2>&1 \
                 | tail -30 | tee "$OUT/ws_tests.txt"
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
                 | tee "$OUT/e2e.txt" ;;
         streamk)
-            timeout "${STREAMK_S:-300}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/streamk_probe.py ${STREAMK_T:-} 2>&1 | tee "$OUT/streamk.txt" ;;
+            probe streamk streamk_probe.py "${STREAMK_S:-300}" ${STREAMK_T:-} ;;
         host_ratios)
             for round in $(seq "${HOST_ROUNDS:-3}"); do
                 for tree in ${HOST_TREES:-.old/base .}; do

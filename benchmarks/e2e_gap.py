@@ -30,9 +30,7 @@ def main() -> None:
     draft = _bench_e2e.Draft()
     layers, rotary = _bench_e2e._layers(draft, device)
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    rows = slice(draft.num_heads * D, draft.num_heads * D + 2 * H * D)
-    weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
-    norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    weight, norm = _bench_e2e.kv_weights(draft, layers)
     flat = weight.reshape(L * 2 * H * D, draft.hidden)
     other = torch.randn_like(flat) / 64
     cos_sin = rotary.cos_sin_cache

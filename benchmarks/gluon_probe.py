@@ -518,7 +518,7 @@ def compile_all(dump: str = "/tmp/gluon") -> int:
 def main() -> int:
     if "--compile" in sys.argv:
         return compile_all()
-    from probe_timing import gemm_inputs, measure
+    from probe_timing import gemm_inputs, measure, report
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -549,11 +549,7 @@ def main() -> int:
             error = (out.float() - expected.float()).abs().max().item()
             return f"{error:.3g}{'' if error <= 0.05 else ' WRONG'}"
 
-        med, errors = measure(f"T={num_tokens}", variants, verdict)
-        mm = med["mm"]
-        print(f"T={num_tokens} mm {mm:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<30} {us / mm:.3f}  (err {errors[name]})", flush=True)
+        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, verdict))
         torch.cuda.empty_cache()
     return 0
 

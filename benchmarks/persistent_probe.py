@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
-from probe_timing import gemm_inputs, measure
+from probe_timing import gemm_inputs, measure, report
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -106,11 +106,7 @@ def main() -> None:
                 return "nan" if out.isnan().any().item() else "-"
             return f"{(out.float() - ref.float()).abs().max().item():.3g}"
 
-        med, errors = measure(f"T={T}", variants, check, replays=5, min_calls=10)
-        mm = med["mm"]
-        print(f"T={T} mm {mm:.2f} us", flush=True)
-        for name, value in sorted(med.items(), key=lambda kv: kv[1]):
-            print(f"   {name} {value / mm:.3f} (err {errors[name]})", flush=True)
+        report(f"T={T}", *measure(f"T={T}", variants, check, replays=5, min_calls=10))
         torch.cuda.empty_cache()
 
 

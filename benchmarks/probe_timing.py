@@ -1,6 +1,7 @@
-"""What the GEMM probes (tma_probe.py, splitk_probe.py, persistent_probe.py, epilogue_probe.py) share.
+"""What the GEMM probes (tma_probe.py, splitk_probe.py, persistent_probe.py, epilogue_probe.py, ...) share.
 
-Their inputs at one T beside ``torch.mm`` (`gemm_inputs`); each variant checked once, then timed (`measure`).
+Their inputs at one T beside ``torch.mm`` (`gemm_inputs`); each variant checked once, then timed (`measure`);
+the medians printed over ``torch.mm``'s (`report`).
 
 Not part of the package; imported by those scripts (run as ``python benchmarks/NAME.py``, this
 directory first on the path).
@@ -56,3 +57,30 @@ def measure(
         for name in errors:
             times[name].append(_bench.gpu_time_us(variants[name], replays=replays, min_calls=min_calls))
     return {name: statistics.median(t) for name, t in times.items()}, errors
+
+
+def largest_error(
+    out: torch.Tensor, ref: torch.Tensor, calls: int = 1
+) -> Callable[[str, Sequence[Callable[[], object]]], str]:
+    """A `measure` check: a variant's first call run ``calls`` times into ``out`` (NaN before each, so that
+    a call that writes nothing shows), then its largest difference from ``ref``."""
+
+    def check(name: str, variant: Sequence[Callable[[], object]]) -> str:
+        for _ in range(calls):
+            out.fill_(float("nan"))
+            variant[0]()
+        torch.cuda.synchronize()
+        return f"{(out.float() - ref.float()).abs().max().item():.3g}"
+
+    return check
+
+
+def report(label: str, med: Mapping[str, float], errors: Mapping[str, str] | None = None) -> None:
+    """``label`` with ``torch.mm``'s median (``med["mm"]``, microseconds), then each variant's median over it,
+    fastest first, with its check's verdict (``errors``) where given."""
+    mm = med["mm"]
+    print(f"{label} mm {mm:.2f} us", flush=True)
+    width = max(map(len, med))
+    for name, us in sorted(med.items(), key=lambda item: item[1]):
+        verdict = f"  (err {errors[name]})" if errors is not None else ""
+        print(f"   {name:<{width}} {us / mm:.3f}{verdict}", flush=True)

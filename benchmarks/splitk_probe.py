@@ -16,12 +16,11 @@ benchmarks/NOTES.md) neither finer columns nor a split hidden dimension was fast
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-from probe_timing import gemm_inputs, measure
+from probe_timing import gemm_inputs, largest_error, measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -89,16 +88,8 @@ def main() -> None:
                             for h, o in zip(hiddens, outs, strict=True)
                         ]
 
-        def check(
-            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
-        ) -> str:
-            for _ in range(3):  # the counters must come back to zero: a second call checks them
-                out.fill_(float("nan"))
-                calls[0]()
-            torch.cuda.synchronize()
-            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
-
-        med, errors = measure(f"T={T}", variants, check)
+        # Three calls: the counters must come back to zero, which a second call checks.
+        med, errors = measure(f"T={T}", variants, largest_error(outs[0], ref, calls=3))
         mm = med["mm"]
         best = sorted(med.items(), key=lambda kv: kv[1])
         print(f"T={T} mm {mm:.2f} us; best: " + ", ".join(f"{k} {v / mm:.3f} (err {errors[k]})" for k, v in best[:10]))

@@ -141,7 +141,7 @@ def check() -> int:
 def main() -> int:
     if "--check" in sys.argv:
         return check()
-    from probe_timing import gemm_inputs, measure
+    from probe_timing import gemm_inputs, largest_error, measure, report
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -165,20 +165,8 @@ def main() -> int:
                     lambda g=gemm, d=d, o=o: g(d, o) for d, o in zip(descs, outs, strict=True)
                 ]
 
-        def verdict(
-            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
-        ) -> str:
-            for _ in range(3):  # the counters must come back to zero: later calls check them
-                out.fill_(float("nan"))
-                calls[0]()
-            torch.cuda.synchronize()
-            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
-
-        med, errors = measure(f"T={num_tokens}", variants, verdict)
-        mm = med["mm"]
-        print(f"T={num_tokens} mm {mm:.2f} us", flush=True)
-        for name, us in sorted(med.items(), key=lambda item: item[1]):
-            print(f"   {name:<24} {us / mm:.3f}  (err {errors[name]})", flush=True)
+        # Three calls: the counters must come back to zero, which later calls check.
+        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, largest_error(outs[0], ref, calls=3)))
         torch.cuda.empty_cache()
     return 0
 

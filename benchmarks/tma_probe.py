@@ -12,12 +12,11 @@ Prints each variant's time over ``torch.mm``'s and its largest difference from i
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-from probe_timing import gemm_inputs, measure
+from probe_timing import gemm_inputs, largest_error, measure
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -81,14 +80,7 @@ def main() -> None:
                             for a, o in zip(a_descs, outs, strict=True)
                         ]
 
-        def check(
-            name: str, calls: Sequence[Callable[[], object]], out: torch.Tensor = outs[0], ref: torch.Tensor = ref
-        ) -> str:
-            calls[0]()
-            torch.cuda.synchronize()
-            return f"{(out.float() - ref.float()).abs().max().item():.3g}"
-
-        med, errors = measure(f"T={T}", variants, check)
+        med, errors = measure(f"T={T}", variants, largest_error(outs[0], ref))
         mm = med["mm"]
         best = sorted(med.items(), key=lambda kv: kv[1])
         print(f"T={T} mm {mm:.2f} us; best: " + ", ".join(f"{k} {v / mm:.3f} (err {errors[k]})" for k, v in best[:8]))

@@ -98,6 +98,17 @@ def _layers(draft: Draft, device: torch.device) -> tuple[list[SimpleNamespace], 
     return layers, rotary
 
 
+def kv_weights(draft: Draft, layers: Sequence[SimpleNamespace]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight, norm)`` of `_layers`' draft as `KVMaterializer` takes them.
+
+    ``weight`` ``[L, 2*H*D, hidden]``: each layer's K and V rows of its QKV projection,
+    stacked; ``norm`` ``[L, D]``: each layer's K norm weight.
+    """
+    rows = slice(draft.num_heads * draft.head_dim, (draft.num_heads + 2 * draft.num_kv_heads) * draft.head_dim)
+    weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
+    return weight, torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+
+
 def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
     """The bench's end-to-end section: sglang's helper included when its file can be loaded."""
     sglang, where = load_sglang()
@@ -116,9 +127,7 @@ def run_e2e(
     draft = draft or Draft()
     layers, rotary = _layers(draft, device)
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    rows = slice(draft.num_heads * D, draft.num_heads * D + 2 * H * D)
-    weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
-    norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    weight, norm = kv_weights(draft, layers)
     # "auto" and each path pinned; the stacked weight is shared, not copied.
     materializers = {}
     for path in ("auto", "gemm", "fused"):

@@ -1061,16 +1061,18 @@ def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int
     half, head, rest, block_k = blocks
     shape, strides = list(kv_weight.shape), list(kv_weight.stride())
 
-    def descriptor(rows: int) -> Any:
-        return TensorDescriptor(kv_weight, shape, strides, [rows, block_k])
+    def descriptor(place: torch.Tensor | None, rows: int) -> Any:
+        return None if place is None else TensorDescriptor(kv_weight, shape, strides, [rows, block_k])
 
-    if not rest:
-        return None, descriptor(head), None
-    return descriptor(half), descriptor(head), descriptor(rest)
+    places = _descriptor_places(kv_weight, blocks)
+    return descriptor(places[0], half), descriptor(places[1], head), descriptor(places[2], rest)
 
 
 def _descriptor_places(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
-    """`weight_descriptors`' three places, the weight in those that hold a descriptor (None in the others)."""
+    """`weight_descriptors`' three places, the weight in those that hold a descriptor (None in the others).
+
+    A head of full rotary (no pass-through rows, ``blocks[2]`` 0) loads K as a whole head: only
+    the middle place holds one."""
     if blocks is None:
         return None, None, None
     if not blocks[2]:
