@@ -227,7 +227,7 @@ def project_kv_into_pool(
         )
         _fused_ws.launch_pool(
             hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            destinations, table, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
+            destinations, table, table_multiple, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
         )  # fmt: skip
         return
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)

@@ -212,6 +212,7 @@ def launch_pool(
     cache_loc: torch.Tensor,
     destinations: tuple[torch.Tensor, tuple[int, int, int, int], torch.Tensor, tuple[int, int, int, int]],
     table: torch.Tensor | None,
+    table_multiple: int,
     page_size: int,
     num_rows: int,
     num_kv_heads: int,
@@ -221,14 +222,15 @@ def launch_pool(
 
     ``destinations``: ``(k_dst, k_strides, v_dst, v_strides)`` as `typedkv._impl.pool_destinations` and
     the pool geometry give them (strides ``(layer, page, slot in page, head)`` in elements);
-    ``table``: the ``[2, L]`` layer offsets of per-layer pools, or None (stacked).
+    ``table``: the ``[2, L]`` layer offsets of per-layer pools, or None (stacked); ``table_multiple``
+    what every offset is a multiple of (`typedkv._device_tables.layer_table`; 0 without a table).
     """
     k_dst, k_strides, v_dst, v_strides = destinations
     pools = (
         None, None, k_dst, v_dst, table, table.stride(0) if table is not None else 0,
         table.stride(1) if table is not None else 0, *k_strides, *v_strides, cache_loc, cache_loc.stride(0), num_rows,
     )  # fmt: skip
-    options = {"POOL": True, "PAGE": page_size, "TABLE": table is not None}
+    options = {"POOL": True, "PAGE": page_size, "TABLE": table_multiple}
     _launch_kernel(
         hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, pools, num_kv_heads * head_dim, options
     )

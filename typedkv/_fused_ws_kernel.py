@@ -146,9 +146,9 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr
     ``dst`` is ``(k_ptr, v_ptr, layer_offsets_ptr, offsets_stride_part, offsets_stride_layer,
     k_strides, v_strides, slots_ptr, slots_stride, num_rows)``, each strides ``(layer, page,
     slot in page, head)`` in elements; a layer starts ``layer * strides[0]`` from the pool's
-    address, or (``TABLE``) at the offset table's entry. Row ``r`` is page ``r // PAGE``, slot
-    ``r % PAGE``; a slot that is negative or ``>= num_rows`` skips the token. ``first``: the
-    tile's first column within the part's ``H*D``.
+    address, or (``TABLE`` > 0) at the offset table's entry, a multiple of ``TABLE`` elements.
+    Row ``r`` is page ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows``
+    skips the token. ``first``: the tile's first column within the part's ``H*D``.
     """
     (
         k_ptr,
@@ -169,7 +169,11 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr
         base = v_ptr
         stride_l, stride_page, stride_slot, stride_h = v_strides
     if TABLE:
-        layer_start = gl.load(offsets_ptr + part * offsets_stride_part + layer * offsets_stride_layer)
+        # The multiple is known (16 bytes' elements when every layer starts on 16 bytes): the
+        # stores stay 16-byte vectors, as with a stacked pool.
+        layer_start = gl.multiple_of(
+            gl.load(offsets_ptr + part * offsets_stride_part + layer * offsets_stride_layer), TABLE
+        )
     else:
         layer_start = layer.to(gl.int64) * stride_l
     # Rows of 8 consecutive columns a thread: 16-byte stores where the addresses allow.
@@ -248,7 +252,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                          HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
                          NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
-                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = False):  # fmt: skip
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
