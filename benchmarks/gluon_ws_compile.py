@@ -3,7 +3,9 @@
 Not part of the package. Usage, with a Triton that has Gluon's 3.6 API on PYTHONPATH
 (``pip install --target /tmp/v36 triton==3.6.0``)::
 
-    PYTHONPATH=/tmp/v36:. python benchmarks/gluon_ws_compile.py
+    PYTHONPATH=/tmp/v36:. python benchmarks/gluon_ws_compile.py [block_m=64 warps_m=4 warps_n=2 stages=4]
+
+(the arguments: other tiles than `typedkv._fused_ws.WS_TILES`' last row, field by field).
 
 Compiles `typedkv._fused_ws_kernel.project_kv_ws_kernel` as `typedkv._fused_ws` launches it
 (the bench's shape: L = 5, H = 8, D = 128, bf16) for dense outputs and for pools (stacked or
@@ -29,6 +31,8 @@ from typedkv._fused_ws_kernel import project_kv_ws_kernel
 
 HD = 8 * 128
 DUMP = "/tmp/gluon_ws"
+# The tiles: `_fused_ws.WS_TILES`' last row, fields overridden by arguments as ``block_m=64 warps_n=2``.
+TILES = _fused_ws.WS_TILES[-1][1]._replace(**{k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
 
 
 def _desc(block: list[int]) -> str:
@@ -39,7 +43,7 @@ def _desc(block: list[int]) -> str:
 def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, str], dict[str, object]]:
     """Each argument's type as the launch gives it, and the constexprs (pointers left None are constexprs)."""
     names = list(project_kv_ws_kernel.arg_names)
-    m, n, k = _fused_ws.BLOCK_M, _fused_ws.BLOCK_N, _fused_ws.BLOCK_K
+    m, n, k = TILES.block_m, _fused_ws.BLOCK_N, _fused_ws.BLOCK_K
     types: dict[str, str] = {
         "a_desc": _desc([m, k]),
         "w_desc": _desc([n, k]),
@@ -50,8 +54,8 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
         "cos_sin_ptr": "*fp32",
     }
     const: dict[str, object] = {
-        "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": _fused_ws.STAGES, "GROUP_M": _fused_ws.GROUP_M,
-        "WARPS_M": _fused_ws.NUM_WARPS, "WARPS_N": 1, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
+        "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": TILES.stages, "GROUP_M": TILES.group_m,
+        "WARPS_M": TILES.warps_m, "WARPS_N": TILES.warps_n, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
         "POOL": pool, "PAGE": 1, "TABLE": table,
     }  # fmt: skip
     if pool:

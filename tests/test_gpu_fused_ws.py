@@ -44,15 +44,15 @@ def ws_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The token counts of the kernel's launches, in order."""
+    """The token counts of the kernel's launches (dense and into pools), in order."""
     seen: list[int] = []
-    real = _fused_ws.launch
+    real = _fused_ws._launch_kernel
 
     def counted(hidden: Tensor, *args: object) -> None:
         seen.append(hidden.shape[0])
         real(hidden, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_fused_ws, "launch", counted)
+    monkeypatch.setattr(_fused_ws, "_launch_kernel", counted)
     yield seen
 
 
@@ -134,6 +134,30 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
     for pool in (k_pool, v_pool):
         assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
     assert launches == [300]
+
+
+@pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("layout", ["dense", "list", "HND"])
+@pytest.mark.parametrize("num_tokens", [1, 65, 300])
+def test_64_token_tiles_cuda(
+    monkeypatch: pytest.MonkeyPatch, launches: list[int], num_tokens: int, layout: str
+) -> None:
+    """The other tiles `benchmarks/ws_sweep.py --tiles` times (64 tokens, the warpgroups side by side, a head
+    each): the oracle's K and V, dense and into pools."""
+    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, _fused_ws.Tiles(64, 4, 8, 4, 2)),))
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=1000)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    want = draft.oracle(x, positions)
+    if layout == "dense":
+        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
+    else:
+        cache_loc = torch.randperm(S)[:num_tokens]
+        k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+        draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+        got = (_rows(k_pool, cache_loc, layout), _rows(v_pool, cache_loc, layout))
+        assert_matches_oracle(got, want, torch.bfloat16)
+    assert launches == [num_tokens]
 
 
 @pytest.mark.usefixtures("ws_everywhere")

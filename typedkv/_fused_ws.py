@@ -28,7 +28,7 @@ import functools
 import importlib
 import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -43,10 +43,35 @@ except (ImportError, AttributeError):
     gl = GluonDescriptor = None
 
 HEAD_DIM = 128
-# Tiles of 128 tokens by two heads' rows, 64 hidden columns a step, 3 ring slots, bands of 8
-# token blocks, two consumer warpgroups (benchmarks/gluon_probe.py, H200: the fastest of
-# 128 x 128 / 128 x 256 / 64 x 256 tiles, one program a tile or persistent, plain or TMA stores).
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 256, 64, 3, 8, 8
+# A tile is two heads' weight rows (never across K and V), 64 hidden columns a step.
+BLOCK_N, BLOCK_K = 256, 64
+
+
+class Tiles(NamedTuple):
+    """A launch's tiles: ``block_m`` tokens, ``stages`` ring slots, bands of ``group_m`` token blocks, and
+    the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (8 in all: two
+    warpgroups; a warpgroup's wgmma takes 64 rows)."""
+
+    block_m: int
+    stages: int
+    group_m: int
+    warps_m: int
+    warps_n: int
+
+
+# (most tokens, tiles). 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two
+# warpgroups one above the other (benchmarks/gluon_probe.py, H200: the fastest of 128 x 128 /
+# 128 x 256 / 64 x 256 tiles, one program a tile or persistent, plain or TMA stores, at
+# T = 2048-65536). `benchmarks/ws_sweep.py --tiles` compares 64 x 256 (the warpgroups side by
+# side, a head each) below 2048; not measured yet.
+WS_TILES: tuple[tuple[float, Tiles], ...] = ((math.inf, Tiles(128, 3, 8, 8, 1)),)
+NUM_WARPS = 8
+
+
+def tiles(num_tokens: int) -> Tiles:
+    """The tiles `WS_TILES` gives ``num_tokens``."""
+    return next(t for most, t in WS_TILES if num_tokens <= most)
+
 
 # Where it beats GEMM + kernel, per device (torch.cuda.get_device_name): [low, high) token
 # counts. H200, L=5, H=8, D=128, hidden 4096, bf16, each / torch.mm alone
@@ -164,9 +189,10 @@ def launch(
     num_tokens = hidden.shape[0]
     hd = k_out.shape[2] * k_out.shape[3]
     cube = _smem_layout(3)
+    block_m = tiles(num_tokens).block_m
     outs = [
         GluonDescriptor(
-            out, [num_layers, num_tokens, hd], [out.stride(0), out.stride(1), 1], [1, BLOCK_M, BLOCK_N], cube
+            out, [num_layers, num_tokens, hd], [out.stride(0), out.stride(1), 1], [1, block_m, BLOCK_N], cube
         )
         for out in (k_out, v_out)
     ]
@@ -250,10 +276,11 @@ def _launch_kernel(
     """One launch: ``destinations`` the kernel's arguments from ``k_desc`` to ``num_rows``, ``options`` its
     constexprs for pools."""
     num_tokens = hidden.shape[0]
+    shape = tiles(num_tokens)
     flat = _smem_layout(2)
-    a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], flat)
+    a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [shape.block_m, BLOCK_K], flat)
     w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [BLOCK_N, BLOCK_K], flat)
-    tiles_m = triton.cdiv(num_tokens, BLOCK_M)
+    tiles_m = triton.cdiv(num_tokens, shape.block_m)
     tiles_n = kv_weight.shape[0] // BLOCK_N
     num_tiles = tiles_m * tiles_n
     per_layer = isinstance(eps, torch.Tensor)
@@ -266,6 +293,6 @@ def _launch_kernel(
         norm, norm.stride(0), norm.stride(1),
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
-        HD=hd, D=HEAD_DIM, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, GROUP_M=GROUP_M, WARPS_M=NUM_WARPS,
-        WARPS_N=1, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS, **options,
+        HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=BLOCK_N, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
+        WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS, **options,
     )  # fmt: skip
