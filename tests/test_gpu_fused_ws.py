@@ -6,7 +6,8 @@ measured table gives (H200: 2048). Here the table is widened to every T
 kernel's launches, so that a test of this kernel cannot pass on another one.
 Inputs on the grid of tests/test_fused_projection.py make the GEMM exact in
 float32: V bit for bit, K within one storage ulp of the float64 oracle.
-Gluon kernels do not run under Triton's interpreter: this file has no CPU twin.
+Gluon kernels do not run under Triton's interpreter: this file has no CPU twin
+(tests/test_fused_ws.py checks, on the CPU, the Triton releases it is taken under).
 Skipped (by conftest) where no CUDA device is present, and here where the kernel
 cannot run (not Hopper, or another Gluon API).
 """
