@@ -297,5 +297,6 @@ def _launch_kernel(
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
         HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=BLOCK_N, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
-        WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer, num_warps=NUM_WARPS, **options,
+        WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
+        num_warps=NUM_WARPS, **options,
     )  # fmt: skip
