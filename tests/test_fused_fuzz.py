@@ -23,18 +23,21 @@ Derandomized: CI runs the same examples every time.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_fused_projection import DTYPES, INTERPRETED, Draft, L, Oracle, P, assert_matches_oracle
 from torch import Tensor
 
 import typedkv
+from typedkv import _launch
+from typedkv._materializer import ProjectionPath
 
 H = 2  # the Draft's heads (test_fused_projection.H)
 GUARD = 0x35  # a byte finite in every storage and FP8 dtype
@@ -131,13 +134,14 @@ def _positions(case: Case, positions: Tensor) -> Tensor:
 # ------------------------------------------------------------------ dense
 
 
-def check_dense(case: Case, device: torch.device) -> None:
-    """The fused path's K and V into dense outputs: the oracle's, and nothing written beside the views."""
+def check_dense(case: Case, device: torch.device, path: ProjectionPath = "fused") -> Draft:
+    """A path's K and V into dense outputs: the oracle's, and nothing written beside the views (the draft
+    returned)."""
     draft = _draft(case, device)
     x, positions = draft.call(case.num_tokens, seed=case.seed + 1)
     positions = _positions(case, positions)
     m = draft.m
-    m.projection_path = "fused"
+    m.projection_path = path
     if case.destination == "new":
         k, v = m(x.to(device), positions.to(device))
     else:
@@ -152,6 +156,7 @@ def check_dense(case: Case, device: torch.device) -> None:
         rest[1, :, 1 : 1 + case.num_tokens, :, d:] = False
         assert (slab[rest] == 3.0).all(), "written outside the output views"
     assert_matches_oracle((k.cpu(), v.cpu()), draft.oracle(x, positions), case.dtype)
+    return draft
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -167,6 +172,20 @@ def test_dense_outputs_hold_the_oracle(mode: str, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_dense_outputs_hold_the_oracle_cuda(mode: str, data: st.DataObject) -> None:
     check_dense(data.draw(cases(mode == "production", pool=False, max_tokens=80, max_hidden=300)), CUDA)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@FUZZ
+@given(data=st.data())
+def test_gemm_path_with_v_from_the_gemm_holds_the_oracle(mode: str, data: st.DataObject) -> None:
+    """GEMM + kernel, where the measured table (widened here to every T) has the GEMM write V straight into
+    the outputs and the kernel read K alone (under the interpreter; plain CPU has no kernel: GEMM + reference)."""
+    # Without a bias (the GEMM that writes V takes none); outputs given as views stay GEMM + kernel.
+    case = data.draw(cases(mode == "production", pool=False).filter(lambda c: not c.bias))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((1, math.inf),))
+        draft = check_dense(case, CPU, "gemm")
+    event(f"ways: {sorted(kept.way for kept in draft.m._plans._plans.values())}")
 
 
 # ------------------------------------------------------------------- pools
