@@ -14,7 +14,9 @@ or past the pool; debug mode rejects those, so its calls have none. Checked:
 - a pool holds GEMM + kernel's V values (a zero's sign aside), K within one FP8
   step of its K in an FP8 pool, the rows no token names untouched, and in a
   pool of the storage dtype the oracle's K and V at the named rows (so a
-  mistake both paths share shows too).
+  mistake both paths share shows too);
+- GEMM + kernel with V written by the GEMM itself (dense outputs, the table that
+  picks that way widened to every T) holds the same oracle.
 
 Examples per test: 60 on plain CPU, 12 under the interpreter (each call runs the
 kernel there); ``TYPEDKV_FUZZ_EXAMPLES=N`` for a longer or shorter hunt.
