@@ -103,11 +103,8 @@ def main() -> int:
     from typedkv import _bench, _bench_e2e
 
     device = torch.device("cuda")
-    draft = _bench_e2e.Draft()
-    layers, rotary = _bench_e2e._layers(draft, device)
+    draft, _, rotary, weight, norm, flat = _bench_e2e.bench_draft(device)
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    weight, norm = _bench_e2e.kv_weights(draft, layers)
-    flat = weight.reshape(L * 2 * H * D, draft.hidden)
     cos_sin = rotary.cos_sin_cache
     configs = AB if "--ab" in sys.argv else SWEEP
     rounds = 7 if "--ab" in sys.argv else 3

@@ -27,11 +27,8 @@ from typedkv import _bench, _bench_e2e
 def main() -> None:
     tokens = [int(a) for a in sys.argv[1:]] or [64, 256, 2048, 16384]
     device = torch.device("cuda")
-    draft = _bench_e2e.Draft()
-    layers, rotary = _bench_e2e._layers(draft, device)
-    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    weight, norm = _bench_e2e.kv_weights(draft, layers)
-    flat = weight.reshape(L * 2 * H * D, draft.hidden)
+    draft, _, rotary, weight, norm, flat = _bench_e2e.bench_draft(device)
+    H = draft.num_kv_heads
     other = torch.randn_like(flat) / 64
     cos_sin = rotary.cos_sin_cache
     gemm_m = typedkv.KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)

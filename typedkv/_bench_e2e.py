@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -98,15 +98,25 @@ def _layers(draft: Draft, device: torch.device) -> tuple[list[SimpleNamespace], 
     return layers, rotary
 
 
-def kv_weights(draft: Draft, layers: Sequence[SimpleNamespace]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight, norm)`` of `_layers`' draft as `KVMaterializer` takes them.
+class BenchDraft(NamedTuple):
+    """The bench's draft built on a device: its layers and weights as each implementation takes them."""
 
-    ``weight`` ``[L, 2*H*D, hidden]``: each layer's K and V rows of its QKV projection,
-    stacked; ``norm`` ``[L, D]``: each layer's K norm weight.
-    """
+    draft: Draft
+    layers: list[SimpleNamespace]  # sglang-shaped (`_layers`)
+    rotary: SimpleNamespace
+    weight: torch.Tensor  # [L, 2*H*D, hidden]: each layer's K and V rows of its QKV projection, as KVMaterializer
+    norm: torch.Tensor  # [L, D]: each layer's K norm weight
+    flat: torch.Tensor  # [L*2*H*D, hidden]: ``weight`` as one torch.mm takes it (a view)
+
+
+def bench_draft(device: torch.device, draft: Draft | None = None) -> BenchDraft:
+    """``draft`` (the bench's by default) built on ``device`` (`BenchDraft`)."""
+    draft = draft or Draft()
+    layers, rotary = _layers(draft, device)
     rows = slice(draft.num_heads * draft.head_dim, (draft.num_heads + 2 * draft.num_kv_heads) * draft.head_dim)
     weight = torch.stack([layer.self_attn.qkv_proj.weight[rows] for layer in layers]).contiguous()
-    return weight, torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    norm = torch.stack([layer.self_attn.k_norm.weight for layer in layers])
+    return BenchDraft(draft, layers, rotary, weight, norm, weight.flatten(0, 1))
 
 
 def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
@@ -124,16 +134,13 @@ def run_e2e(
     sglang: ModuleType | None = None,
 ) -> dict[str, Any]:
     """Time every implementation at each T; per row microseconds and ratios between them."""
-    draft = draft or Draft()
-    layers, rotary = _layers(draft, device)
-    L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
-    weight, norm = kv_weights(draft, layers)
+    draft, layers, rotary, weight, norm, flat = bench_draft(device, draft)
+    H, D = draft.num_kv_heads, draft.head_dim
     # "auto" and each path pinned; the stacked weight is shared, not copied.
     materializers = {}
     for path in ("auto", "gemm", "fused"):
         materializers[path] = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=H)
         materializers[path].projection_path = path
-    flat = weight.reshape(L * 2 * H * D, draft.hidden)
     theirs = None
     if sglang is not None:
         theirs = sglang.FusedKVMaterializeHelper(layers, rotary, H, D, device, max_position_hint=draft.max_position)
