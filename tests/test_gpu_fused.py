@@ -555,9 +555,10 @@ def test_split_matches_gemm_path_on_random_inputs_cuda(monkeypatch: pytest.Monke
     x = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()
     positions = torch.randint(0, P, (2048,), device="cuda", generator=g)
     got = m(x, positions)
-    from typedkv import _launch
+    from typedkv import _fused_ws, _launch
 
     monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, torch.cuda.get_device_name(), ())
+    monkeypatch.setitem(_fused_ws.PROJECTION_WS_FASTER, torch.cuda.get_device_name(), ())
     m.projection_path = "auto"  # a new key: the layout checked again, and now GEMM + kernel
     want = m(x, positions)
     assert _ways(m) == {"split", "gemm"}

@@ -29,8 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_device_tables", "_value_checks"),
     ("_checking",),
     ("_annotations", "_messages"),
-    ("_reference", "_launch"),
-    ("_kernel", "_mla_kernel", "_fused_kernel"),
+    ("_reference", "_launch", "_fused_ws"),
+    ("_kernel", "_mla_kernel", "_fused_kernel", "_fused_ws_kernel"),
     ("_epilogue",),  # the jit pieces the kernels share
     ("_config", "_errors", "_types"),
 )

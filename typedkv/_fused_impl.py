@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _launch
+from . import _fused_ws, _launch
 from ._checking import Bound, Signature
 from ._device_tables import layer_eps
 from ._impl import (
@@ -123,11 +123,23 @@ def project_kv(
     if plan.empty:
         return k_out, v_out
     eps = layer_eps(call.eps, hidden)
+    dims = plan.bound.dims
+    if (
+        _fused_ws.faster(hidden.device, dims["T"])
+        and _fused_ws.launchable(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, k_out, v_out, num_kv_heads=dims["H"], head_dim=dims["D"],
+            neox=call.rope_style == "neox",
+        )
+        and _fused_ws.aligned(hidden, kv_weight, k_out, v_out)
+    ):  # fmt: skip
+        _fused_ws.launch(
+            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
+        )
+        return k_out, v_out
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((0, aligned))
     if launch is None:
-        dims = plan.bound.dims
         launch = launches[0, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
             k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
@@ -198,11 +210,30 @@ def project_kv_into_pool(
     eps = layer_eps(call.eps, hidden)
     k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
+    dims = plan.bound.dims
+    if (
+        _fused_ws.faster(hidden.device, dims["T"])
+        and _fused_ws.launchable_pool(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
+            head_dim=dims["D"], neox=call.rope_style == "neox",
+        )
+        and _fused_ws.aligned(hidden, kv_weight)
+    ):  # fmt: skip
+        destinations = (
+            k_dst,
+            geometry.strides(plan.bound, "k_pool", k_dst),
+            v_dst,
+            geometry.strides(plan.bound, "v_pool", v_dst),
+        )
+        _fused_ws.launch_pool(
+            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
+            destinations, table, table_multiple, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
+        )  # fmt: skip
+        return
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((table_multiple, aligned))
     if launch is None:
-        dims = plan.bound.dims
         launch = launches[table_multiple, aligned] = _launch.projection_launch(
             hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
             k_dst, geometry.strides(plan.bound, "k_pool", k_dst),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _launch, _torch_ops
+from . import _fused_ws, _launch, _torch_ops
 from ._api import DENSE_OPS, POOL_OPS, materialize_kv, materialize_kv_into_pool
 from ._checking import Bound, Signature, fingerprint
 from ._errors import InputError
@@ -389,7 +389,7 @@ class KVMaterializer(nn.Module):
     def _way(self, call: DenseCall | PoolCall, state: _State) -> _Way:
         """How an eager call of a new layout computes (`_Way`), ``hidden`` in kv's place in ``call``."""
         hidden = call[0]
-        if self._takes_fused(hidden, state):
+        if self._takes_fused(hidden, state) or self._takes_ws(call, state):
             return "fused"
         if (
             isinstance(call, DenseCall)
@@ -429,6 +429,28 @@ class KVMaterializer(nn.Module):
             _launch.weight_blocks(weight, self.head_dim, rotary_dim, self.rope_style == "neox") is not None
         )
         return _launch.projection_fused_faster(hidden.device, hidden.shape[0], tma)
+
+    def _takes_ws(self, call: DenseCall | PoolCall, state: _State) -> bool:
+        """Whether "auto" takes the fused path for its warp-specialised kernel (`typedkv._fused_ws`).
+
+        Calls that kernel can run (``hidden`` in kv's place in ``call``), dense or into pools,
+        at the T measured faster there than GEMM + kernel; the fused path then launches it.
+        """
+        hidden = call[0]
+        if self._path != "auto" or not isinstance(hidden, Tensor) or hidden.dim() != 2:
+            return False
+        if not _fused_ws.faster(hidden.device, hidden.shape[0]):
+            return False
+        neox = self.rope_style == "neox"
+        if isinstance(call, PoolCall):
+            return _fused_ws.launchable_pool(
+                hidden, state[0], state[1], state[4], call.k_pool, call.scales, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, neox=neox,
+            )  # fmt: skip
+        return _fused_ws.launchable(
+            hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, neox=neox,
+        )  # fmt: skip
 
     def _stand_in(self, hidden: Tensor, kept: _Kept | None) -> Tensor:
         """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`).

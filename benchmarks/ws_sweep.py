@@ -1,0 +1,53 @@
+"""Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
+
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles] [T ...]``.
+The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
+medians), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
+so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
+rounds; per T and round, each / ``torch.mm`` alone: that kernel (dense, per-layer pools) and
+GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
+
+``--tiles``: each round twice, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (128 tokens by
+two heads, the warpgroups one above the other) and with 64 tokens by two heads (the warpgroups side
+by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256 to 4096 unless given.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from typedkv import _bench, _bench_e2e, _fused_ws
+
+TILES = {
+    "128x256": _fused_ws.WS_TILES,
+    "64x256": ((math.inf, _fused_ws.Tiles(64, 4, 8, 4, 2)),),
+}
+
+
+def main() -> None:
+    compare = "--tiles" in sys.argv
+    given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
+    default = [256, 512, 1024, 2048, 4096] if compare else [256, 512, 768, 1024, 1536, 2048, 4096, 16384, 65536]
+    tokens = given or default
+    device = torch.device("cuda")
+    _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
+    print(f"{'round':>5} {'tiles':>8} {'T':>6} {'mm us':>9} {'ws':>6} {'ws pool':>8} {'gemm':>6} {'gemm pool':>9}")
+    for round_ in (1, 2):
+        for name, table in TILES.items() if compare else [("128x256", _fused_ws.WS_TILES)]:
+            _fused_ws.WS_TILES = table
+            for row in _bench_e2e.run_e2e(_bench.gpu_time_us, device, tokens)["rows"]:
+                r = row["ratio"]
+                print(
+                    f"{round_:>5} {name:>8} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "
+                    f"{r['typedkv_pool_fused / mm']:>8.3f} {r['typedkv_gemm / mm']:>6.3f} "
+                    f"{r['typedkv_pool_gemm / mm']:>9.3f}",
+                    flush=True,
+                )
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The projection kernel for Hopper, warp-specialised (Gluon): ``hidden @ W^T`` with the K/V epilogue, math only.
+
+`typedkv._fused_kernel` runs one program per (token block, head) and its K
+epilogue does not overlap any loads: 1.2x ``torch.mm`` from T = 2048 on (H200).
+This kernel, written in Gluon (``triton.experimental.gluon``, Triton 3.6's API,
+sm_90 only), is persistent: one program per SM takes tiles of ``BM`` tokens by
+``BN`` weight rows (two heads) in turn. In each program a producer warp issues
+the TMA loads of ``hidden``'s and the weight's tiles into a ring of ``STAGES``
+shared-memory slots (an mbarrier each way per slot), ahead of the consumer
+warpgroups, which multiply by wgmma as slots fill. So the next tile's loads
+are in flight during a tile's epilogue.
+
+The epilogue follows `typedkv._fused_kernel` step by step: each tile rounded to
+the storage dtype, as a GEMM that stores ``kv`` would; a K tile (the weight's
+rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
+never straddles the two) is RMS-normed per head in float32 and rounded, then
+NeoX-roped, a position outside ``[0, P)`` giving NaN; a V tile is stored as it
+is. Tiles go out by TMA stores into ``[L, T, H*D]`` views of dense outputs,
+which clip the rows past ``T``, or into pool rows at the tokens' slots (`_store_rows`);
+``hidden``'s rows past ``T`` load as zeros.
+
+Gluon kernels do not run under Triton's interpreter: this kernel runs on the GPU
+only, and `typedkv._launch` takes it only where it may (`ws_launchable`).
+"""
+
+from __future__ import annotations
+
+# Parameters deliberately unannotated, as in `typedkv._kernel` (Gluon reads
+# parameter annotations when it compiles); mypy skips this module's bodies.
+from typing import Any
+
+try:  # Triton 3.6's Gluon API (other versions differ: `typedkv._launch.ws_available` checks)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    def _jit(fn: Any = None, **options: Any) -> Any:
+        return gluon.jit(fn, **options) if fn is not None else gluon.jit(**options)
+
+except ImportError:  # no Gluon: nothing here can run, and importing the module still works
+    gl = None
+
+    def _jit(fn: Any = None, **options: Any) -> Any:
+        return fn if fn is not None else (lambda f: f)
+
+
+# Ints that change with the batch are not specialised on (a new T compiles nothing).
+_PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride", "slots_stride")
+
+
+@_jit
+def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s ``(row, column)`` offsets, in bands: ``GROUP_M`` token blocks over every column block.
+
+    A band's rows of ``hidden`` stay in L2 while every head passes over them.
+    """
+    in_band = GROUP_M * tiles_n
+    first_m = (tile // in_band) * GROUP_M
+    band_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_band) % band_m
+    pid_n = (tile % in_band) // band_m
+    return pid_m * BM, pid_n * BN
+
+
+@_jit
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr):  # fmt: skip
+    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``."""
+    nbytes: gl.constexpr = (BM + BN) * BK * a_desc.block_type.element_ty.primitive_bitwidth // 8
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        for k in range(k_steps):
+            s = it % STAGES
+            # The slot's last use released (on the first pass the wait's parity 1 passes at once).
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+            it += 1
+
+
+@_jit
+def _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+            D: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
+    """A K tile's epilogue (float32, ``acc_layout``): rounded, RMS-normed per head and rounded, NeoX-roped.
+
+    ``norm`` is ``(eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)``, ``rope``
+    ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)``. The tile
+    is seen as ``[BM, heads, 2, D/2]`` with each rotary pair ``(j, j + D/2)`` in one thread's
+    registers, split into its halves; cos, sin and the norm weights load once a row / once a tile
+    and broadcast over the heads.
+    """
+    HALF: gl.constexpr = D // 2
+    HEADS: gl.constexpr = BN // D
+    eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d = norm
+    positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r = rope
+    x = acc.to(out_ty).to(gl.float32)  # kv as a GEMM would have stored it
+    x1, x2 = gl.split(gl.permute(gl.reshape(x, [BM, HEADS, 2, HALF]), (0, 1, 3, 2)))
+    half_layout: gl.constexpr = x1.type.layout  # [BM, HEADS, HALF]
+    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [BM, HALF]
+    if NORM:
+        if EPS_PER_LAYER:
+            eps = gl.load(eps_ptr + layer * eps_stride).to(gl.float32)
+        rstd = gl.expand_dims(gl.rsqrt(gl.sum(x1 * x1 + x2 * x2, axis=2) / D + eps), 2)
+        j = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(0, half_layout)))
+        w_row = weight_ptr + layer * weight_stride_l
+        w1 = gl.expand_dims(gl.expand_dims(gl.load(w_row + j * weight_stride_d).to(gl.float32), 0), 0)
+        w2 = gl.expand_dims(gl.expand_dims(gl.load(w_row + (j + HALF) * weight_stride_d).to(gl.float32), 0), 0)
+        # Rounded to the storage dtype, as the unfused path stores the norm's output.
+        y1 = (x1 * rstd * w1).to(out_ty).to(gl.float32)
+        y2 = (x2 * rstd * w2).to(out_ty).to(gl.float32)
+    else:
+        y1 = x1
+        y2 = x2
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, row_half))
+    pos = gl.load(positions_ptr + rows * positions_stride, mask=rows < num_tokens, other=0).to(gl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, row_half))
+    cs_row = gl.expand_dims(cos_sin_ptr + pos * stride_p, 1)
+    cs_mask = gl.expand_dims(pos_ok, 1) & gl.expand_dims(pair < HALF, 0)
+    cos = gl.load(cs_row + gl.expand_dims(pair * stride_r, 0), mask=cs_mask, other=1.0).to(gl.float32)
+    sin = gl.load(cs_row + gl.expand_dims((pair + HALF) * stride_r, 0), mask=cs_mask, other=0.0).to(gl.float32)
+    cos = gl.expand_dims(cos, 1)
+    sin = gl.expand_dims(sin, 1)
+    # Added to every K dim: NaN for a bad position, -0.0 (which changes no bits) otherwise.
+    bad = gl.expand_dims(gl.expand_dims(gl.where(pos_ok, -0.0, float("nan")), 1), 1)
+    o1 = y1 * cos - y2 * sin + bad
+    o2 = y2 * cos + y1 * sin + bad
+    out = gl.reshape(gl.permute(gl.join(o1, o2), (0, 1, 3, 2)), [BM, BN])
+    return gl.convert_layout(out, acc_layout)
+
+
+@_jit
+def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+    """A tile of K (``part`` 0) or V (1) into the pools' rows, at the tokens' slots.
+
+    ``dst`` is ``(k_ptr, v_ptr, layer_offsets_ptr, offsets_stride_part, offsets_stride_layer,
+    k_strides, v_strides, slots_ptr, slots_stride, num_rows)``, each strides ``(layer, page,
+    slot in page, head)`` in elements; a layer starts ``layer * strides[0]`` from the pool's
+    address, or (``TABLE`` > 0) at the offset table's entry, a multiple of ``TABLE`` elements.
+    Row ``r`` is page ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows``
+    skips the token. ``first``: the tile's first column within the part's ``H*D``.
+    """
+    (
+        k_ptr,
+        v_ptr,
+        offsets_ptr,
+        offsets_stride_part,
+        offsets_stride_layer,
+        k_strides,
+        v_strides,
+        slots_ptr,
+        slots_stride,
+        num_rows,
+    ) = dst
+    if part == 0:
+        base = k_ptr
+        stride_l, stride_page, stride_slot, stride_h = k_strides
+    else:
+        base = v_ptr
+        stride_l, stride_page, stride_slot, stride_h = v_strides
+    if TABLE:
+        # The multiple is known (16 bytes' elements when every layer starts on 16 bytes): the
+        # stores stay 16-byte vectors, as with a stacked pool.
+        layer_start = gl.multiple_of(
+            gl.load(offsets_ptr + part * offsets_stride_part + layer * offsets_stride_layer), TABLE
+        )
+    else:
+        layer_start = layer.to(gl.int64) * stride_l
+    # Rows of 8 consecutive columns a thread: 16-byte stores where the addresses allow.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    vals = gl.convert_layout(out, layout)
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    slot = gl.load(slots_ptr + rows * slots_stride, mask=rows < num_tokens, other=-1).to(gl.int64)
+    ok = (rows < num_tokens) & (slot >= 0) & (slot < num_rows)
+    row_start = (slot // PAGE) * stride_page + (slot % PAGE) * stride_slot
+    col_start = (cols // D).to(gl.int64) * stride_h + cols % D
+    ptrs = base + layer_start + gl.expand_dims(row_start, 1) + gl.expand_dims(col_start, 0)
+    gl.store(ptrs, vals, mask=gl.expand_dims(ok, 1))
+
+
+@_jit
+def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
+              num_tiles, k_steps, out_ty: gl.constexpr, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr,
+              WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr,
+              PAGE: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
+    """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
+
+    ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools.
+    """
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
+    )
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # At most this product in flight: the one before has read its slot, which goes back.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        layer = off_n // (2 * HD)
+        col = off_n - layer * (2 * HD)
+        if col < HD:
+            out = _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty, BM, BN, D, NORM, EPS_PER_LAYER,
+                          acc_layout).to(out_ty)  # fmt: skip
+            part = 0
+            first = col
+        else:
+            out = acc.to(out_ty)  # V is kv's value, bit for bit
+            part = 1
+            first = col - HD
+        if POOL:
+            _store_rows(out, dst, part, layer, off_m, first, num_tokens, D, BM, BN, PAGE, TABLE,
+                        WARPS_M * WARPS_N)  # fmt: skip
+        else:
+            tma.store_wait(0)  # the last tile's store has read c_smem
+            c_smem.store(out)
+            fence_async_shared()
+            if part == 0:
+                tma.async_copy_shared_to_global(dst[0], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+            else:
+                tma.async_copy_shared_to_global(dst[1], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+    if not POOL:
+        tma.store_wait(0)
+
+
+@_jit(do_not_specialize=_PER_CALL)
+def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_ptr, offsets_stride_part,
+                         offsets_stride_layer, k_stride_l, k_stride_page, k_stride_slot, k_stride_h, v_stride_l,
+                         v_stride_page, v_stride_slot, v_stride_h, slots_ptr, slots_stride, num_rows,
+                         eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d,
+                         positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r,
+                         num_tokens, tiles_m, tiles_n, num_tiles, k_steps,
+                         HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
+                         NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0):  # fmt: skip
+    """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
+
+    ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
+    ``POOL``, the pools from ``k_ptr`` on (`_store_rows`; the descriptors None). The tiles
+    ``program_id, program_id + num_programs, ...`` (one program per SM).
+    """
+    if POOL:
+        dst = (k_ptr, v_ptr, offsets_ptr, offsets_stride_part, offsets_stride_layer,
+               (k_stride_l, k_stride_page, k_stride_slot, k_stride_h),
+               (v_stride_l, v_stride_page, v_stride_slot, v_stride_h), slots_ptr, slots_stride, num_rows)  # fmt: skip
+    else:
+        dst = (k_desc, v_desc)
+    dtype: gl.constexpr = a_desc.block_type.element_ty
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout(128, 16, rank=2))
+    norm = (eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
+    rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
+    gl.warp_specialize(
+        [
+            (_consumer, (a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
+                         tiles_n, num_tiles, k_steps, dtype, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N, NORM,
+                         EPS_PER_LAYER, POOL, PAGE, TABLE)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                         BM, BN, BK, STAGES, GROUP_M)),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
