@@ -46,10 +46,8 @@
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
 #   gluon          benchmarks/gluon_probe.py: the warp-specialised Gluon GEMM, with K's epilogue or not ($GLUON_T)
-#   ws_patch       applies benchmarks/gluon_ws_wip.patch (the branch gluon-ws) to this copy, unless it holds it already
-#   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py; the branch gluon-ws,
-#                  or main after ws_patch), then typedkv bench --only e2e
-#   ws_sweep       benchmarks/ws_sweep.py (after ws_patch): that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
+#   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py), then typedkv bench --only e2e
+#   ws_sweep       benchmarks/ws_sweep.py: that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
 #                  its T list, --tiles to compare tile shapes)
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
@@ -195,12 +193,6 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             probe after_gemm after_gemm_sweep.py "${AFTER_GEMM_S:-300}" ${AFTER_GEMM_T:-} ;;
         gluon)
             probe gluon gluon_probe.py "${GLUON_S:-300}" ${GLUON_T:-} ;;
-        ws_patch)
-            if [ ! -e typedkv/_fused_ws.py ]; then
-                { git apply benchmarks/gluon_ws_wip.patch 2>/dev/null || patch -p1 < benchmarks/gluon_ws_wip.patch; } \
-                    2>&1 | tee "$OUT/ws_patch.txt"
-            fi
-            ls typedkv/_fused_ws.py || exit 1 ;;
         ws_sweep)
             probe ws_sweep ws_sweep.py "${WS_SWEEP_S:-400}" ${WS_SWEEP_ARGS:-} ;;
         ws_tests)
