@@ -2,8 +2,9 @@
 
 Not part of the package. Usage: ``python benchmarks/host_ratios.py LABEL``, with PYTHONPATH
 naming the checkout to measure. Prints one line per public call: ``LABEL name ratio us``, the
-ratio as `typedkv bench` reports it (the call's host microseconds over a bare ``kernel[grid]``
-launch of the K/V kernel timed right after it, in the same process), then the bare launch.
+ratio as `typedkv bench` reports it (the median over rounds of the call's host microseconds over a
+bare ``kernel[grid]`` launch of the K/V kernel timed beside it, `_bench.paired_host_time_us`), then
+the bare launch.
 Checkouts before 2026-12-02 have no ``*_t64`` lines (`KVMaterializer`'s calls at T = 64).
 """
 

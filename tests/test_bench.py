@@ -79,3 +79,23 @@ def test_every_public_call_has_a_host_time_line() -> None:
     }  # fmt: skip
     for fn in calls.values():
         fn()
+
+
+def test_host_ratio_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call and the bare launch alternate round by round, and the ratio is the median of each round's
+    own ratio (1.5 here), not the ratio of the two medians (50 / 40)."""
+    times = {"call": iter([30.0, 50.0, 60.0, 28.0, 100.0]), "bare": iter([20.0, 40.0, 40.0, 20.0, 40.0])}
+    order: list[str] = []
+
+    def scripted(fn: Any, calls: int = 3000) -> float:
+        assert calls == 10
+        order.append(fn.__name__)
+        return next(times[fn.__name__])
+
+    def call() -> None: ...
+
+    def bare() -> None: ...
+
+    monkeypatch.setattr(_bench, "host_time_us", scripted)
+    assert _bench.paired_host_time_us(call, bare, rounds=5, calls=10) == (50.0, 40.0, 1.5)
+    assert order == ["call", "bare"] * 5
