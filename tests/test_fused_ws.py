@@ -2,14 +2,16 @@
 
 Its kernel (Gluon, `typedkv._fused_ws_kernel`) runs on the GPU only:
 tests/test_gpu_fused_ws.py checks what it computes. Here: the Triton releases it
-is taken under.
+is taken under, and the layouts it takes (its module's list), each condition alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 import triton
 
 from typedkv import _fused_ws
@@ -33,3 +35,97 @@ def test_available_only_under_the_releases_it_is_written_for(
         pytest.skip("no Gluon in this Triton")
     monkeypatch.setattr(triton, "__version__", version)
     assert _fused_ws.available() is taken
+
+
+# ------------------------------------------------------------------ where it may run
+
+T, HIDDEN, L, H, D, P = 64, 512, 5, 8, 128, 32
+
+
+@pytest.fixture
+def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's device and release conditions met, so that the layout conditions alone decide (on CPU tensors)."""
+    monkeypatch.setattr(_fused_ws, "available", lambda: True)
+    monkeypatch.setattr(_fused_ws, "_hopper", lambda device: True)
+
+
+def _dense(**change: Any) -> bool:
+    """`launchable` for the bench-like draft (bf16, H = 8, D = 128, NeoX, no bias), ``change`` overriding an argument."""
+    args: dict[str, Any] = {
+        "hidden": torch.empty(T, HIDDEN, dtype=torch.bfloat16),
+        "kv_weight": torch.empty(L * 2 * H * D, HIDDEN, dtype=torch.bfloat16),
+        "kv_bias": None,
+        "cos_sin_cache": torch.empty(P, D),
+        "k_out": None,
+        "v_out": None,
+        "num_kv_heads": H,
+        "head_dim": D,
+        "neox": True,
+    } | change
+    return _fused_ws.launchable(**args)
+
+
+@pytest.mark.usefixtures("on_hopper")
+def test_launchable_takes_the_layouts_the_kernel_computes() -> None:
+    out = torch.empty(L, T, H, D, dtype=torch.bfloat16)
+    assert _dense()
+    assert _dense(k_out=out, v_out=out[:, :, :, :])
+    assert _dense(
+        hidden=torch.empty(T, HIDDEN, dtype=torch.float16),
+        kv_weight=torch.empty(L * 2 * H * D, HIDDEN, dtype=torch.float16),
+    )
+
+
+@pytest.mark.usefixtures("on_hopper")
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kv_bias": torch.empty(L * 2 * H * D, dtype=torch.bfloat16)},
+        {"neox": False},
+        {"head_dim": 64, "cos_sin_cache": torch.empty(P, 64)},
+        {"cos_sin_cache": torch.empty(P, 64)},  # partial rotary
+        {"num_kv_heads": 1},  # H*D = 128: a tile of two heads would cross from K to V
+        {"hidden": torch.empty(T, HIDDEN)},  # float32
+        {"kv_weight": torch.empty(L * 2 * H * D, HIDDEN, dtype=torch.float16)},  # another dtype than hidden's
+        {"hidden": torch.empty(T, HIDDEN + 3, dtype=torch.bfloat16)[:, :HIDDEN]},  # rows 2 bytes off 16
+        {"hidden": torch.empty(HIDDEN, T, dtype=torch.bfloat16).t()},  # rows not contiguous
+        {"k_out": torch.empty(L, T, D, H, dtype=torch.bfloat16).transpose(2, 3)},  # a head's dims apart
+        {"k_out": torch.empty(L, T, H, D + 8, dtype=torch.bfloat16)[..., :D]},  # heads apart (padded)
+        {"v_out": torch.empty(L, T + 1, H, D, dtype=torch.bfloat16)[:, 1:, :, :1].expand(L, T, H, D)},
+        {"k_out": torch.empty(L, T, H, D, dtype=torch.float16)},
+        {"hidden": None},  # not a tensor (the checks reject it; the kernel is not asked)
+    ],
+    ids=[
+        "bias", "gptj", "head_dim_64", "partial_rotary", "one_head", "float32", "mixed_dtypes", "unaligned_rows",
+        "column_major_hidden", "dims_apart", "heads_apart", "broadcast_output", "output_dtype", "no_hidden",
+    ],
+)  # fmt: skip
+def test_launchable_refuses_what_it_does_not_compute(change: dict[str, Any]) -> None:
+    """Each condition of the module's list alone turns the kernel down (the fused path's other kernel then runs)."""
+    assert not _dense(**change)
+
+
+@pytest.mark.usefixtures("on_hopper")
+def test_launchable_pool_takes_pools_of_hiddens_dtype_without_scales() -> None:
+    hidden = torch.empty(T, HIDDEN, dtype=torch.bfloat16)
+    weight = torch.empty(L * 2 * H * D, HIDDEN, dtype=torch.bfloat16)
+
+    def pool(k_pool: Any, scales: tuple[Any, Any] = (None, None)) -> bool:
+        return _fused_ws.launchable_pool(
+            hidden, weight, None, torch.empty(P, D), k_pool, scales, num_kv_heads=H, head_dim=D, neox=True
+        )
+
+    stacked = torch.empty(L, 64, H, D, dtype=torch.bfloat16)
+    assert pool(stacked) and pool(list(stacked)) and pool(torch.empty(L, 4, H, 16, D, dtype=torch.bfloat16))
+    assert not pool(stacked.to(torch.float8_e4m3fn))
+    assert not pool(stacked, (0.5, None)) and not pool(stacked, (None, torch.ones(L)))
+    assert not pool(stacked.half())
+    assert not pool([])
+
+
+def test_launchable_needs_hopper_and_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this CPU (no Hopper), or under another Triton release, the kernel is never taken."""
+    assert not _dense()
+    monkeypatch.setattr(_fused_ws, "_hopper", lambda device: True)
+    monkeypatch.setattr(_fused_ws, "available", lambda: False)
+    assert not _dense()

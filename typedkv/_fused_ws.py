@@ -1,9 +1,10 @@
 """The warp-specialised fused projection (Hopper, Gluon): where it may run, and its launch.
 
-`typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs in
-one persistent, warp-specialised kernel: 1.02-1.05x ``torch.mm`` alone from
-T = 2048 on (H200), where GEMM + kernel reads 1.05-1.10x and `typedkv._fused_kernel`
-1.2x. It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
+`typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs or
+pool rows in one persistent, warp-specialised kernel. End to end on the H200 from
+T = 2048 on: 1.03-1.09x ``torch.mm`` alone, where GEMM + kernel reads 1.02-1.12x and
+`typedkv._fused_kernel` 1.18-1.26x (docs/performance.md, "The warp-specialised
+kernel on main"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
 these hold (`launchable`, `aligned`), and the fused path takes it from the T
 where it was measured faster (`faster`); everywhere else the fused path launches
 `typedkv._fused_kernel` as before:
@@ -61,8 +62,9 @@ class Tiles(NamedTuple):
 # (most tokens, tiles). 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two
 # warpgroups one above the other (benchmarks/gluon_probe.py, H200: the fastest of 128 x 128 /
 # 128 x 256 / 64 x 256 tiles, one program a tile or persistent, plain or TMA stores, at
-# T = 2048-65536). `benchmarks/ws_sweep.py --tiles` compares 64 x 256 (the warpgroups side by
-# side, a head each) below 2048; not measured yet.
+# T = 2048-65536). `benchmarks/ws_sweep.py --tiles` compared 64 x 256 (the warpgroups side by
+# side, a head each) at T = 256-4096 (H200, 2026-12-02, two rounds): faster at 512 (and in one
+# round of two at 1024), where GEMM + kernel beats both; slower at 256 and from 2048 on.
 WS_TILES: tuple[tuple[float, Tiles], ...] = ((math.inf, Tiles(128, 3, 8, 8, 1)),)
 NUM_WARPS = 8
 
@@ -76,7 +78,9 @@ def tiles(num_tokens: int) -> Tiles:
 # counts. H200, L=5, H=8, D=128, hidden 4096, bf16, each / torch.mm alone
 # (benchmarks/gluon_probe.py, the kernel's GEMM with K's epilogue, 2026-12-02): 1.021x at
 # T = 2048, 1.047x at 16384 and 65536, where GEMM + kernel reads 1.05-1.10x; 1.51x at 256.
-# Below 2048 not measured.
+# In the fused path (benchmarks/ws_sweep.py and the bench's end to end, 2026-12-02):
+# 1.29-1.69x at T = 256-1024 against GEMM + kernel's 0.90-1.19x; from 2048 on 1.03-1.10x
+# against 1.02-1.12x, fused / GEMM + kernel 0.97-1.01 in three end-to-end runs.
 PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((2048, math.inf),)}
 
 
