@@ -172,17 +172,20 @@ class KVMaterializer(nn.Module):
     fused path where a table measured per GPU and per ``T`` range says it is
     faster (on the H200: ``T < 33``, and ``T < 129`` where the weight's tiles
     load by TMA -- NeoX RoPE, head pieces of powers of two rows, the weight on
-    16 bytes; a device not measured takes GEMM + kernel; see
-    docs/performance.md). Both paths check a call alike (the same
-    messages, before anything is written) and give the same results up to the
-    GEMM's accumulation order (each K/V value is first rounded to the storage
-    dtype, as a stored ``kv`` would be). The fused kernel runs for CUDA
+    16 bytes; and ``T >= 2048`` where a warp-specialised kernel can run: sm_90
+    under Triton 3.6, bf16/fp16, NeoX over a head of 128, no bias, no FP8 pool;
+    a device not measured takes GEMM + kernel; see docs/performance.md). Both
+    paths check a call alike (the same messages, before anything is written)
+    and give the same results up to the GEMM's accumulation order (each K/V
+    value is first rounded to the storage dtype, as a stored ``kv`` would be;
+    on CUDA at ``T = 1`` with a bias, GEMM + kernel's ``torch.addmm`` rounds
+    the product before adding the bias: docs/reliability.md). The fused kernel runs for CUDA
     tensors (and under ``TRITON_INTERPRET=1``); CPU tensors take GEMM + kernel
     whatever the setting. Under ``torch.compile`` a call pinned to ``"fused"``
     is one op of the graph (``torch.ops.typedkv.project_kv_*``), checked while
     tracing; ``"auto"`` compiles GEMM + kernel.
 
-    On the GEMM path (``"gemm"``, or ``"auto"`` outside the fused range), an
+    On the GEMM path (``"gemm"``, or ``"auto"`` outside the fused ranges), an
     eager call into dense outputs at a ``T`` where a second per-GPU table says
     so (on the H200: ``T >= 65536``; a contiguous or absent ``v_out``, no
     ``kv_bias``) splits the GEMM in two batched GEMMs: V's rows go straight
