@@ -14,7 +14,8 @@ import pytest
 import torch
 import triton
 
-from typedkv import _fused_ws
+import typedkv
+from typedkv import _fused_ws, _launch
 
 
 @pytest.fixture
@@ -129,3 +130,39 @@ def test_launchable_needs_hopper_and_the_release(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_fused_ws, "_hopper", lambda device: True)
     monkeypatch.setattr(_fused_ws, "available", lambda: False)
     assert not _dense()
+
+
+@pytest.mark.skipif(not _launch.INTERPRETED, reason="the fused path runs CPU tensors under the interpreter only")
+@pytest.mark.usefixtures("on_hopper")
+def test_taken_or_not_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a layout's calls take the kernel is decided at its first call (host time per call): later calls
+    of that layout launch it without asking the table again; a new T asks again. Dense outputs and per-layer
+    pools, the launches stubbed (the kernel itself runs on the GPU only)."""
+    asked: list[int] = []
+    launched: list[tuple[str, int]] = []
+
+    def faster(device: torch.device, num_tokens: int) -> bool:
+        asked.append(num_tokens)
+        return True
+
+    monkeypatch.setattr(_fused_ws, "faster", faster)
+    monkeypatch.setattr(_fused_ws, "launch", lambda hidden, *args: launched.append(("dense", hidden.shape[0])))
+    monkeypatch.setattr(_fused_ws, "launch_pool", lambda hidden, *args: launched.append(("pool", hidden.shape[0])))
+    heads, layers, width, slots = 2, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    m = typedkv.KVMaterializer(
+        torch.randn(layers, 2 * heads * D, width, generator=g).half(), torch.ones(layers, D).half(), 1e-6,
+        torch.randn(P, D, generator=g), num_kv_heads=heads,
+    )  # fmt: skip
+    m.projection_path = "fused"
+    hidden = torch.randn(4, width, generator=g).half()
+    positions = torch.arange(4)
+    for _ in range(3):
+        m(hidden, positions)
+    k_pools = [torch.zeros(slots, heads, D).half() for _ in range(layers)]
+    v_pools = [torch.zeros(slots, heads, D).half() for _ in range(layers)]
+    for _ in range(2):
+        m.into_pool(hidden, positions, torch.arange(4), k_pools, v_pools)
+    m(hidden[:3], positions[:3])
+    assert asked == [4, 4, 3]
+    assert launched == [("dense", 4)] * 3 + [("pool", 4)] * 2 + [("dense", 3)]

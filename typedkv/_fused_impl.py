@@ -75,9 +75,18 @@ def stand_in(memory: Tensor, num_tokens: int, num_layers: int, width: int) -> Te
     return memory.as_strided((num_tokens, num_layers, width), (0, 0, 1))
 
 
-Launches = dict[tuple[int, bool], _launch.KernelLaunch]
-"""One layout's fused launches, by the per-layer pools' table multiple (`typedkv._impl.pool_destinations`; 0: none)
-and whether the weight starts on 16 bytes (`typedkv._launch.weight_aligned`: its tiles may then load by TMA)."""
+class Launches(dict[tuple[int, bool], _launch.KernelLaunch]):
+    """One layout's fused launches, by the per-layer pools' table multiple (`typedkv._impl.pool_destinations`; 0:
+    none) and whether the weight starts on 16 bytes (`typedkv._launch.weight_aligned`: its tiles may then load by
+    TMA); and whether the layout's calls take the warp-specialised kernel (`typedkv._fused_ws`).
+
+    ``warp_specialised`` is decided at the layout's first call (None until then): the measured table,
+    the device and every condition of `typedkv._fused_ws.launchable` follow from the layout, so a
+    later call only checks its addresses (`typedkv._fused_ws.aligned`).
+    """
+
+    warp_specialised: bool | None = None
+
 
 # Fused launches by checked layout (the op's plan) and what the plan does not
 # fix: hidden's width and strides, the weight's strides, whether there is a bias.
@@ -97,7 +106,7 @@ def _launches_of(
     if entry is None:
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
             _LAUNCHES.clear()
-        entry = _LAUNCHES[key] = (plan, {})
+        entry = _LAUNCHES[key] = (plan, Launches())
     return entry[1]
 
 
@@ -124,19 +133,17 @@ def project_kv(
         return k_out, v_out
     eps = layer_eps(call.eps, hidden)
     dims = plan.bound.dims
-    if (
-        _fused_ws.faster(hidden.device, dims["T"])
-        and _fused_ws.launchable(
-            hidden, kv_weight, kv_bias, call.cos_sin_cache, k_out, v_out, num_kv_heads=dims["H"], head_dim=dims["D"],
-            neox=call.rope_style == "neox",
-        )
-        and _fused_ws.aligned(hidden, kv_weight, k_out, v_out)
-    ):  # fmt: skip
+    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
+    if launches.warp_specialised is None:
+        launches.warp_specialised = _fused_ws.faster(hidden.device, dims["T"]) and _fused_ws.launchable(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
+            head_dim=dims["D"], neox=call.rope_style == "neox",
+        )  # fmt: skip
+    if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight, k_out, v_out):
         _fused_ws.launch(
             hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
         )
         return k_out, v_out
-    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((0, aligned))
     if launch is None:
@@ -211,14 +218,13 @@ def project_kv_into_pool(
     k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
     scales = call.scales
     dims = plan.bound.dims
-    if (
-        _fused_ws.faster(hidden.device, dims["T"])
-        and _fused_ws.launchable_pool(
+    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
+    if launches.warp_specialised is None:
+        launches.warp_specialised = _fused_ws.faster(hidden.device, dims["T"]) and _fused_ws.launchable_pool(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
             head_dim=dims["D"], neox=call.rope_style == "neox",
-        )
-        and _fused_ws.aligned(hidden, kv_weight)
-    ):  # fmt: skip
+        )  # fmt: skip
+    if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight):
         destinations = (
             k_dst,
             geometry.strides(plan.bound, "k_pool", k_dst),
@@ -230,7 +236,6 @@ def project_kv_into_pool(
             destinations, table, table_multiple, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
         )  # fmt: skip
         return
-    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     aligned = _launch.weight_aligned(kv_weight)
     launch = launches.get((table_multiple, aligned))
     if launch is None:

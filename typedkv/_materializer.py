@@ -369,7 +369,7 @@ class KVMaterializer(nn.Module):
         call = type(call)(kv, *call[1:])
         if kept is None:
             # The op's production check, as the public function runs it.
-            kept = self._plans.keep(key, _Kept(path.layout(call), None if way == "gemm" else kv, {}, way))
+            kept = self._plans.keep(key, _Kept(path.layout(call), None if way == "gemm" else kv, Launches(), way))
         if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         if way == "split":
