@@ -81,8 +81,8 @@ class Launches(dict[tuple[int, bool], _launch.KernelLaunch]):
     TMA); and whether the layout's calls take the warp-specialised kernel (`typedkv._fused_ws`).
 
     ``warp_specialised`` is decided at the layout's first call (None until then): the measured table,
-    the device and every condition of `typedkv._fused_ws.launchable` follow from the layout, so a
-    later call only checks its addresses (`typedkv._fused_ws.aligned`).
+    the device and every condition of `typedkv._fused_ws.takes` follow from the layout, so a later
+    call only checks its addresses (`typedkv._fused_ws.aligned`).
     """
 
     warp_specialised: bool | None = None
@@ -135,7 +135,7 @@ def project_kv(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.faster(hidden.device, dims["T"]) and _fused_ws.launchable(
+        launches.warp_specialised = _fused_ws.takes(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
             head_dim=dims["D"], neox=call.rope_style == "neox",
         )  # fmt: skip
@@ -220,7 +220,7 @@ def project_kv_into_pool(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.faster(hidden.device, dims["T"]) and _fused_ws.launchable_pool(
+        launches.warp_specialised = _fused_ws.takes_pool(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
             head_dim=dims["D"], neox=call.rope_style == "neox",
         )  # fmt: skip

@@ -439,18 +439,15 @@ class KVMaterializer(nn.Module):
         Calls that kernel can run (``hidden`` in kv's place in ``call``), dense or into pools,
         at the T measured faster there than GEMM + kernel; the fused path then launches it.
         """
-        hidden = call[0]
-        if self._path != "auto" or not isinstance(hidden, Tensor) or hidden.dim() != 2:
+        if self._path != "auto":
             return False
-        if not _fused_ws.faster(hidden.device, hidden.shape[0]):
-            return False
-        neox = self.rope_style == "neox"
+        hidden, neox = call[0], self.rope_style == "neox"
         if isinstance(call, PoolCall):
-            return _fused_ws.launchable_pool(
+            return _fused_ws.takes_pool(
                 hidden, state[0], state[1], state[4], call.k_pool, call.scales, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, neox=neox,
             )  # fmt: skip
-        return _fused_ws.launchable(
+        return _fused_ws.takes(
             hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, neox=neox,
         )  # fmt: skip
