@@ -61,6 +61,16 @@ def main() -> None:
         "current_device": torch.cuda.current_device,
         "cuda_getDevice": torch._C._cuda_getDevice,
         "tensor_layout_facts": lambda: (x.dtype, x.shape, x.stride(), x.device),
+        # Each fact alone, and cheaper stand-ins for the device (the fingerprint's share on this host).
+        "tensor_dtype": lambda: x.dtype,
+        "tensor_shape": lambda: x.shape,
+        "tensor_stride": x.stride,
+        "tensor_device": lambda: x.device,
+        "tensor_get_device": x.get_device,
+        "tensor_is_cuda": lambda: x.is_cuda,
+        "tensor_data_ptr": x.data_ptr,
+        "tensor_version": lambda: x._version,
+        "facts_get_device": lambda: (x.dtype, x.shape, x.stride(), x.get_device()),
     }
     if TensorDescriptor is not None and torch.cuda.get_device_capability(device)[0] >= 9:
         # The bench draft's weight (5 layers x 2 x 8 heads x 128 rows, hidden 4096) and a head's tile.

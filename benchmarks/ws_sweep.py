@@ -1,6 +1,6 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles] [T ...]``.
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 medians), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -10,16 +10,22 @@ GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
 ``--tiles``: each round twice, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (128 tokens by
 two heads, the warpgroups one above the other) and with 64 tokens by two heads (the warpgroups side
 by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256 to 4096 unless given.
+
+``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
+in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
+within each of three rounds; T 2048, 16384 and 65536 unless given.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 
-from typedkv import _bench, _bench_e2e, _fused_ws
+from typedkv import KVMaterializer, _bench, _bench_e2e, _fused_ws
 
 TILES = {
     "128x256": _fused_ws.WS_TILES,
@@ -27,7 +33,47 @@ TILES = {
 }
 
 
+GROUPINGS = {
+    f"g{group_m}s{stages}": ((math.inf, _fused_ws.Tiles(128, stages, group_m, 8, 1)),)
+    for group_m, stages in ((8, 3), (1, 3), (4, 3), (16, 3), (32, 3), (8, 2))
+}
+GROUPINGS["g8s3 again"] = GROUPINGS["g8s3"]  # the default last too: a control for drift within a row
+
+
+def grouping(tokens: list[int]) -> None:
+    """``--grouping``: each variant of `GROUPINGS` / torch.mm, dense outputs, alternated within rounds."""
+    device = torch.device("cuda")
+    _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
+    bench = _bench_e2e.bench_draft(device)
+    draft = bench.draft
+    m = KVMaterializer(bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
+    m.projection_path = "fused"
+    print(f"{'round':>5} {'T':>6} {'mm us':>9} " + " ".join(f"{name:>7}" for name in GROUPINGS))
+    for round_ in (1, 2, 3):
+        for num_tokens in tokens:
+            x = _bench_e2e._inputs(draft, num_tokens, device)
+            gemm_out = torch.empty(num_tokens, bench.flat.shape[0], device=device, dtype=draft.dtype)
+            k = torch.empty(draft.num_layers, num_tokens, draft.num_kv_heads, draft.head_dim, device=device,
+                            dtype=draft.dtype)  # fmt: skip
+            v = torch.empty_like(k)
+            weight_t = bench.flat.t()
+            mm = _bench.gpu_time_us([functools.partial(_discard, torch.mm, x.hidden, weight_t, out=gemm_out)])
+            cells = []
+            for table in GROUPINGS.values():
+                _fused_ws.WS_TILES = table
+                cells.append(_bench.gpu_time_us([functools.partial(_discard, m, x.hidden, x.positions, k, v)]) / mm)
+            print(f"{round_:>5} {num_tokens:>6} {mm:>9.2f} " + " ".join(f"{c:>7.3f}" for c in cells), flush=True)
+            torch.cuda.empty_cache()
+
+
+def _discard(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    fn(*args, **kwargs)
+
+
 def main() -> None:
+    if "--grouping" in sys.argv:
+        grouping([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536])
+        return
     compare = "--tiles" in sys.argv
     given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     default = [256, 512, 1024, 2048, 4096] if compare else [256, 512, 768, 1024, 1536, 2048, 4096, 16384, 65536]
