@@ -1,6 +1,6 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping] [T ...]``.
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools]] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 medians), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -13,7 +13,8 @@ by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256
 
 ``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
-within each of three rounds; T 2048, 16384 and 65536 unless given.
+within each of three rounds; T 2048, 16384 and 65536 unless given. With ``--pools``: into the bench's
+per-layer pools, 3 ring slots against 4 (no staging tile there).
 """
 
 from __future__ import annotations
@@ -38,17 +39,24 @@ GROUPINGS = {
     for group_m, stages in ((8, 3), (1, 3), (4, 3), (16, 3), (32, 3), (8, 2))
 }
 GROUPINGS["g8s3 again"] = GROUPINGS["g8s3"]  # the default last too: a control for drift within a row
+# Into pools the tiles leave through registers (no staging tile in shared memory): room for a fourth slot.
+POOL_GROUPINGS = {
+    name: ((math.inf, _fused_ws.Tiles(128, stages, 8, 8, 1)),)
+    for name, stages in (("s3", 3), ("s4", 4), ("s3 again", 3))
+}
 
 
-def grouping(tokens: list[int]) -> None:
-    """``--grouping``: each variant of `GROUPINGS` / torch.mm, dense outputs, alternated within rounds."""
+def grouping(tokens: list[int], pools: bool) -> None:
+    """``--grouping``: each variant of `GROUPINGS` / torch.mm, dense outputs, alternated within rounds
+    (``--pools``: `POOL_GROUPINGS`, into the bench's per-layer pools)."""
+    variants = POOL_GROUPINGS if pools else GROUPINGS
     device = torch.device("cuda")
     _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
     bench = _bench_e2e.bench_draft(device)
     draft = bench.draft
     m = KVMaterializer(bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
     m.projection_path = "fused"
-    print(f"{'round':>5} {'T':>6} {'mm us':>9} " + " ".join(f"{name:>7}" for name in GROUPINGS))
+    print(f"{'round':>5} {'T':>6} {'mm us':>9} " + " ".join(f"{name:>7}" for name in variants))
     for round_ in (1, 2, 3):
         for num_tokens in tokens:
             x = _bench_e2e._inputs(draft, num_tokens, device)
@@ -59,9 +67,13 @@ def grouping(tokens: list[int]) -> None:
             weight_t = bench.flat.t()
             mm = _bench.gpu_time_us([functools.partial(_discard, torch.mm, x.hidden, weight_t, out=gemm_out)])
             cells = []
-            for table in GROUPINGS.values():
+            if pools:
+                call = functools.partial(m.into_pool, x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool)
+            else:
+                call = functools.partial(_discard, m, x.hidden, x.positions, k, v)
+            for table in variants.values():
                 _fused_ws.WS_TILES = table
-                cells.append(_bench.gpu_time_us([functools.partial(_discard, m, x.hidden, x.positions, k, v)]) / mm)
+                cells.append(_bench.gpu_time_us([call]) / mm)
             print(f"{round_:>5} {num_tokens:>6} {mm:>9.2f} " + " ".join(f"{c:>7.3f}" for c in cells), flush=True)
             torch.cuda.empty_cache()
 
@@ -72,7 +84,9 @@ def _discard(fn: Callable[..., object], *args: object, **kwargs: object) -> None
 
 def main() -> None:
     if "--grouping" in sys.argv:
-        grouping([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536])
+        grouping(
+            [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536], "--pools" in sys.argv
+        )
         return
     compare = "--tiles" in sys.argv
     given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]

@@ -188,7 +188,7 @@ def test_gemm_path_with_v_from_the_gemm_holds_the_oracle(mode: str, data: st.Dat
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((1, math.inf),))
         draft = check_dense(case, CPU, "gemm")
-    event(f"ways: {sorted(kept.way for kept in draft.m._plans._plans.values())}")
+    event(f"ways: {sorted(kept.way for kept in draft.m._plans.values())}")
 
 
 # ------------------------------------------------------------------- pools

@@ -247,7 +247,7 @@ def test_no_tokens() -> None:
 
 def ways(m: typedkv.KVMaterializer) -> set[str]:
     """How the layouts a materializer has checked compute (`typedkv._materializer._Way`)."""
-    return {kept.way for kept in m._plans._plans.values()}
+    return {kept.way for kept in m._plans.values()}
 
 
 @pytest.fixture
@@ -758,7 +758,7 @@ def test_weight_off_16_bytes_then_on_then_off() -> None:
     for weight in (misaligned, aligned, misaligned):
         m.kv_weight = weight
         assert_matches_oracle(m(x, positions), want, torch.float16)
-    launches = [launch for kept in m._plans._plans.values() for launch in kept.launches.values()]
+    launches = [launch for kept in m._plans.values() for launch in kept.launches.values()]
     assert sorted(launch.weight_blocks is not None for launch in launches) == [False, True]
 
 
@@ -840,7 +840,7 @@ def test_kept_layouts_hold_no_replaced_weights() -> None:
     old = m.kv_weight.untyped_storage().data_ptr()
     m.kv_weight = m.kv_weight.clone()  # the same layout: the kept layouts still match
     got = m(x, positions)
-    stand_ins = [kept.stand_in for kept in m._plans._plans.values() if kept.stand_in is not None]
+    stand_ins = [kept.stand_in for kept in m._plans.values() if kept.stand_in is not None]
     assert len(stand_ins) == 2
     assert all(t.untyped_storage().data_ptr() != old for t in stand_ins)
     assert_matches_oracle(got, draft.oracle(x, positions), torch.float16)

@@ -439,7 +439,7 @@ def test_weights_by_tma_above_64_tokens_cuda() -> None:
         draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
         x, positions, xc, pc = cuda_call(draft, 300)
         assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
-        launches = [launch for kept in draft.m._plans._plans.values() for launch in kept.launches.values()]
+        launches = [launch for kept in draft.m._plans.values() for launch in kept.launches.values()]
         assert [launch.weight_blocks is not None for launch in launches] == [by_tma]
 
 
@@ -507,7 +507,7 @@ def split_here(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _ways(m: typedkv.KVMaterializer) -> set[str]:
-    return {kept.way for kept in m._plans._plans.values()}
+    return {kept.way for kept in m._plans.values()}
 
 
 @pytest.mark.usefixtures("split_here")

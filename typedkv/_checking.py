@@ -11,8 +11,8 @@ reads those annotations when the module is imported and turns them into a plan:
   with jaxtyping's shape memo shared across the arguments.
 
 Both verdicts depend only on each argument's type and, for a tensor, its dtype,
-shape, strides and device: `Signature.plan` caches what a layout needs, so a
-decode loop pays a dictionary lookup per call, not the check.
+shape, strides and device: `Signature.plan` caches what a layout needs
+(`CheckedLayouts`), so a decode loop pays a lookup per call, not the check.
 
 Relations that jaxtyping cannot spell (a dim that comes from an ``int`` argument,
 "same dtype as kv", "same device as kv", a rule between dims) are declared next to
@@ -25,10 +25,11 @@ in `typedkv._messages`; this module decides what is wrong.
 from __future__ import annotations
 
 import inspect
+import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from beartype import BeartypeConf
@@ -41,6 +42,8 @@ from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_p
 from ._errors import InputError
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
 from ._types import is_fp8
+
+_P = TypeVar("_P")
 
 
 @dataclass
@@ -109,6 +112,156 @@ def _other_facts(x: Any) -> Any:
 def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
     """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept."""
     return _items_facts(args)
+
+
+def _tensor_guards() -> Callable[..., Any] | None:
+    """torch's C++ layout check of a tuple of tensors (what ``torch.compile`` guards a graph with), or None.
+
+    ``TensorGuards(*tensors, ...)`` records each tensor's Python type, dispatch keys (the device's
+    type among them), dtype, device index, ``requires_grad``, sizes and strides, and the
+    thread's dispatch state; ``.check(*tensors)`` says in one call whether another tuple has all of
+    them. It is not public API, so it is taken only when it behaves here as written below, and
+    always given its keyword arguments (without them some releases crash).
+    """
+    try:
+        from torch._C._dynamo import guards as dynamo_guards
+
+        # Its stub omits the tensors it takes positionally.
+        tensor_guards: Any = dynamo_guards.TensorGuards
+        probe = torch.zeros(2, 3)
+        guards = tensor_guards(probe, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        if guards.check(probe) is True and guards.check(probe.t()) is False and guards.check(probe.half()) is False:
+            return tensor_guards  # type: ignore[no-any-return]
+    except Exception:  # any failure: the fingerprint alone, as before
+        pass
+    return None
+
+
+_TENSOR_GUARDS = _tensor_guards()
+# Values compared as the fingerprint compares them (floats by type alone); others make no `LayoutGuard`.
+_PLAIN = (type(None), bool, int, str, float)
+
+
+class LayoutGuard:
+    """A checked call's layout, recognised again without its fingerprint: its tensors' facts checked in C++.
+
+    The fingerprint reads four facts of every tensor from Python: on a CUDA host about
+    0.7 us a tensor, 11 us of a per-layer pool call's 16 tensors. A guard holds the
+    call's structure (where tensors and lists of tensors are, the other arguments' types
+    and values, floats by type alone) and torch's ``TensorGuards`` over its tensors,
+    which compares everything the fingerprint holds and more (the tensor's Python
+    type, ``requires_grad``, the thread's dispatch state): ``matches(args)`` implies
+    ``fingerprint(args)`` equals the kept call's. It keeps no tensor alive.
+    """
+
+    __slots__ = ("_count", "_guards", "_lists", "_other_types", "_other_values", "_others", "_tensors")
+
+    def __init__(self, args: Sequence[Any], guards: Callable[..., Any]) -> None:
+        self._count = len(args)
+        tensor_at = [i for i, x in enumerate(args) if isinstance(x, Tensor)]
+        list_at = [i for i, x in enumerate(args) if isinstance(x, (list, tuple))]
+        other_at = [i for i, x in enumerate(args) if not isinstance(x, (Tensor, list, tuple))]
+        # itemgetter of one index returns the item itself: a repeated index keeps results tuples.
+        self._tensors = operator.itemgetter(*tensor_at, *tensor_at[-1:]) if tensor_at else None
+        self._lists = [(i, type(args[i]), len(args[i])) for i in list_at]
+        self._others = operator.itemgetter(*other_at, *other_at[-1:])
+        values = self._others(args) if other_at else ()
+        self._other_types = tuple(map(type, values))
+        self._other_values = [v for v in values if type(v) is not float]
+        self._guards = guards(*self._flat(args), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+    @classmethod
+    def of(cls, args: Sequence[Any]) -> LayoutGuard | None:
+        """A guard for ``args``, or None where there is none to take (no `_tensor_guards`, or arguments
+        other than tensors, lists of tensors and plain values)."""
+        if _TENSOR_GUARDS is None:
+            return None
+        for x in args:
+            if isinstance(x, (list, tuple)):
+                if not all(isinstance(e, Tensor) for e in x):
+                    return None
+            elif not isinstance(x, Tensor) and type(x) not in _PLAIN:
+                return None
+        try:
+            return cls(args, _TENSOR_GUARDS)
+        except Exception:  # a tensor it cannot record (sparse...): the fingerprint alone
+            return None
+
+    def _flat(self, args: Sequence[Any]) -> list[Any]:
+        flat = list(self._tensors(args))[:-1] if self._tensors is not None else []
+        for i, _, _ in self._lists:
+            flat += args[i]
+        return flat
+
+    def matches(self, args: Sequence[Any]) -> bool:
+        """Whether ``args`` has the kept call's layout (so the same fingerprint)."""
+        if len(args) != self._count:
+            return False
+        if self._other_types:
+            values = self._others(args)
+            if tuple(map(type, values)) != self._other_types:
+                return False
+            if [v for v in values if type(v) is not float] != self._other_values:
+                return False
+        for i, kind, length in self._lists:
+            x = args[i]
+            if type(x) is not kind or len(x) != length:
+                return False
+        # A non-tensor where a tensor was fails the guard's type check.
+        return bool(self._guards.check(*self._flat(args)))
+
+
+class CheckedLayouts(Generic[_P]):
+    """Plans by the layout of the arguments they were checked with (`fingerprint`), the last one found
+    again by its `LayoutGuard`.
+
+    A decode loop calls with one layout again and again: its call pays the guard's check
+    (about a microsecond) instead of the fingerprint. A call of another layout pays the
+    fingerprint and a dictionary lookup, and its guard becomes the one tried first.
+    """
+
+    def __init__(self, most: int) -> None:
+        self._most = most  # more layouts than this: all dropped, and checked again as they come
+        self._plans: dict[tuple[Any, ...], _P] = {}
+        self._guards: dict[tuple[Any, ...], LayoutGuard | None] = {}
+        self._last: tuple[LayoutGuard, _P] | None = None
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def values(self) -> list[_P]:
+        """The plans kept."""
+        return list(self._plans.values())
+
+    def clear(self) -> None:
+        """Drop every plan: each layout is checked again."""
+        self._plans.clear()
+        self._guards.clear()
+        self._last = None
+
+    def get(self, args: Sequence[Any]) -> _P | None:
+        """The plan kept for ``args``' layout, or None."""
+        last = self._last
+        if last is not None and last[0].matches(args):
+            return last[1]
+        key = fingerprint(args)
+        plan = self._plans.get(key)
+        if plan is not None:
+            guard = self._guards.get(key)
+            if guard is not None:
+                self._last = (guard, plan)
+        return plan
+
+    def keep(self, args: Sequence[Any], plan: _P) -> _P:
+        """Keep ``plan`` (for ``args``, just checked in full) under their layout; returns it."""
+        if len(self._plans) >= self._most:
+            self.clear()
+        key = fingerprint(args)
+        guard = LayoutGuard.of(args)
+        self._plans[key] = plan
+        self._guards[key] = guard
+        self._last = None if guard is None else (guard, plan)
+        return plan
 
 
 def check_numbers(name: str, value: Sequence[Any], kinds: tuple[type, ...] = (float, int)) -> None:
@@ -208,7 +361,7 @@ class Signature:
         self._layout_index = None if layout_of is None else by_name[layout_of].index
         self._default_layout = default_layout
         self._messages = Messages(device_of, self._outputs, self._same_dtype, self._scalar_dims)
-        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._plans: CheckedLayouts[Any] = CheckedLayouts(_PLANS_MAX)
 
     # ----------------------------------------------------------------- plan cache
     def plan(self, args: Sequence[Any], build: Callable[[Bound, Any], Any]) -> Any:
@@ -216,19 +369,15 @@ class Signature:
 
         A check's verdict depends only on each argument's type and, for tensors,
         dtype, shape, strides and device (the fingerprint), so a layout that
-        passed once passes again: decode loops pay a dictionary lookup instead
+        passed once passes again: decode loops pay a lookup (`CheckedLayouts`) instead
         of the full check. ``build(bound, args)`` turns the bound dims into the
         op's plan (relational checks, launch configuration); it may raise
         `InputError`. It is given ``args`` rather than closing over them, so a
         call that finds its plan creates no function.
         """
-        key = fingerprint(args)
-        plan = self._plans.get(key)
+        plan = self._plans.get(args)
         if plan is None:
-            plan = build(self.check(args), args)
-            if len(self._plans) >= _PLANS_MAX:
-                self._plans.clear()
-            self._plans[key] = plan
+            plan = self._plans.keep(args, build(self.check(args), args))
         return plan
 
     # ------------------------------------------------------------------ production

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from . import _fused_ws, _launch, _torch_ops
 from ._api import DENSE_OPS, POOL_OPS, materialize_kv, materialize_kv_into_pool
-from ._checking import Bound, Signature, fingerprint
+from ._checking import Bound, CheckedLayouts, Signature
 from ._errors import InputError
 from ._fused_impl import (
     FUSED,
@@ -40,7 +40,7 @@ from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
 from ._messages import or_list
 from ._projection import (
-    CheckedLayouts,
+    LAYOUTS_KEPT,
     Workspace,
     check_layer_counts,
     check_layer_dtypes,
@@ -244,7 +244,7 @@ class KVMaterializer(nn.Module):
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
-        self._plans = CheckedLayouts()
+        self._plans: CheckedLayouts[_Kept] = CheckedLayouts(LAYOUTS_KEPT)
 
     @property
     def projection_path(self) -> ProjectionPath:
@@ -356,8 +356,8 @@ class KVMaterializer(nn.Module):
             return path.ops(type(call)(self._traced_projection(hidden), *call[1:]))
         # The way a call computes follows from projection_path and the layout (device, T,
         # outputs), so it is kept with the layout's plan, not decided per call.
-        key = fingerprint((self._path, *call, weight, bias))
-        kept: _Kept | None = self._plans.get(key)
+        layout = (self._path, *call, weight, bias)
+        kept = self._plans.get(layout)
         if kept is None:
             way = self._way(call, state)
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
@@ -369,7 +369,7 @@ class KVMaterializer(nn.Module):
         call = type(call)(kv, *call[1:])
         if kept is None:
             # The op's production check, as the public function runs it.
-            kept = self._plans.keep(key, _Kept(path.layout(call), None if way == "gemm" else kv, Launches(), way))
+            kept = self._plans.keep(layout, _Kept(path.layout(call), None if way == "gemm" else kv, Launches(), way))
         if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         if way == "split":

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _projection as projection
-from ._checking import Bound, Signature, fingerprint
+from ._checking import Bound, CheckedLayouts, Signature
 from ._mla import DENSE_OPS, POOL_OPS
 from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
 from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
@@ -174,7 +174,7 @@ class MLAKVMaterializer(nn.Module):
         else:
             self.eps = cast(float, layer_eps)
         self._rows = Workspace()
-        self._plans = projection.CheckedLayouts()
+        self._plans: CheckedLayouts[Any] = CheckedLayouts(projection.LAYOUTS_KEPT)
 
     @static_jaxtyping("T")
     def forward(
@@ -260,14 +260,14 @@ class MLAKVMaterializer(nn.Module):
             width = self.kv_lora_rank + self.rotary_dim
             ckv = F.linear(hidden, state[0], state[1]).view(hidden.shape[0], self.num_layers, width)
             return path.traced(type(call)(ckv, *call[1:]))
-        key = fingerprint((*call, state[0], state[1]))
-        plan = self._plans.get(key)
+        layout = (*call, state[0], state[1])
+        plan = self._plans.get(layout)
         if plan is None:
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             _PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
         call = type(call)(self._gemm(hidden, state), *call[1:])
         if plan is None:
-            plan = self._plans.keep(key, path.layout(call))
+            plan = self._plans.keep(layout, path.layout(call))
         # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
         return path.planned(call, plan, True)
 

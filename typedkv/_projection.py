@@ -12,7 +12,6 @@ eager workspace (`Workspace.rows`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,7 +20,9 @@ from ._checking import check_numbers
 from ._errors import InputError
 from ._messages import fmt_dtype
 
-_P = TypeVar("_P")
+# A materializer's calls come in a few layouts (T buckets, pools); past this many its plans are
+# dropped and each layout is checked again (`typedkv._checking.CheckedLayouts`).
+LAYOUTS_KEPT = 256
 
 
 class Workspace:
@@ -54,35 +55,6 @@ class Workspace:
                 buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             self.buffer = buffer
         return buffer[:num_tokens]
-
-
-class CheckedLayouts:
-    """A materializer's eager calls' plans, by the layout of everything they were checked with.
-
-    The key is the fingerprint (`typedkv._checking.fingerprint`) of the call's
-    arguments and of the module's weights: a call of a layout seen before goes
-    straight to the GEMM and the launch, and a weight buffer replaced by one of
-    another layout makes a new key, checked again.
-    """
-
-    _MAX = 256  # a model calls with a few layouts (T buckets, pools); more are dropped and checked again
-
-    def __init__(self) -> None:
-        self._plans: dict[tuple[object, ...], Any] = {}
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: tuple[object, ...]) -> Any:
-        """The plan kept for ``key``, or None."""
-        return self._plans.get(key)
-
-    def keep(self, key: tuple[object, ...], plan: _P) -> _P:
-        """Keep ``plan`` (the op's, for a call just checked in full) under ``key``; returns it."""
-        if len(self._plans) >= self._MAX:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
 
 
 def project(rows: Workspace, hidden: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple[int, int]) -> Tensor:
