@@ -145,6 +145,18 @@ def test_cache_finds_kept_layouts_and_only_them() -> None:
     assert layouts.get(a) is None and len(layouts) == 0
 
 
+def test_cache_remakes_a_guard_the_thread_state_changed() -> None:
+    # Kept outside inference_mode, called inside it: found by the fingerprint once, then by a new guard.
+    layouts: CheckedLayouts[str] = CheckedLayouts(8)
+    layouts.keep(_args(), "plan")
+    with torch.inference_mode():
+        assert layouts.get(_args()) == "plan"
+        last = layouts._last
+        assert last is not None and last[0].matches(_args())
+        assert layouts.get(_args()) == "plan"
+    assert not last[0].matches(_args())  # outside it again: the fingerprint finds it, and so on
+
+
 def test_cache_without_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_checking, "_TENSOR_GUARDS", None)
     layouts: CheckedLayouts[str] = CheckedLayouts(8)

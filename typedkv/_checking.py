@@ -217,7 +217,8 @@ class CheckedLayouts(Generic[_P]):
 
     A decode loop calls with one layout again and again: its call pays the guard's check
     (about a microsecond) instead of the fingerprint. A call of another layout pays the
-    fingerprint and a dictionary lookup, and its guard becomes the one tried first.
+    fingerprint and a dictionary lookup, and its guard becomes the one tried first (remade
+    for this call where it compares more than the fingerprint and that differs).
     """
 
     def __init__(self, most: int) -> None:
@@ -248,6 +249,10 @@ class CheckedLayouts(Generic[_P]):
         plan = self._plans.get(key)
         if plan is not None:
             guard = self._guards.get(key)
+            if guard is not None and not guard.matches(args):
+                # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
+                # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
+                guard = self._guards[key] = LayoutGuard.of(args)
             if guard is not None:
                 self._last = (guard, plan)
         return plan
