@@ -16,8 +16,10 @@ rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
 never straddles the two) is RMS-normed per head in float32 and rounded, then
 NeoX-roped, a position outside ``[0, P)`` giving NaN; a V tile is stored as it
 is. Tiles go out by TMA stores into ``[L, T, H*D]`` views of dense outputs,
-which clip the rows past ``T``, or into pool rows at the tokens' slots (`_store_rows`);
-``hidden``'s rows past ``T`` load as zeros.
+which clip the rows past ``T``, or into pool rows at the tokens' slots (`_store_rows`),
+both through one staging tile in shared memory; ``hidden``'s rows past ``T`` load as
+zeros. A tile's positions and slots load before its products, so their latency hides
+behind them rather than opening the epilogue.
 
 Gluon kernels do not run under Triton's interpreter: this kernel runs on the GPU
 only, and `typedkv._launch` takes it only where it may (`ws_launchable`).
@@ -43,11 +45,16 @@ try:  # Triton 3.6's Gluon API (other versions differ: `typedkv._launch.ws_avail
     def _jit(fn: Any = None, **options: Any) -> Any:
         return gluon.jit(fn, **options) if fn is not None else gluon.jit(**options)
 
+    _constexpr_function = gluon.constexpr_function
+
 except ImportError:  # no Gluon: nothing here can run, and importing the module still works
     gl = None
 
     def _jit(fn: Any = None, **options: Any) -> Any:
         return fn if fn is not None else (lambda f: f)
+
+    def _constexpr_function(fn: Any) -> Any:
+        return fn
 
 
 # Ints that change with the batch are not specialised on (a new T compiles nothing).
@@ -88,20 +95,20 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, nu
 
 
 @_jit
-def _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+def _k_tile(acc, layer, norm, rope, pos, out_ty: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
             D: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
     """A K tile's epilogue (float32, ``acc_layout``): rounded, RMS-normed per head and rounded, NeoX-roped.
 
     ``norm`` is ``(eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)``, ``rope``
-    ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)``. The tile
-    is seen as ``[BM, heads, 2, D/2]`` with each rotary pair ``(j, j + D/2)`` in one thread's
+    ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)``, ``pos`` the
+    tile's rows' positions (int64, loaded by `_consumer` before the tile's products). The tile is seen as ``[BM, heads, 2, D/2]`` with each rotary pair ``(j, j + D/2)`` in one thread's
     registers, split into its halves; cos, sin and the norm weights load once a row / once a tile
     and broadcast over the heads.
     """
     HALF: gl.constexpr = D // 2
     HEADS: gl.constexpr = BN // D
     eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d = norm
-    positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r = rope
+    _, _, num_positions, cos_sin_ptr, stride_p, stride_r = rope  # positions: loaded by `_consumer`
     x = acc.to(out_ty).to(gl.float32)  # kv as a GEMM would have stored it
     x1, x2 = gl.split(gl.permute(gl.reshape(x, [BM, HEADS, 2, HALF]), (0, 1, 3, 2)))
     half_layout: gl.constexpr = x1.type.layout  # [BM, HEADS, HALF]
@@ -120,8 +127,6 @@ def _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty: gl.constexpr, BM:
     else:
         y1 = x1
         y2 = x2
-    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, row_half))
-    pos = gl.load(positions_ptr + rows * positions_stride, mask=rows < num_tokens, other=0).to(gl.int64)
     pos_ok = (pos >= 0) & (pos < num_positions)
     pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, row_half))
     cs_row = gl.expand_dims(cos_sin_ptr + pos * stride_p, 1)
@@ -139,7 +144,7 @@ def _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty: gl.constexpr, BM:
 
 
 @_jit
-def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr, BM: gl.constexpr,
+def _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D: gl.constexpr, BM: gl.constexpr,
                 BN: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
     """A tile of K (``part`` 0) or V (1) into the pools' rows, at the tokens' slots.
 
@@ -148,7 +153,8 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr
     slot in page, head)`` in elements; a layer starts ``layer * strides[0]`` from the pool's
     address, or (``TABLE`` > 0) at the offset table's entry, a multiple of ``TABLE`` elements.
     Row ``r`` is page ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows``
-    skips the token. ``first``: the tile's first column within the part's ``H*D``.
+    skips the token. ``first``: the tile's first column within the part's ``H*D``; ``slot``: the tile's
+    rows' slots (int64, loaded by `_consumer` before the tile's products); ``c_smem``: the staging tile.
     """
     (
         k_ptr,
@@ -158,8 +164,8 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr
         offsets_stride_layer,
         k_strides,
         v_strides,
-        slots_ptr,
-        slots_stride,
+        _,  # the slots, loaded by `_consumer`
+        _,
         num_rows,
     ) = dst
     if part == 0:
@@ -176,17 +182,26 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, D: gl.constexpr
         )
     else:
         layer_start = layer.to(gl.int64) * stride_l
-    # Rows of 8 consecutive columns a thread: 16-byte stores where the addresses allow.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-    vals = gl.convert_layout(out, layout)
+    layout: gl.constexpr = _store_layout(NUM_WARPS)
+    # Through the staging tile the dense path stores from (one write, one read, two barriers), not
+    # convert_layout's scratch in pieces: 0.5-0.8% off into pools at T = 16384-65536 (H200).
+    gl.thread_barrier()  # every warp has read the last tile's values
+    c_smem.store(out)
+    gl.thread_barrier()
+    vals = c_smem.load(layout)
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    slot = gl.load(slots_ptr + rows * slots_stride, mask=rows < num_tokens, other=-1).to(gl.int64)
     ok = (rows < num_tokens) & (slot >= 0) & (slot < num_rows)
     row_start = (slot // PAGE) * stride_page + (slot % PAGE) * stride_slot
     col_start = (cols // D).to(gl.int64) * stride_h + cols % D
     ptrs = base + layer_start + gl.expand_dims(row_start, 1) + gl.expand_dims(col_start, 0)
     gl.store(ptrs, vals, mask=gl.expand_dims(ok, 1))
+
+
+@_constexpr_function
+def _store_layout(num_warps):
+    """Pool stores' layout: rows of 8 consecutive columns a thread, 16-byte stores where the addresses allow."""
+    return gl.BlockedLayout([1, 8], [4, 8], [int(num_warps), 1], [1, 0])
 
 
 @_jit
@@ -202,9 +217,23 @@ def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens,
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
+    # The rows' layouts of the K epilogue's positions and of the pools' slots (`_k_tile`, `_store_rows`).
+    probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([BM, BN], gl.float32, acc_layout), [BM, BN // D, 2, D // 2]),
+                                   (0, 1, 3, 2)))  # fmt: skip
+    pos_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, probe.type.layout))
+    slot_layout: gl.constexpr = gl.SliceLayout(1, _store_layout(WARPS_M * WARPS_N))
+    positions_ptr, positions_stride = rope[0], rope[1]
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        # The epilogue's row loads issued before the products, their latency hidden behind them.
+        rows_p = off_m + gl.arange(0, BM, layout=pos_layout)
+        pos = gl.load(positions_ptr + rows_p * positions_stride, mask=rows_p < num_tokens, other=0).to(gl.int64)
+        rows_s = off_m + gl.arange(0, BM, layout=slot_layout)
+        if POOL:
+            slot = gl.load(dst[7] + rows_s * dst[8], mask=rows_s < num_tokens, other=-1).to(gl.int64)
+        else:
+            slot = rows_s.to(gl.int64)  # unused
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for k in range(k_steps):
             s = it % STAGES
@@ -219,7 +248,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens,
         layer = off_n // (2 * HD)
         col = off_n - layer * (2 * HD)
         if col < HD:
-            out = _k_tile(acc, off_m, layer, norm, rope, num_tokens, out_ty, BM, BN, D, NORM, EPS_PER_LAYER,
+            out = _k_tile(acc, layer, norm, rope, pos, out_ty, BM, BN, D, NORM, EPS_PER_LAYER,
                           acc_layout).to(out_ty)  # fmt: skip
             part = 0
             first = col
@@ -228,7 +257,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens,
             part = 1
             first = col - HD
         if POOL:
-            _store_rows(out, dst, part, layer, off_m, first, num_tokens, D, BM, BN, PAGE, TABLE,
+            _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D, BM, BN, PAGE, TABLE,
                         WARPS_M * WARPS_N)  # fmt: skip
         else:
             tma.store_wait(0)  # the last tile's store has read c_smem
