@@ -109,6 +109,18 @@ def test_a_tensor_changed_in_place_misses(change: str) -> None:
     assert not guard.matches(args)
 
 
+def test_tensors_alone() -> None:
+    # No plain value and no list (the stacked-pool op's shape of arguments is close to it).
+    args = (torch.ones(2, 3), torch.arange(4))
+    guard = LayoutGuard.of(args)
+    assert guard is not None
+    assert guard.matches((torch.zeros(2, 3), torch.arange(4)))
+    assert not guard.matches((torch.zeros(3, 2), torch.arange(4)))
+    lists = LayoutGuard.of(([torch.ones(2)], [torch.ones(3)]))
+    assert lists is not None and lists.matches(([torch.ones(2)], [torch.ones(3)]))
+    assert not lists.matches(([torch.ones(3)], [torch.ones(3)]))
+
+
 def test_keeps_no_tensor_alive() -> None:
     args = _args()
     gone = weakref.ref(args[4][0])

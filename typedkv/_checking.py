@@ -115,7 +115,7 @@ def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _tensor_guards() -> Callable[..., Any] | None:
-    """torch's C++ layout check of a tuple of tensors (what ``torch.compile`` guards a graph with), or None.
+    """torch's C++ layout check of a tuple of tensors (from ``torch.compile``'s guards), or None.
 
     ``TensorGuards(*tensors, ...)`` records each tensor's Python type, dispatch keys (the device's
     type among them), dtype, device index, ``requires_grad``, sizes and strides, and the
@@ -164,8 +164,8 @@ class LayoutGuard:
         # itemgetter of one index returns the item itself: a repeated index keeps results tuples.
         self._tensors = operator.itemgetter(*tensor_at, *tensor_at[-1:]) if tensor_at else None
         self._lists = [(i, type(args[i]), len(args[i])) for i in list_at]
-        self._others = operator.itemgetter(*other_at, *other_at[-1:])
-        values = self._others(args) if other_at else ()
+        self._others = operator.itemgetter(*other_at, *other_at[-1:]) if other_at else None
+        values = self._others(args) if self._others is not None else ()
         self._other_types = tuple(map(type, values))
         self._other_values = [v for v in values if type(v) is not float]
         self._guards = guards(*self._flat(args), dynamic_dims_sizes=None, dynamic_dims_strides=None)
@@ -197,7 +197,7 @@ class LayoutGuard:
         """Whether ``args`` has the kept call's layout (so the same fingerprint)."""
         if len(args) != self._count:
             return False
-        if self._other_types:
+        if self._others is not None:
             values = self._others(args)
             if tuple(map(type, values)) != self._other_types:
                 return False
