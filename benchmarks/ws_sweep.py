@@ -2,7 +2,7 @@
 
 Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools]] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
-medians), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
+the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
 rounds; per T and round, each / ``torch.mm`` alone: that kernel (dense, per-layer pools) and
 GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
@@ -98,7 +98,7 @@ def main() -> None:
     for round_ in (1, 2):
         for name, table in TILES.items() if compare else [("128x256", _fused_ws.WS_TILES)]:
             _fused_ws.WS_TILES = table
-            for row in _bench_e2e.run_e2e(_bench.gpu_time_us, device, tokens)["rows"]:
+            for row in _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, tokens)["rows"]:
                 r = row["ratio"]
                 print(
                     f"{round_:>5} {name:>8} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "

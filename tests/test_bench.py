@@ -1,14 +1,16 @@
-"""The bench's plot: which panel each case lands in, what each panel shows, every series told apart."""
+"""The bench's plot: which panel each case lands in, what each panel shows, every series told apart;
+the paired timing of the end-to-end section: its rounds' order and how its ratios are reduced."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from typedkv import _bench
+from typedkv import _bench, _bench_e2e
 
 
 def _result(cases: list[str], impls: tuple[str, ...] = ("typedkv",)) -> dict[str, Any]:
@@ -39,6 +41,15 @@ def test_speedups_and_end_to_end_ratios() -> None:
         ("L5 H8 D128: compile", [(16, 3.0), (256, 3.0)]),
     ]
     assert panels[4] == [("typedkv / mm", [(16, 1.1)]), ("typedkv_pool / mm", [(16, 1.25)])]
+
+
+def test_end_to_end_panel_takes_the_recorded_ratio() -> None:
+    """A row's recorded ratio (the median of its per-round ratios) is plotted, not its medians' ratio;
+    an implementation without one falls back to the latter."""
+    result = _result(["L5 H8 D128"])
+    us = {"mm": 20.0, "typedkv": 22.0, "typedkv_pool": 25.0}
+    result["e2e"] = {"rows": [{"tokens": 16, "us": us, "ratio": {"typedkv / mm": 1.05, "typedkv_fused / x": 9.0}}]}
+    assert _bench.plot_series(result)[4] == [("typedkv / mm", [(16, 1.05)]), ("typedkv_pool / mm", [(16, 1.25)])]
 
 
 def test_every_panel_fits_its_distinct_styles() -> None:
@@ -99,3 +110,84 @@ def test_host_ratio_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_bench, "host_time_us", scripted)
     assert _bench.paired_host_time_us(call, bare, rounds=5, calls=10) == (50.0, 40.0, 1.5)
     assert order == ["call", "bare"] * 5
+
+
+def test_each_round_starts_one_implementation_later() -> None:
+    impls = ["mm", "typedkv", "typedkv_pool"]
+    assert [_bench.round_order(impls, r) for r in range(4)] == [
+        ["mm", "typedkv", "typedkv_pool"],
+        ["typedkv", "typedkv_pool", "mm"],
+        ["typedkv_pool", "mm", "typedkv"],
+        ["mm", "typedkv", "typedkv_pool"],
+    ]
+    assert impls == ["mm", "typedkv", "typedkv_pool"]  # not rotated in place
+
+
+def test_paired_gpu_timer_captures_all_then_times_in_rotated_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every graph is captured before the first round (and kept); each round replays every one, in
+    `round_order`; each implementation's times come back in round order. Capture and replay are
+    scripted: they are the only parts that need a CUDA device."""
+    events: list[str] = []
+    scripted = {"mm": iter([10.0, 11.0, 12.0]), "a": iter([20.0, 21.0, 22.0]), "b": iter([30.0, 31.0, 32.0])}
+
+    def captured(calls: Sequence[Callable[[], None]], min_calls: int) -> tuple[str, int]:
+        assert min_calls == 8
+        name = getattr(calls[0], "__name__", "")
+        events.append(f"capture {name}")
+        return name, 4 * len(calls)
+
+    def replay_us(graph: str, num_calls: int, replays: int) -> float:
+        assert (num_calls, replays) == (4, 3)
+        events.append(f"replay {graph}")
+        return next(scripted[graph])
+
+    def mm() -> None: ...
+
+    def a() -> None: ...
+
+    def b() -> None: ...
+
+    monkeypatch.setattr(_bench, "_captured", captured)
+    monkeypatch.setattr(_bench, "_replay_us", replay_us)
+    times = _bench.paired_gpu_time_us({"mm": [mm], "a": [a], "b": [b]}, rounds=3, replays=3, min_calls=8)
+    assert times == {"mm": [10.0, 11.0, 12.0], "a": [20.0, 21.0, 22.0], "b": [30.0, 31.0, 32.0]}
+    assert events == [
+        "capture mm", "capture a", "capture b",
+        "replay mm", "replay a", "replay b",
+        "replay a", "replay b", "replay mm",
+        "replay b", "replay mm", "replay a",
+    ]  # fmt: skip
+
+
+def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    """Rounds' ratios 1.2, 1.1 and 1.5: the median 1.2, not the ratio of the medians (22 / 20 = 1.1)."""
+    assert _bench_e2e.paired_ratio([12.0, 22.0, 60.0], [10.0, 20.0, 40.0]) == pytest.approx((1.2, 1.1, 1.5))
+    with pytest.raises(ValueError):
+        _bench_e2e.paired_ratio([1.0, 2.0], [1.0])  # rounds that do not pair up
+
+
+def test_end_to_end_rows_from_the_rounds() -> None:
+    """`run_e2e` times one T in one paired call; a row's ``us`` are medians over the rounds, each ratio
+    the median of its per-round ratios, ``ratio_range`` their extremes (scripted times, where the ratio
+    of medians differs: 22 / 20 for typedkv / mm, 22 / 22 for typedkv_fused / typedkv_gemm)."""
+    rounds = {"mm": [10.0, 20.0, 40.0], "typedkv_fused": [6.0, 22.0, 30.0]}
+    timed: list[set[str]] = []
+
+    def timer(calls: Any) -> dict[str, list[float]]:
+        timed.append(set(calls))
+        return {impl: rounds.get(impl, [12.0, 22.0, 60.0]) for impl in calls}
+
+    tiny = _bench_e2e.Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32)
+    result = _bench_e2e.run_e2e(timer, torch.device("cpu"), (1, 5), tiny)
+    ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
+    assert timed == [{"mm", *ours}] * 2
+    row = result["rows"][0]
+    assert row["us"]["mm"] == 20.0 and row["us"]["typedkv"] == 22.0
+    assert row["ratio"]["typedkv / mm"] == 1.2
+    assert row["ratio_range"]["typedkv / mm"] == [1.1, 1.5]
+    assert row["ratio"]["typedkv_fused / mm"] == 0.75  # rounds 0.6, 1.1, 0.75
+    assert row["ratio"]["typedkv_fused / typedkv_gemm"] == 0.5  # rounds 0.5, 1.0, 0.5
+    assert row["ratio_range"]["typedkv_fused / typedkv_gemm"] == [0.5, 1.0]
+    assert set(row["ratio_range"]) == set(row["ratio"])
+    table = _bench_e2e.e2e_table(result)
+    assert "range over the rounds" in table and "1.100-1.500" in table

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, NamedTuple
@@ -752,12 +752,16 @@ def test_the_helper_has_numpy_docstrings() -> None:
 # --------------------------------------------------------------------------- the bench's end-to-end section
 
 
-def _once_us(calls: Sequence[Callable[[], None]]) -> float:
-    """A stand-in for the bench's CUDA-graph timer on CPU: each call once, wall clock."""
-    start = time.perf_counter()
-    for call in calls:
-        call()
-    return (time.perf_counter() - start) * 1e6 / len(calls)
+def _once_us(calls: Mapping[str, Sequence[Callable[[], None]]], rounds: int = 3) -> dict[str, list[float]]:
+    """A stand-in for the bench's paired CUDA-graph timer on CPU: each implementation's calls once a round, wall clock."""
+    times: dict[str, list[float]] = {impl: [] for impl in calls}
+    for _ in range(rounds):
+        for impl, fns in calls.items():
+            start = time.perf_counter()
+            for call in fns:
+                call()
+            times[impl].append((time.perf_counter() - start) * 1e6 / len(fns))
+    return times
 
 
 TINY = Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32, max_position=64)
@@ -771,6 +775,9 @@ def test_e2e_bench_without_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert [row["tokens"] for row in result["rows"]] == [1, 5]
     ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
     assert all(set(row["us"]) == {"mm", *ours} for row in result["rows"])
+    for row in result["rows"]:
+        assert set(row["ratio_range"]) == set(row["ratio"])
+        assert all(low <= row["ratio"][name] <= high for name, (low, high) in row["ratio_range"].items())
     assert "typedkv_pool / mm" in e2e_table(result)
     assert "typedkv_fused / typedkv_gemm" in e2e_table(result)
 
@@ -783,6 +790,6 @@ def test_e2e_bench_with_sglang(sglang: ModuleType) -> None:
     assert set(row["ratio"]) == {
         "typedkv / mm", "typedkv_gemm / mm", "typedkv_fused / mm",
         "typedkv_pool / mm", "typedkv_pool_gemm / mm", "typedkv_pool_fused / mm", "typedkv_fused / typedkv_gemm",
-        "sglang / typedkv", "sglang_pool / typedkv_pool",
+        "sglang / mm", "sglang_pool / mm", "sglang / typedkv", "sglang_pool / typedkv_pool",
     }  # fmt: skip
     assert all(us > 0 for us in row["us"].values())

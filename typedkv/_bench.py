@@ -14,7 +14,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,6 +300,70 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25, min_call
     One replay holds at least ``min_calls`` calls: a graph of one large call
     would add the replay's own start-up (a few microseconds) to every call.
     """
+    graph, num_calls = _captured(calls, min_calls)
+    return _replay_us(graph, num_calls, replays)
+
+
+def paired_gpu_time_us(
+    calls: Mapping[str, Sequence[Callable[[], None]]], rounds: int = 7, replays: int = 5, min_calls: int = 20
+) -> dict[str, list[float]]:
+    """Each implementation's device time of one call, round by round, the implementations interleaved.
+
+    The host drifts (clocks, temperature) over the minutes a section takes, so a
+    ratio of two implementations timed one after the other compares two states
+    of the host, and the one always timed first is always timed in the earlier
+    state. Here every implementation's graph is captured first, as `gpu_time_us`
+    captures it, and all are kept; then each round times every graph, in the
+    order `round_order` gives (rotated by one a round, so none always runs
+    first). Two times of one round were taken moments apart: their ratio
+    compares one state, and a ratio's median over the rounds is that of
+    ``rounds`` such comparisons.
+
+    Parameters
+    ----------
+    calls : Mapping[str, Sequence[Callable[[], None]]]
+        Each implementation's calls by its name, one call per rotating input
+        set (what `gpu_time_us` takes).
+    rounds : int
+        Rounds; each times every implementation once.
+    replays : int
+        Timed replays of an implementation's graph in a round; the round's time
+        is their median.
+    min_calls : int
+        Calls per graph at least (the rotation repeated), as `gpu_time_us`.
+
+    Returns
+    -------
+    dict[str, list[float]]
+        Each implementation's microseconds per call in each round, round 0 first.
+
+    Notes
+    -----
+    Every implementation's graph, with what its calls allocate, is alive until
+    this returns; its memory then stays with torch's caching allocator, for the
+    caller to hand back (``torch.cuda.empty_cache()``) before larger calls.
+    """
+    graphs = {impl: _captured(fns, min_calls) for impl, fns in calls.items()}
+    times: dict[str, list[float]] = {impl: [] for impl in graphs}
+    for round_index in range(rounds):
+        for impl in round_order(list(graphs), round_index):
+            graph, num_calls = graphs[impl]
+            times[impl].append(_replay_us(graph, num_calls, replays))
+    return times
+
+
+def round_order(impls: Sequence[str], round_index: int) -> list[str]:
+    """The order round ``round_index`` of `paired_gpu_time_us` times ``impls`` in: rotated by one a round.
+
+    Round ``r`` starts at ``impls[r % n]``, so over ``n`` rounds each
+    implementation runs first once and follows each other one as often.
+    """
+    start = round_index % len(impls)
+    return [*impls[start:], *impls[:start]]
+
+
+def _captured(calls: Sequence[Callable[[], None]], min_calls: int) -> tuple[torch.cuda.CUDAGraph, int]:
+    """``calls`` captured in one CUDA graph, replayed once: the graph and the number of calls it holds."""
     sequence = list(calls) * max(1, math.ceil(min_calls / len(calls)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -315,6 +379,11 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25, min_call
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph, len(sequence)
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, num_calls: int, replays: int) -> float:
+    """Median over ``replays`` timed replays of ``graph`` of its time per call (it holds ``num_calls``)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times: list[float] = []
     for _ in range(replays):
@@ -322,7 +391,7 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25, min_call
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(sequence))
+        times.append(start.elapsed_time(end) * 1e3 / num_calls)
     return statistics.median(times)
 
 
@@ -619,7 +688,9 @@ def plot_series(result: dict[str, Any]) -> list[list[tuple[str, list[tuple[int, 
 
     Panels 0-2: typedkv's % of the copy roofline; 3: a baseline's time over
     typedkv's (x times faster); 4: each end-to-end implementation's time over
-    ``torch.mm`` alone (``result["e2e"]``, when measured).
+    ``torch.mm`` alone (``result["e2e"]``, when measured): the row's recorded
+    ratio (the median of the per-round ratios, `typedkv._bench_e2e.run_e2e`),
+    or in results recorded before it had one, the row's ``us`` over ``mm``'s.
     """
     panels: list[dict[str, list[tuple[int, float]]]] = [{} for _ in _PANELS]
     for row in result["rows"]:
@@ -632,9 +703,13 @@ def plot_series(result: dict[str, Any]) -> list[list[tuple[str, list[tuple[int, 
                 panels[3].setdefault(f"{row['case']}: {impl}", []).append((tokens, us / base))
     for row in result.get("e2e", {}).get("rows", []):
         mm = row["us"].get("mm")
+        recorded = row.get("ratio", {})
         for impl, us in row["us"].items():
-            if impl != "mm" and mm:
-                panels[4].setdefault(f"{impl} / mm", []).append((row["tokens"], us / mm))
+            name = f"{impl} / mm"
+            if name in recorded:
+                panels[4].setdefault(name, []).append((row["tokens"], recorded[name]))
+            elif impl != "mm" and mm:
+                panels[4].setdefault(name, []).append((row["tokens"], us / mm))
     return [list(panel.items()) for panel in panels]
 
 
@@ -703,7 +778,7 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
         from ._bench_e2e import e2e_table, section
 
         _log("end to end: hidden states to K/V ...")
-        result["e2e"] = section(gpu_time_us, torch.device("cuda"), quick)
+        result["e2e"] = section(paired_gpu_time_us, torch.device("cuda"), quick)
     result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     print(table(result))

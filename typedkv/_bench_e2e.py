@@ -17,17 +17,21 @@ A Qwen3-style DFlash draft (5 layers, 8 KV heads, head dim 128, hidden 4096,
   when sglang's ``fused_kv_materialize.py`` can be loaded (from the pinned wheel
   in ``.whl/`` or ``.sglang/``, or ``TYPEDKV_SGLANG_WHEEL``).
 
-The timer is the caller's (`typedkv._bench.gpu_time_us`: CUDA-graph replay), so
-this module needs nothing of the rest of the bench.
+The timer is the caller's (`typedkv._bench.paired_gpu_time_us`: CUDA-graph
+replay, every implementation of one T timed in each of several rounds, the order
+rotated a round), so this module needs nothing of the rest of the bench. A row's
+``us`` are the medians over the rounds; each ratio is the median of its per-round
+ratios (`paired_ratio`), with its lowest and highest round in ``ratio_range``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 import tempfile
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -55,7 +59,27 @@ class Draft:
     max_position: int = 32768
 
 
-Timer = Callable[[Sequence[Callable[[], None]]], float]
+Timer = Callable[[Mapping[str, Sequence[Callable[[], None]]]], Mapping[str, Sequence[float]]]
+"""The paired timer: each implementation's calls by name in, each one's microseconds per call in each round out."""
+
+
+class PairedRatio(NamedTuple):
+    """A ratio of two implementations' times over the rounds of one paired timing (`paired_ratio`)."""
+
+    median: float  # the median of the per-round ratios
+    low: float  # the lowest round's
+    high: float  # the highest round's
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> PairedRatio:
+    """``numerator / denominator`` round by round: the median of the per-round ratios, and their range.
+
+    Not the ratio of the two medians: each round's two times were taken moments
+    apart, in one state of the host, and the ratio of two medians can pair
+    rounds the host spent in different states.
+    """
+    ratios = [n / d for n, d in zip(numerator, denominator, strict=True)]
+    return PairedRatio(statistics.median(ratios), min(ratios), max(ratios))
 
 
 def load_sglang(search: Sequence[Path] = (Path(".whl"), Path(".sglang"))) -> tuple[ModuleType | None, str]:
@@ -133,7 +157,13 @@ def run_e2e(
     draft: Draft | None = None,
     sglang: ModuleType | None = None,
 ) -> dict[str, Any]:
-    """Time every implementation at each T; per row microseconds and ratios between them."""
+    """Time every implementation at each T; per row microseconds and ratios between them.
+
+    ``timer`` times every implementation of one T in one paired call
+    (`typedkv._bench.paired_gpu_time_us`); a row's ``us`` are each one's median
+    over the rounds, its ``ratio`` the median of each ratio's per-round values,
+    and ``ratio_range`` their lowest and highest (`paired_ratio`).
+    """
     draft, layers, rotary, weight, norm, flat = bench_draft(device, draft)
     H, D = draft.num_kv_heads, draft.head_dim
     # "auto" and each path pinned; the stacked weight is shared, not copied.
@@ -144,23 +174,31 @@ def run_e2e(
     theirs = None
     if sglang is not None:
         theirs = sglang.FusedKVMaterializeHelper(layers, rotary, H, D, device, max_position_hint=draft.max_position)
+    # (numerator, denominator) of each ratio a row records.
+    pairs = [(f"typedkv{pool}{path}", "mm") for pool in ("", "_pool") for path in ("", "_gemm", "_fused")]
+    pairs.append(("typedkv_fused", "typedkv_gemm"))
+    if theirs is not None:
+        pairs += [("sglang", "mm"), ("sglang_pool", "mm"), ("sglang", "typedkv"), ("sglang_pool", "typedkv_pool")]
     out: list[dict[str, Any]] = []
     for num_tokens in tokens:
         # Rotating input sets for small T, so a replay does not serve them from L2 (the weights, 84 MB, never fit).
         inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= 256 else 1)]
         gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
-        calls = _calls(inputs, flat, gemm_out, materializers, theirs)
-        us = {impl: round(timer(fns), 2) for impl, fns in calls.items()}
-        ratio = {
-            f"typedkv{pool}{path} / mm": round(us[f"typedkv{pool}{path}"] / us["mm"], 3)
-            for pool in ("", "_pool")
-            for path in ("", "_gemm", "_fused")
-        }
-        ratio["typedkv_fused / typedkv_gemm"] = round(us["typedkv_fused"] / us["typedkv_gemm"], 3)
-        if theirs is not None:
-            ratio["sglang / typedkv"] = round(us["sglang"] / us["typedkv"], 3)
-            ratio["sglang_pool / typedkv_pool"] = round(us["sglang_pool"] / us["typedkv_pool"], 3)
-        out.append({"tokens": num_tokens, "us": us, "ratio": ratio})
+        # Every graph of this T is alive in the timer at once; they are gone when it returns.
+        rounds = timer(_calls(inputs, flat, gemm_out, materializers, theirs))
+        del inputs, gemm_out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # their memory back before the next T's graphs are captured
+        us = {impl: round(statistics.median(times), 2) for impl, times in rounds.items()}
+        paired = {f"{a} / {b}": paired_ratio(rounds[a], rounds[b]) for a, b in pairs}
+        out.append(
+            {
+                "tokens": num_tokens,
+                "us": us,
+                "ratio": {name: round(r.median, 3) for name, r in paired.items()},
+                "ratio_range": {name: [round(r.low, 3), round(r.high, 3)] for name, r in paired.items()},
+            }
+        )
     return {"draft": {k: str(v) for k, v in vars(draft).items()}, "rows": out}
 
 
@@ -234,8 +272,11 @@ def _discard(_: object) -> None:
 
 
 def e2e_table(result: dict[str, Any]) -> str:
-    """The end-to-end section as a fixed-width text table."""
-    lines = [f"end to end, hidden states to K/V ({result.get('sglang', '')}); us per call:"]
+    """The end-to-end section as a fixed-width text table; below it each ratio's range over the rounds, if recorded."""
+    lines = [
+        f"end to end, hidden states to K/V ({result.get('sglang', '')}); "
+        "us per call (median of the rounds), each ratio the median of its per-round ratios:"
+    ]
     impls = list(dict.fromkeys(impl for row in result["rows"] for impl in row["us"]))
     ratios = list(dict.fromkeys(r for row in result["rows"] for r in row["ratio"]))
     lines.append(f"{'T':>6} " + " ".join(f"{impl:>13}" for impl in impls) + "  " + "  ".join(ratios))
@@ -245,4 +286,16 @@ def e2e_table(result: dict[str, Any]) -> str:
             f"{row['tokens']:>6} {cells}  "
             + "  ".join(f"{row['ratio'].get(r, float('nan')):>{len(r)}.3f}" for r in ratios)
         )
+    if any("ratio_range" in row for row in result["rows"]):
+        lines += ["", "each ratio's range over the rounds (lowest-highest):"]
+        widths = {r: max(len(r), 11) for r in ratios}  # 11: "0.000-0.000"
+        lines.append(f"{'T':>6}  " + "  ".join(f"{r:>{widths[r]}}" for r in ratios))
+        for row in result["rows"]:
+            spans = row.get("ratio_range", {})
+            cells = "  ".join(f"{_span(spans.get(r)):>{widths[r]}}" for r in ratios)
+            lines.append(f"{row['tokens']:>6}  {cells}")
     return "\n".join(lines)
+
+
+def _span(low_high: Sequence[float] | None) -> str:
+    return "-" if low_high is None else f"{low_high[0]:.3f}-{low_high[1]:.3f}"
