@@ -5,7 +5,10 @@
 #   graphs_before  tests/test_gpu_graphs.py against .old/base/typedkv (the code before the fix)
 #   graphs         tests/test_gpu_graphs.py on this checkout
 #   gpu            the whole GPU suite on this checkout
-#   gpu_fast       the GPU suite less its two longest tests (12 workers, at most $GPU_FAST_S s)
+#   gpu_fast       the GPU suite less its fuzz files and its two longest tests (15 workers, at most $GPU_FAST_S s;
+#                  each test's result as it ends in $OUT/gpu_fast.txt, so a run stopped by its limit says what ran)
+#   gpu_fuzz       the fuzz files gpu_fast leaves out (fused, K/V and MLA fuzz, threads in production mode;
+#                  15 workers, at most $GPU_FUZZ_S s): with gpu_fast, the whole suite less gpu_long
 #   gpu_long       those two tests (MLA fuzz in production mode, threads in debug mode; 2 workers)
 #   mla_fuzz       the MLA fuzz on CUDA in production mode as $FUZZ_SHARDS (6) processes at once, each
 #                  with its own hypothesis seed and 200 / shards examples (it compiles a kernel for most)
@@ -75,6 +78,8 @@ probe() {
 fused_sweep() {
     probe fused_sweep fused_sweep.py "${FUSED_SWEEP_S:-200}" ${FUSED_SWEEP_T:-}
 }
+# The GPU suite's fuzz files (about 95-110 s each on the H200): gpu_fuzz runs them, gpu_fast the rest.
+FUZZ_FILES="--ignore=tests/test_fused_fuzz.py --ignore=tests/test_fuzz.py --ignore=tests/test_mla_fuzz.py --ignore=tests/test_threads.py"
 for step in $STEPS; do
     echo "=== $step"
     case $step in
@@ -84,9 +89,14 @@ for step in $STEPS; do
             (cd .old/base && python3 -m pytest -c "$ROOT/pyproject.toml" --rootdir "$ROOT" -m gpu -q -p no:cacheprovider \
                 "$ROOT/tests/test_gpu_graphs.py" 2>&1 | tail -40) | tee "$OUT/graphs_before.txt" ;;
         gpu_fast)
-            timeout "${GPU_FAST_S:-440}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 12 --ignore=tests/typecheck tests \
-                --deselect "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" \
-                --deselect "tests/test_threads.py::test_threads_cuda[debug]" 2>&1 | tail -60 | tee "$OUT/gpu_fast.txt" ;;
+            timeout "${GPU_FAST_S:-440}" python3 -m pytest -m gpu -v -p no:cacheprovider -n 15 --durations=20 \
+                --ignore=tests/typecheck $FUZZ_FILES tests > "$OUT/gpu_fast.txt" 2>&1
+            echo "gpu_fast rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_fast.txt" | tail -40 ;;
+        gpu_fuzz)
+            timeout "${GPU_FUZZ_S:-300}" python3 -m pytest -m gpu -v -p no:cacheprovider -n 15 --durations=15 \
+                ${FUZZ_FILES//--ignore=/} --deselect "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" \
+                --deselect "tests/test_threads.py::test_threads_cuda[debug]" > "$OUT/gpu_fuzz.txt" 2>&1
+            echo "gpu_fuzz rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_fuzz.txt" | tail -40 ;;
         gpu_long)
             timeout "${GPU_LONG_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 \
                 "tests/test_mla_fuzz.py::test_fuzz_on_cuda[production]" "tests/test_threads.py::test_threads_cuda[debug]" \
