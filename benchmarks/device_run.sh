@@ -53,6 +53,8 @@
 #   ws_sweep       benchmarks/ws_sweep.py: that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
 #                  its T list, --tiles to compare tile shapes)
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
+#   small_t        benchmarks/small_t_probe.py: the GEMM at small T with hidden's ring apart from the weight's
+#                  ($SMALL_T_T, default 16 48 64; at most $SMALL_T_S s)
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -212,6 +214,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 | tee "$OUT/e2e.txt" ;;
         streamk)
             probe streamk streamk_probe.py "${STREAMK_S:-300}" ${STREAMK_T:-} ;;
+        small_t)
+            probe small_t small_t_probe.py "${SMALL_T_S:-240}" ${SMALL_T_T:-} ;;
         host_ratios)
             for round in $(seq "${HOST_ROUNDS:-3}"); do
                 for tree in ${HOST_TREES:-.old/base .}; do
