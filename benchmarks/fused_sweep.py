@@ -5,23 +5,25 @@ Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sw
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
 ``--early``: the default with the epilogue's loads before the loop or after it).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
-T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times (CUDA-graph
-replays over rotating inputs), dense outputs, beside ``torch.mm`` alone into a reused buffer and
-the GEMM + K/V kernel path, all in one process and alternated per configuration. Each line: T,
-the configuration, microseconds, and the ratio to the GEMM alone timed just before it. The best
+T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
+section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rotated
+rounds: `typedkv._bench.paired_gpu_time_us`), dense outputs, beside ``torch.mm`` alone into a
+reused buffer and the GEMM + K/V kernel path. Each line: T, the configuration, microseconds (the
+rounds' median), and the median of its per-round ratios to ``torch.mm`` (their range). The best
 configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
 kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
 from typedkv import KVMaterializer, _bench, _fused_impl, _launch
-from typedkv._bench_e2e import Draft
+from typedkv._bench_e2e import Draft, paired_ratio
 
 TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 
@@ -147,6 +149,7 @@ def _sweep_pools(
     defaults = _launch.projection_launch.__kwdefaults__
     assert defaults is not None
     default = defaults["config"]
+    fused: dict[str, Sequence[Callable[[], None]]] = {}
     for config, maxnreg in configs(num_tokens):
         if maxnreg is not None:
             continue  # the op builds its own launches: no register cap there
@@ -158,9 +161,12 @@ def _sweep_pools(
             lambda h=h, p=p, c=c, m=m: m.into_pool(h, p, c, k_layers, v_layers)
             for h, p, c in zip(hidden, positions, cache_loc, strict=True)
         ]
-        print(f"pools T={num_tokens:<6} {_config_text(config)}  {_timed(mm, calls, two)}", flush=True)
+        calls[0]()  # the materializer keeps the launch built now, with this configuration
+        fused[f"pools T={num_tokens:<6} {_config_text(config)}"] = calls
     defaults["config"] = default
     _fused_impl._LAUNCHES.clear()
+    torch.cuda.synchronize()
+    _timed(mm, fused, two)
 
 
 def _sweep(
@@ -186,6 +192,7 @@ def _sweep(
     ]
     # The fused result of each configuration against the GEMM path's (the tests hold them to one ulp).
     ref_k, ref_v = (t.clone() for t in gemm(hidden[0], positions[0]))
+    fused: dict[str, Sequence[Callable[[], None]]] = {}
     for config, maxnreg in configs(num_tokens):
         calls = [
             _fused(h, p, weight, norm, cos_sin, k_out, v_out, config, maxnreg)
@@ -197,11 +204,10 @@ def _sweep(
         regs = f"regs {compiled.n_regs} spills {compiled.n_spills} smem {compiled.metadata.shared}" if compiled else ""
         err_k = (k_out.float() - ref_k.float()).abs().max().item()
         err_v = (v_out.float() - ref_v.float()).abs().max().item()
-        print(
-            f"T={num_tokens:<6} {_config_text(config)} maxnreg={maxnreg}  {_timed(mm, calls, two)}  "
-            f"max|dk| {err_k:.3g} max|dv| {err_v:.3g} {regs}",
-            flush=True,
-        )
+        label = f"T={num_tokens:<6} {_config_text(config)} maxnreg={maxnreg}"
+        print(f"{label}  max|dk| {err_k:.3g} max|dv| {err_v:.3g} {regs}", flush=True)
+        fused[label] = calls
+    _timed(mm, fused, two)
 
 
 def _config_text(config: _launch.ProjectionConfig) -> str:
@@ -212,16 +218,27 @@ def _config_text(config: _launch.ProjectionConfig) -> str:
 
 
 def _timed(
-    mm: Sequence[Callable[..., None]], fused: Sequence[Callable[..., None]], two: Sequence[Callable[..., None]]
-) -> str:
-    """torch.mm alone, the fused calls and GEMM + kernel timed back to back, and both paths' ratios to mm."""
-    us_mm = _bench.gpu_time_us(mm)
-    us = _bench.gpu_time_us(fused)
-    us_two = _bench.gpu_time_us(two)
-    return (
-        f"fused {us:9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
-        f"fused/mm {us / us_mm:5.3f}  gemm+kernel/mm {us_two / us_mm:5.3f}"
-    )
+    mm: Sequence[Callable[[], None]],
+    fused: dict[str, Sequence[Callable[[], None]]],
+    two: Sequence[Callable[[], None]],
+) -> None:
+    """torch.mm alone, each configuration's fused calls and GEMM + kernel timed interleaved in rounds
+    (`typedkv._bench.paired_gpu_time_us`); one line a configuration: its µs, torch.mm's and GEMM +
+    kernel's (medians of the rounds), and the medians of the per-round ratios to torch.mm (their range)."""
+    rounds = _bench.paired_gpu_time_us({"mm": mm, "two": two, **fused})
+    us_mm, us_two = statistics.median(rounds["mm"]), statistics.median(rounds["two"])
+    two_ratio = _paired_ratio(rounds["two"], rounds["mm"])
+    for label in fused:
+        print(
+            f"{label}  fused {statistics.median(rounds[label]):9.2f} us  mm {us_mm:9.2f}  gemm+kernel {us_two:9.2f}  "
+            f"fused/mm {_paired_ratio(rounds[label], rounds['mm'])}  gemm+kernel/mm {two_ratio}",
+            flush=True,
+        )
+
+
+def _paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> str:
+    ratio = paired_ratio(numerator, denominator)
+    return f"{ratio.median:5.3f} ({ratio.low:.3f}-{ratio.high:.3f})"
 
 
 def _discard(_: object) -> None:
