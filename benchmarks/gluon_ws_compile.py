@@ -43,7 +43,7 @@ def _desc(block: list[int]) -> str:
 def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, str], dict[str, object]]:
     """Each argument's type as the launch gives it, and the constexprs (pointers left None are constexprs)."""
     names = list(project_kv_ws_kernel.arg_names)
-    m, n, k = TILES.block_m, _fused_ws.BLOCK_N, _fused_ws.BLOCK_K
+    m, n, k = TILES.block_m, TILES.block_n, _fused_ws.BLOCK_K
     types: dict[str, str] = {
         "a_desc": _desc([m, k]),
         "w_desc": _desc([n, k]),
@@ -56,7 +56,7 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
     const: dict[str, object] = {
         "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": TILES.stages, "GROUP_M": TILES.group_m,
         "WARPS_M": TILES.warps_m, "WARPS_N": TILES.warps_n, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
-        "POOL": pool, "PAGE": 1, "TABLE": table,
+        "POOL": pool, "PAGE": 1, "TABLE": table, "A_STAGES": TILES.a_stages,
     }  # fmt: skip
     if pool:
         const.update(k_desc=None, v_desc=None)
@@ -93,7 +93,7 @@ def compile_one(label: str, pool: bool, eps_per_layer: bool, table: int, page: i
         attrs=attrs,
     )
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": _fused_ws.NUM_WARPS})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": TILES.num_warps})
     except Exception as e:  # a variant that does not compile
         print(f"{label:<34} FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
         return False

@@ -1,6 +1,6 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools]] [T ...]``.
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --small] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -15,12 +15,21 @@ by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
 within each of three rounds; T 2048, 16384 and 65536 unless given. With ``--pools``: into the bench's
 per-layer pools, 3 ring slots against 4 (no staging tile there).
+
+``--small``: the small T, where today's fused path is `typedkv._fused_kernel` (one program per head
+and token block, ``hidden``'s tile and the weight's in each pipeline stage). Against it and
+``torch.mm``, the warp-specialised kernel with the tiles of `SMALL_TILES`: 64 tokens by one head (80
+programs, as the Triton kernel) or two, ``hidden``'s tiles in the weight's ring or in a ring of their
+own (`Tiles.a_stages`: more of the weight's bytes in flight). Dense and per-layer pools, every
+variant of one T interleaved in rounds (`typedkv._bench.paired_gpu_time_us`); each variant's K and
+V first compared with the Triton kernel's. T 16, 32, 48 and 64 unless given.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -78,11 +87,89 @@ def grouping(tokens: list[int], pools: bool) -> None:
             torch.cuda.empty_cache()
 
 
+SMALL_TILES = {
+    "64x256 s4": _fused_ws.Tiles(64, 4, 1, 4, 2),
+    "64x128 s8": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
+    "64x128 a3 w11": _fused_ws.Tiles(64, 11, 1, 4, 1, 128, 3),
+    "64x128 a2 w12": _fused_ws.Tiles(64, 12, 1, 4, 1, 128, 2),
+}
+
+
+def small(tokens: list[int]) -> None:
+    """``--small``: `SMALL_TILES` against the Triton fused kernel and torch.mm, dense and into pools."""
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    measured, default_tiles = _fused_ws.PROJECTION_WS_FASTER.get(name, ()), _fused_ws.WS_TILES
+    bench = _bench_e2e.bench_draft(device)
+    draft = bench.draft
+
+    def materializer() -> KVMaterializer:
+        m = KVMaterializer(bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
+        m.projection_path = "fused"
+        return m
+
+    def tiled(fn: Callable[[], object], table: tuple[tuple[float, _fused_ws.Tiles], ...]) -> Callable[[], None]:
+        # The table is read at each launch: set before the call a graph captures.
+        def call() -> None:
+            _fused_ws.WS_TILES = table
+            fn()
+
+        return call
+
+    triton_m = materializer()
+    for num_tokens in tokens:
+        inputs = [_bench_e2e._inputs(draft, num_tokens, device) for _ in range(4)]
+        gemm_out = torch.empty(num_tokens, bench.flat.shape[0], device=device, dtype=draft.dtype)
+        weight_t = bench.flat.t()
+        calls: dict[str, list[Callable[[], None]]] = {
+            "mm": [functools.partial(_discard, torch.mm, x.hidden, weight_t, out=gemm_out) for x in inputs]
+        }
+        # A layout's kernel is decided at its first call: the Triton kernel's before the table is widened.
+        _fused_ws.PROJECTION_WS_FASTER[name] = measured
+        calls["triton"] = [functools.partial(_discard, triton_m, x.hidden, x.positions) for x in inputs]
+        calls["triton pool"] = [
+            functools.partial(triton_m.into_pool, x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool)
+            for x in inputs
+        ]
+        for fn in (calls["triton"][0], calls["triton pool"][0]):
+            fn()
+        ref_k, ref_v = triton_m(inputs[0].hidden, inputs[0].positions)
+        _fused_ws.PROJECTION_WS_FASTER[name] = ((0, math.inf),)
+        for label, tiles in SMALL_TILES.items():
+            table = ((math.inf, tiles),)
+            m = materializer()
+            calls[label] = [tiled(functools.partial(_discard, m, x.hidden, x.positions), table) for x in inputs]
+            calls[f"{label} pool"] = [
+                tiled(functools.partial(m.into_pool, x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool), table)
+                for x in inputs
+            ]
+            _fused_ws.WS_TILES = table
+            k, v = m(inputs[0].hidden, inputs[0].positions)
+            calls[f"{label} pool"][0]()
+            torch.cuda.synchronize()
+            dk = (k.float() - ref_k.float()).abs().max().item()
+            dv = (v.float() - ref_v.float()).abs().max().item()
+            print(f"T={num_tokens} {label}: max|dk| {dk:.3g} max|dv| {dv:.3g} (against the Triton kernel)", flush=True)
+        _fused_ws.WS_TILES = default_tiles
+        rounds = _bench.paired_gpu_time_us(calls)
+        _fused_ws.WS_TILES = default_tiles
+        _fused_ws.PROJECTION_WS_FASTER[name] = measured
+        mm = rounds.pop("mm")
+        print(f"T={num_tokens} mm {statistics.median(mm):.2f} us; each / mm, median of the rounds (lowest-highest):")
+        for label, times in rounds.items():
+            ratio = _bench_e2e.paired_ratio(times, mm)
+            print(f"   {label:<20} {ratio.median:.3f} ({ratio.low:.3f}-{ratio.high:.3f})", flush=True)
+        torch.cuda.empty_cache()
+
+
 def _discard(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
     fn(*args, **kwargs)
 
 
 def main() -> None:
+    if "--small" in sys.argv:
+        small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [16, 32, 48, 64])
+        return
     if "--grouping" in sys.argv:
         grouping(
             [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536], "--pools" in sys.argv

@@ -137,15 +137,26 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
     assert launches == [300]
 
 
+# The other tiles the sweeps time (benchmarks/ws_sweep.py): 64 tokens by two heads, the warpgroups side
+# by side (--tiles); 64 tokens by one head, one warpgroup, ``hidden``'s tiles in the weight's ring or
+# in three slots of their own (--small).
+OTHER_TILES = {
+    "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
+    "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
+    "64x128_hidden_apart": _fused_ws.Tiles(64, 11, 1, 4, 1, 128, 3),
+}
+
+
 @pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("tiles", list(OTHER_TILES))
 @pytest.mark.parametrize("layout", ["dense", "list", "HND"])
 @pytest.mark.parametrize("num_tokens", [1, 65, 300])
-def test_64_token_tiles_cuda(
-    monkeypatch: pytest.MonkeyPatch, launches: list[int], num_tokens: int, layout: str
+def test_other_tiles_cuda(
+    monkeypatch: pytest.MonkeyPatch, launches: list[int], num_tokens: int, layout: str, tiles: str
 ) -> None:
-    """The other tiles `benchmarks/ws_sweep.py --tiles` times (64 tokens, the warpgroups side by side, a head
-    each): the oracle's K and V, dense and into pools."""
-    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, _fused_ws.Tiles(64, 4, 8, 4, 2)),))
+    """`OTHER_TILES`: the oracle's K and V, dense and into pools; at T = 300 a program takes several tiles
+    (its rings, ``hidden``'s own included, carried from one tile to the next)."""
+    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, OTHER_TILES[tiles]),))
     typedkv.set_debug(False)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=1000)
     x, positions, xc, pc = cuda_call(draft, num_tokens)

@@ -43,20 +43,28 @@ except (ImportError, AttributeError):
     gl = GluonDescriptor = None
 
 HEAD_DIM = 128
-# A tile is two heads' weight rows (never across K and V), 64 hidden columns a step.
+# A tile is two heads' weight rows (never across K and V; `Tiles.block_n`), 64 hidden columns a step.
 BLOCK_N, BLOCK_K = 256, 64
 
 
 class Tiles(NamedTuple):
     """A launch's tiles: ``block_m`` tokens, ``stages`` ring slots, bands of ``group_m`` token blocks, and
-    the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (8 in all: two
-    warpgroups; a warpgroup's wgmma takes 64 rows)."""
+    the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (a warpgroup's
+    wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one); ``a_stages``: 0, ``hidden``'s
+    tile in each ring slot beside the weight's, else a ring of its own with that many slots."""
 
     block_m: int
     stages: int
     group_m: int
     warps_m: int
     warps_n: int
+    block_n: int = BLOCK_N
+    a_stages: int = 0
+
+    @property
+    def num_warps(self) -> int:
+        """The consumer warps (the load warps are the kernel's own)."""
+        return self.warps_m * self.warps_n
 
 
 # (most tokens, tiles). 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two
@@ -66,7 +74,6 @@ class Tiles(NamedTuple):
 # side, a head each) at T = 256-4096 (H200, 2026-12-02, two rounds): faster at 512 (and in one
 # round of two at 1024), where GEMM + kernel beats both; slower at 256 and from 2048 on.
 WS_TILES: tuple[tuple[float, Tiles], ...] = ((math.inf, Tiles(128, 3, 8, 8, 1)),)
-NUM_WARPS = 8
 
 
 def tiles(num_tokens: int) -> Tiles:
@@ -216,10 +223,14 @@ def launch(
     num_tokens = hidden.shape[0]
     hd = k_out.shape[2] * k_out.shape[3]
     cube = _smem_layout(3)
-    block_m = tiles(num_tokens).block_m
+    shape = tiles(num_tokens)
     outs = [
         GluonDescriptor(
-            out, [num_layers, num_tokens, hd], [out.stride(0), out.stride(1), 1], [1, block_m, BLOCK_N], cube
+            out,
+            [num_layers, num_tokens, hd],
+            [out.stride(0), out.stride(1), 1],
+            [1, shape.block_m, shape.block_n],
+            cube,
         )
         for out in (k_out, v_out)
     ]
@@ -325,9 +336,9 @@ def _launch_kernel(
     shape = tiles(num_tokens)
     flat = _smem_layout(2)
     a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [shape.block_m, BLOCK_K], flat)
-    w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [BLOCK_N, BLOCK_K], flat)
+    w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [shape.block_n, BLOCK_K], flat)
     tiles_m = triton.cdiv(num_tokens, shape.block_m)
-    tiles_n = kv_weight.shape[0] // BLOCK_N
+    tiles_n = kv_weight.shape[0] // shape.block_n
     num_tiles = tiles_m * tiles_n
     per_layer = isinstance(eps, torch.Tensor)
     # Unused pointers (no per-layer eps, no norm) take tensors the call has anyway.
@@ -339,7 +350,7 @@ def _launch_kernel(
         norm, norm.stride(0), norm.stride(1),
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
-        HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=BLOCK_N, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
+        HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=shape.block_n, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
         WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
-        num_warps=NUM_WARPS, **options,
+        A_STAGES=shape.a_stages, num_warps=shape.num_warps, **options,
     )  # fmt: skip
