@@ -55,6 +55,10 @@
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   small_t        benchmarks/small_t_probe.py: the GEMM at small T with hidden's ring apart from the weight's
 #                  ($SMALL_T_T, default 16 48 64; at most $SMALL_T_S s)
+#   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's small tiles against the Triton kernel
+#                  ($WS_SMALL_T, default 16 32 48 64; at most $WS_SMALL_S s)
+#   fused_early    benchmarks/fused_sweep.py --early, dense then --pools ($FUSED_EARLY_T, default 48 64): the
+#                  epilogue's loads, the RoPE rows and the positions and slots alone, before the loop or after it
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
@@ -214,6 +218,11 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 | tee "$OUT/e2e.txt" ;;
         streamk)
             probe streamk streamk_probe.py "${STREAMK_S:-300}" ${STREAMK_T:-} ;;
+        ws_small)
+            probe ws_small ws_sweep.py "${WS_SMALL_S:-240}" --small ${WS_SMALL_T:-} ;;
+        fused_early)
+            probe fused_early fused_sweep.py "${FUSED_EARLY_S:-200}" --early ${FUSED_EARLY_T:-48 64}
+            probe fused_early_pools fused_sweep.py "${FUSED_EARLY_S:-200}" --early --pools ${FUSED_EARLY_T:-48 64} ;;
         small_t)
             probe small_t small_t_probe.py "${SMALL_T_S:-240}" ${SMALL_T_T:-} ;;
         host_ratios)
