@@ -234,15 +234,15 @@ def _store_layout(num_warps):
 
 @_jit
 def _consumer(a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
-              tiles_n, num_tiles, k_steps, out_ty: gl.constexpr, HD: gl.constexpr, D: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
+              tiles_n, num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
               POOL: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, A_STAGES: gl.constexpr):  # fmt: skip
     """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
 
     ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools. With
     ``A_STAGES``, ``hidden``'s tile of a step waits in its own ring (``a_ready`` / ``a_empty``).
     """
+    out_ty: gl.constexpr = a_bufs.dtype  # the storage dtype: hidden's, the weight's and the outputs'
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
@@ -356,76 +356,26 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout(128, 16, rank=2))
     norm = (eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
-    # The partitions' arguments spelt out in each call (a tuple of them cannot hold ``dtype``).
+    # The partitions' arguments spelt out in each call: a tuple held in a variable turns its
+    # constexprs into tensors. With ``A_STAGES`` a third partition loads ``hidden``'s ring.
     if A_STAGES == 0:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (
-                        a_bufs,
-                        w_bufs,
-                        ready,
-                        empty,
-                        a_ready,
-                        a_empty,
-                        dst,
-                        c_smem,
-                        norm,
-                        rope,
-                        num_tokens,
-                        tiles_m,
-                        tiles_n,
-                        num_tiles,
-                        k_steps,
-                        dtype,
-                        HD,
-                        D,
-                        BM,
-                        BN,
-                        STAGES,
-                        GROUP_M,
-                        WARPS_M,
-                        WARPS_N,
-                        NORM,
-                        EPS_PER_LAYER,
-                        POOL,
-                        PAGE,
-                        TABLE,
-                        A_STAGES,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        a_desc,
-                        w_desc,
-                        a_bufs,
-                        w_bufs,
-                        ready,
-                        empty,
-                        tiles_m,
-                        tiles_n,
-                        num_tiles,
-                        k_steps,
-                        BM,
-                        BN,
-                        BK,
-                        STAGES,
-                        GROUP_M,
-                        A_STAGES,
-                    ),
-                ),
+                (_consumer, (a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens,
+                             tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
+                             NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
+                (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                             BM, BN, BK, STAGES, GROUP_M, A_STAGES)),
             ],
             [1],
             [24],
-        )
+        )  # fmt: skip
     else:
         gl.warp_specialize(
             [
                 (_consumer, (a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens,
-                             tiles_m, tiles_n, num_tiles, k_steps, dtype, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M,
-                             WARPS_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
+                             tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
+                             NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
                 (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
                              BM, BN, BK, STAGES, GROUP_M, A_STAGES)),
                 (_a_producer, (a_desc, a_bufs, a_ready, a_empty, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, BK,
