@@ -21,7 +21,7 @@ import pytest
 import torch
 import triton
 from memcheck import run_under_memcheck
-from test_fused_projection import Draft, H, L, P, assert_matches_oracle
+from test_fused_projection import Draft, H, L, Oracle, P, assert_matches_oracle
 from test_gpu import assert_no_sync, compiled_variants
 from test_gpu_integration import capture
 from torch import Tensor
@@ -283,6 +283,42 @@ def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) 
     k64, v = draft.oracle(x, positions)
     got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
     assert_matches_oracle(got, (k64[:, kept], v[:, kept]), torch.bfloat16)
+    others = torch.ones(S, dtype=torch.bool)
+    others[cache_loc[kept]] = False
+    for pool in (k_pool, v_pool):
+        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("num_tokens", [16, 48, 64, 300])
+@pytest.mark.parametrize("layout", ["dense", "list", "HND"])
+def test_early_rows_cuda(monkeypatch: pytest.MonkeyPatch, layout: str, num_tokens: int, tma: bool) -> None:
+    """`ProjectionConfig.early_rows` (not a default yet): positions and slots before the loop, cos/sin after it.
+    With the weight by TMA the slots move too (by pointer they load early anyway). Production mode: a position
+    past the cache gives NaN K, negative slots and one past the pool are skipped, nothing else written."""
+    from typedkv import _fused_impl, _launch
+
+    defaults = _launch.projection_launch.__kwdefaults__
+    assert defaults is not None
+    config = _launch.ProjectionConfig(tma=tma, early_rope=False, early_rows=True)
+    monkeypatch.setitem(defaults, "config", config)
+    _fused_impl._LAUNCHES.clear()
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, hidden=256)
+    x, positions = draft.call(num_tokens)
+    positions[num_tokens // 2] = P + 100
+    xc, pc = x.cuda(), positions.cuda()
+    want = draft.oracle(x, positions)
+    if layout == "dense":
+        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
+        return
+    cache_loc = torch.randperm(S)[:num_tokens]
+    cache_loc[[0, num_tokens - 1]] = torch.tensor([-1, S + 3])
+    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+    kept = (cache_loc >= 0) & (cache_loc < S)
+    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
+    assert_matches_oracle(got, Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept]), torch.bfloat16)
     others = torch.ones(S, dtype=torch.bool)
     others[cache_loc[kept]] = False
     for pool in (k_pool, v_pool):
