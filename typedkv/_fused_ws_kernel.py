@@ -78,16 +78,17 @@ def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GRO
 @_jit
 def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, A_STAGES: gl.constexpr = 0):  # fmt: skip
-    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``.
+              GROUP_M: gl.constexpr, LOAD_A: gl.constexpr = True, LOAD_W: gl.constexpr = True):  # fmt: skip
+    """A load warp: every k-step of every tile of this program into its ring, slot ``it % STAGES``:
+    ``hidden``'s tile (``LOAD_A``) and the weight's (``LOAD_W``) under one barrier a slot.
 
-    With ``A_STAGES`` the weight's tiles only: ``hidden``'s go to a ring of their own (`_a_producer`).
+    Both, into one ring, as a rule. Where ``hidden``'s tiles have a ring of their own, one warp
+    loads each (the kernel's ``A_STAGES``): ``hidden`` is small at small T and every program reads
+    it, so L2 serves it and a short ring does, and the weight's ring holds the weight alone, more
+    of its bytes in flight.
     """
     bits: gl.constexpr = a_desc.block_type.element_ty.primitive_bitwidth
-    if A_STAGES == 0:
-        nbytes: gl.constexpr = (BM + BN) * BK * bits // 8
-    else:
-        nbytes: gl.constexpr = BN * BK * bits // 8
+    nbytes: gl.constexpr = (LOAD_A * BM + LOAD_W * BN) * BK * bits // 8
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
@@ -96,29 +97,10 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, nu
             # The slot's last use released (on the first pass the wait's parity 1 passes at once).
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            if A_STAGES == 0:
+            if LOAD_A:
                 tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
-            it += 1
-
-
-@_jit
-def _a_producer(a_desc, a_bufs, a_ready, a_empty, tiles_m, tiles_n, num_tiles, k_steps, BM: gl.constexpr,
-                BN: gl.constexpr, BK: gl.constexpr, A_STAGES: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """``hidden``'s load warp where its tiles have a ring of their own (``A_STAGES`` slots, `_producer`).
-
-    ``hidden`` is small at small T and every program reads it, so L2 serves it and a short ring
-    does; the weight's ring then holds the weight alone, more of its bytes in flight.
-    """
-    nbytes: gl.constexpr = BM * BK * a_desc.block_type.element_ty.primitive_bitwidth // 8
-    it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, _ = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
-        for k in range(k_steps):
-            s = it % A_STAGES
-            mbarrier.wait(a_empty.index(s), ((it // A_STAGES) & 1) ^ 1)
-            mbarrier.expect(a_ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], a_ready.index(s), a_bufs.index(s))
+            if LOAD_W:
+                tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
             it += 1
 
 
@@ -326,7 +308,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     ``POOL``, the pools from ``k_ptr`` on (`_store_rows`; the descriptors None). The tiles
     ``program_id, program_id + num_programs, ...`` (one program per SM, or per tile where there
     are fewer). ``A_STAGES`` > 0: ``hidden``'s tiles in a ring of their own, fed by a second
-    load warp (`_a_producer`); 0: beside the weight's in each slot.
+    load warp (`_producer`); 0: beside the weight's in each slot.
     """
     if POOL:
         dst = (k_ptr, v_ptr, offsets_ptr, offsets_stride_part, offsets_stride_layer,
@@ -357,7 +339,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     norm = (eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
     # The partitions' arguments spelt out in each call: a tuple held in a variable turns its
-    # constexprs into tensors. With ``A_STAGES`` a third partition loads ``hidden``'s ring.
+    # constexprs into tensors. With ``A_STAGES`` a second load warp feeds ``hidden``'s ring.
     if A_STAGES == 0:
         gl.warp_specialize(
             [
@@ -365,7 +347,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                              tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
                              NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
                 (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                             BM, BN, BK, STAGES, GROUP_M, A_STAGES)),
+                             BM, BN, BK, STAGES, GROUP_M)),
             ],
             [1],
             [24],
@@ -377,9 +359,9 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                              tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
                              NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
                 (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                             BM, BN, BK, STAGES, GROUP_M, A_STAGES)),
-                (_a_producer, (a_desc, a_bufs, a_ready, a_empty, tiles_m, tiles_n, num_tiles, k_steps, BM, BN, BK,
-                               A_STAGES, GROUP_M)),
+                             BM, BN, BK, STAGES, GROUP_M, False, True)),
+                (_producer, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, tiles_m, tiles_n, num_tiles, k_steps,
+                             BM, BN, BK, A_STAGES, GROUP_M, True, False)),
             ],
             [1, 1],
             [24, 24],
