@@ -449,15 +449,14 @@ def epilogue_ref(
     return out
 
 
-def compile_all(dump: str = "/tmp/gluon") -> int:
+def compile_all(folder: str = "/tmp/gluon") -> int:
     """Compile every configuration for sm_90 (CPU, no GPU): registers, shared memory, warp specialisation.
 
-    Each one's TTGIR, PTX and cubin are written under ``dump``; registers as ``cuobjdump -res-usage`` reads them.
+    Each one's TTGIR, PTX and cubin are written under ``folder``; registers as ``cuobjdump -res-usage`` reads them.
     """
-    import os
     import re
-    import subprocess
 
+    from sm90_build import dump
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -493,22 +492,13 @@ def compile_all(dump: str = "/tmp/gluon") -> int:
             print(f"{cfg.name:<28} FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
             continue
         md = kernel.metadata
-        ttgir, ptx = str(kernel.asm["ttgir"]), str(kernel.asm["ptx"])
-        os.makedirs(dump, exist_ok=True)
-        for ext, text in (("ttgir", ttgir), ("ptx", ptx)):
-            with open(os.path.join(dump, f"{cfg.name}.{ext}"), "w") as f:
-                f.write(text)
-        with open(os.path.join(dump, f"{cfg.name}.cubin"), "wb") as f:
-            f.write(kernel.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        reg = re.search(r"REG:(\d+)", usage)
-        local = re.search(r"LOCAL:(\d+)", usage)
+        built = dump(kernel, folder, cfg.name)
+        ttgir, ptx = built.ttgir, built.ptx
         regs = sorted(set(re.findall(r"setmaxnreg\.((?:inc|dec)\.sync\.aligned\.u32\s+\d+)", ptx)))
         regs = [" ".join((r.split(".")[0], r.split()[-1])) for r in regs]
         ws = "ttg.warp_specialize" in ttgir
         maxnreg = re.findall(r"\.maxnreg\s+(\d+)", ptx) or "-"
-        print(f"{cfg.name:<28} ok  regs {reg.group(1) if reg else '?'}  local {local.group(1) if local else '?'}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
+        print(f"{cfg.name:<28} ok  regs {built.regs}  local {built.local}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
               f"num_warps {md.num_warps}  warp_specialize {ws}  setmaxnreg {regs or 'none'}  "
               f"wgmma {ptx.count('wgmma.mma_async')}  "
               f"maxnreg {maxnreg}", flush=True)  # fmt: skip

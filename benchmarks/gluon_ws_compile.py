@@ -16,12 +16,11 @@ vectors. TTGIR and PTX go under /tmp/gluon_ws. Exit status 1 if any variant fail
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 
 import triton
+from sm90_build import dump
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -97,22 +96,12 @@ def compile_one(label: str, pool: bool, eps_per_layer: bool, table: int, page: i
     except Exception as e:  # a variant that does not compile
         print(f"{label:<34} FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
         return False
-    ttgir, ptx = str(kernel.asm["ttgir"]), str(kernel.asm["ptx"])
-    os.makedirs(DUMP, exist_ok=True)
-    for ext, text in (("ttgir", ttgir), ("ptx", ptx)):
-        with open(os.path.join(DUMP, f"{label}.{ext}"), "w") as f:
-            f.write(text)
-    cubin = os.path.join(DUMP, f"{label}.cubin")
-    with open(cubin, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
-    reg = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
+    built = dump(kernel, DUMP, label)
+    ttgir, ptx = built.ttgir, built.ptx
     stores = re.findall(r"st\.global(?:\.\w+)*?(\.v[248])?\.(?:b|u|f)(\d+)", ptx)
     wide = sum(1 for vec, bits in stores if vec and int(vec[2:]) * int(bits) == 128)
     print(
-        f"{label:<34} ok  regs {reg.group(1) if reg else '?'}  local {local.group(1) if local else '?'}  "
+        f"{label:<34} ok  regs {built.regs}  local {built.local}  "
         f"shared {kernel.metadata.shared / 1024:.1f} KB  warp_specialize {'ttg.warp_specialize' in ttgir}  "
         f"global stores {len(stores)} ({wide} of 16 bytes)  TMA copies {ptx.count('cp.async.bulk.tensor')}",
         flush=True,

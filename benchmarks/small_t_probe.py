@@ -30,10 +30,7 @@ interleaved in rounds); printed: each variant's median of its per-round ratios o
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -65,32 +62,22 @@ def _jit(fn: Callable[..., object]) -> Callable[..., object]:
 
 
 @_jit
-def _load_w(w_desc, a_desc, w_bufs, a_bufs, w_ready, w_empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
-            BK: gl.constexpr, W_STAGES: gl.constexpr, JOINT: gl.constexpr):  # fmt: skip
-    """The weight's load warp: the head's tile of every k-step into its ring (and ``hidden``'s with ``JOINT``)."""
+def _load(a_desc, w_desc, a_bufs, w_bufs, ready, empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
+          BK: gl.constexpr, STAGES: gl.constexpr, LOAD_A: gl.constexpr, LOAD_W: gl.constexpr):  # fmt: skip
+    """A load warp: ``hidden``'s tile (``LOAD_A``) and the head's weight tile (``LOAD_W``) of every k-step
+    into its ring, under one barrier a slot: both (joint), or one of them (rings apart, a warp each)."""
     off_n = gl.program_id(0) * BN
     off_m = gl.program_id(1) * BM
-    nbytes: gl.constexpr = (BN + JOINT * BM) * BK * 2
+    nbytes: gl.constexpr = (LOAD_A * BM + LOAD_W * BN) * BK * 2
     for k in range(k_steps):
-        s = k % W_STAGES
+        s = k % STAGES
         # The slot's last use released (the first pass waits on parity 1: passes at once).
-        mbarrier.wait(w_empty.index(s), ((k // W_STAGES) & 1) ^ 1)
-        mbarrier.expect(w_ready.index(s), nbytes)
-        if JOINT:
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], w_ready.index(s), a_bufs.index(s))
-        tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], w_ready.index(s), w_bufs.index(s))
-
-
-@_jit
-def _load_a(a_desc, a_bufs, a_ready, a_empty, k_steps, BM: gl.constexpr, BK: gl.constexpr,
-            A_STAGES: gl.constexpr):  # fmt: skip
-    """``hidden``'s load warp (rings apart): its tile of every k-step into its own, shorter ring."""
-    off_m = gl.program_id(1) * BM
-    for k in range(k_steps):
-        s = k % A_STAGES
-        mbarrier.wait(a_empty.index(s), ((k // A_STAGES) & 1) ^ 1)
-        mbarrier.expect(a_ready.index(s), BM * BK * 2)
-        tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], a_ready.index(s), a_bufs.index(s))
+        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        if LOAD_A:
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+        if LOAD_W:
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
 
 
 @_jit
@@ -145,7 +132,8 @@ def gemm_small_t(a_desc, w_desc, c_ptr, T, N, k_steps, BM: gl.constexpr, BN: gl.
             [
                 (_multiply, (a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, T, N, k_steps, BM, BN,
                              A_STAGES, W_STAGES, JOINT)),
-                (_load_w, (w_desc, a_desc, w_bufs, a_bufs, w_ready, w_empty, k_steps, BM, BN, BK, W_STAGES, JOINT)),
+                (_load, (a_desc, w_desc, a_bufs, w_bufs, w_ready, w_empty, k_steps, BM, BN, BK, W_STAGES, True,
+                         True)),
             ],
             [1],
             [24],
@@ -155,8 +143,10 @@ def gemm_small_t(a_desc, w_desc, c_ptr, T, N, k_steps, BM: gl.constexpr, BN: gl.
             [
                 (_multiply, (a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, c_ptr, T, N, k_steps, BM, BN,
                              A_STAGES, W_STAGES, JOINT)),
-                (_load_w, (w_desc, a_desc, w_bufs, a_bufs, w_ready, w_empty, k_steps, BM, BN, BK, W_STAGES, JOINT)),
-                (_load_a, (a_desc, a_bufs, a_ready, a_empty, k_steps, BM, BK, A_STAGES)),
+                (_load, (a_desc, w_desc, a_bufs, w_bufs, w_ready, w_empty, k_steps, BM, BN, BK, W_STAGES, False,
+                         True)),
+                (_load, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, k_steps, BM, BN, BK, A_STAGES, True,
+                         False)),
             ],
             [1, 1],
             [24, 24],
@@ -207,8 +197,9 @@ def _layout(block: list[int]) -> object:
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
-def compile_all(dump: str = "/tmp/small_t") -> int:
+def compile_all(folder: str = "/tmp/small_t") -> int:
     """Compile every variant for sm_90 (CPU, no GPU): registers, shared memory, warp specialisation."""
+    from sm90_build import dump
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -235,22 +226,12 @@ def compile_all(dump: str = "/tmp/small_t") -> int:
             bad += 1
             print(f"{variant.name:<22} FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
             continue
-        os.makedirs(dump, exist_ok=True)
-        ttgir, ptx = str(kernel.asm["ttgir"]), str(kernel.asm["ptx"])
-        for ext, text in (("ttgir", ttgir), ("ptx", ptx)):
-            with open(os.path.join(dump, f"{variant.name}.{ext}"), "w") as f:
-                f.write(text)
-        cubin = os.path.join(dump, f"{variant.name}.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
-        reg, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+        built = dump(kernel, folder, variant.name)
         print(
-            f"{variant.name:<22} ok  regs {reg.group(1) if reg else '?'}  local {local.group(1) if local else '?'}  "
+            f"{variant.name:<22} ok  regs {built.regs}  local {built.local}  "
             f"shared {kernel.metadata.shared / 1024:.1f} KB (rings {variant.smem_kb():.0f} KB)  "
-            f"warp_specialize {'ttg.warp_specialize' in ttgir}  TMA loads {ptx.count('cp.async.bulk.tensor')}  "
-            f"wgmma {ptx.count('wgmma.mma_async')}",
+            f"warp_specialize {'ttg.warp_specialize' in built.ttgir}  TMA loads {built.ptx.count('cp.async.bulk.tensor')}  "
+            f"wgmma {built.ptx.count('wgmma.mma_async')}",
             flush=True,
         )
     return 1 if bad else 0
