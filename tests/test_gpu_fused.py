@@ -267,6 +267,22 @@ def _rows(pool: Any, slots: Tensor, layout: str) -> Tensor:
     return stacked.reshape(L, S, H, -1)[:, slots].cpu()
 
 
+def assert_pool_rows(k_pool: Any, v_pool: Any, cache_loc: Tensor, layout: str, want: tuple[Tensor, Tensor]) -> None:
+    """The bfloat16 pools' rows at ``cache_loc``'s slots in ``[0, S)`` hold ``want``'s K/V of those tokens (an `Oracle`
+    stays one, its other rounding kept); every other row still holds `_pool`'s fill byte (0x35)."""
+    kept = (cache_loc >= 0) & (cache_loc < S)
+    if isinstance(want, Oracle):
+        expected: tuple[Tensor, Tensor] = Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept])
+    else:
+        expected = (want[0][:, kept], want[1][:, kept])
+    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
+    assert_matches_oracle(got, expected, torch.bfloat16)
+    others = torch.ones(S, dtype=torch.bool)
+    others[cache_loc[kept]] = False
+    for pool in (k_pool, v_pool):
+        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+
+
 @pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined", "list_unaligned"])
 @pytest.mark.parametrize("rope_style", ["neox", "gptj"])
@@ -279,14 +295,8 @@ def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) 
     cache_loc[[2, 9]] = torch.tensor([-1, S + 3])
     k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
     draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-    kept = (cache_loc >= 0) & (cache_loc < S)
     k64, v = draft.oracle(x, positions)
-    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
-    assert_matches_oracle(got, (k64[:, kept], v[:, kept]), torch.bfloat16)
-    others = torch.ones(S, dtype=torch.bool)
-    others[cache_loc[kept]] = False
-    for pool in (k_pool, v_pool):
-        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+    assert_pool_rows(k_pool, v_pool, cache_loc, layout, (k64, v))
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
@@ -316,13 +326,7 @@ def test_early_rows_cuda(monkeypatch: pytest.MonkeyPatch, layout: str, num_token
     cache_loc[[0, num_tokens - 1]] = torch.tensor([-1, S + 3])
     k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
     draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-    kept = (cache_loc >= 0) & (cache_loc < S)
-    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
-    assert_matches_oracle(got, Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept]), torch.bfloat16)
-    others = torch.ones(S, dtype=torch.bool)
-    others[cache_loc[kept]] = False
-    for pool in (k_pool, v_pool):
-        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+    assert_pool_rows(k_pool, v_pool, cache_loc, layout, want)
 
 
 @pytest.mark.usefixtures("weight_loads")

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_fused_projection import H, L, Oracle, P, assert_matches_oracle
+from test_fused_projection import H, L, P, assert_matches_oracle
 from test_gpu import compiled_variants
-from test_gpu_fused import S, _pool, _rows, cpu, cuda_call, cuda_draft
+from test_gpu_fused import S, _pool, _rows, assert_pool_rows, cpu, cuda_call, cuda_draft
 from test_gpu_integration import capture
 from torch import Tensor
 
@@ -126,14 +126,7 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
     cache_loc[[2, 290]] = torch.tensor([-1, S + 3])
     k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
     draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-    kept = (cache_loc >= 0) & (cache_loc < S)
-    want = draft.oracle(x, positions)
-    got = (_rows(k_pool, cache_loc[kept], layout), _rows(v_pool, cache_loc[kept], layout))
-    assert_matches_oracle(got, Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept]), torch.bfloat16)
-    others = torch.ones(S, dtype=torch.bool)
-    others[cache_loc[kept]] = False
-    for pool in (k_pool, v_pool):
-        assert (_rows(pool, torch.arange(S)[others], layout).view(torch.uint8) == 0x35).all()
+    assert_pool_rows(k_pool, v_pool, cache_loc, layout, draft.oracle(x, positions))
     assert launches == [300]
 
 
