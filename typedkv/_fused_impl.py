@@ -135,10 +135,10 @@ def project_kv(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.takes(
+        launches.warp_specialised = _fused_ws.launchable(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
             head_dim=dims["D"], neox=call.rope_style == "neox",
-        )  # fmt: skip
+        ) and _fused_ws.faster(hidden.device, hidden.shape[0])  # fmt: skip
     if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight, k_out, v_out):
         _fused_ws.launch(
             hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
@@ -220,10 +220,10 @@ def project_kv_into_pool(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.takes_pool(
+        launches.warp_specialised = _fused_ws.launchable_pool(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
             head_dim=dims["D"], neox=call.rope_style == "neox",
-        )  # fmt: skip
+        ) and _fused_ws.faster(hidden.device, hidden.shape[0])  # fmt: skip
     if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight):
         destinations = (
             k_dst,

@@ -167,26 +167,6 @@ def launchable(
     )
 
 
-def takes(
-    hidden: Any,
-    kv_weight: torch.Tensor,
-    kv_bias: torch.Tensor | None,
-    cos_sin_cache: Any,
-    k_out: Any,
-    v_out: Any,
-    *,
-    num_kv_heads: int,
-    head_dim: int,
-    neox: bool,
-) -> bool:
-    """Whether the fused path takes this kernel for a dense call of this layout: `launchable`, at a T the
-    measured table says it is faster at (`faster`)."""
-    return launchable(
-        hidden, kv_weight, kv_bias, cos_sin_cache, k_out, v_out, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        neox=neox,
-    ) and faster(hidden.device, hidden.shape[0])  # fmt: skip
-
-
 def aligned(*tensors: torch.Tensor) -> bool:
     """Whether every one of ``tensors`` starts on 16 bytes, as TMA requires."""
     return all(t.data_ptr() % 16 == 0 for t in tensors)
@@ -264,25 +244,6 @@ def launchable_pool(
     else:
         first = k_pool[0] if isinstance(k_pool, (list, tuple)) and k_pool else None
     return isinstance(first, torch.Tensor) and first.dtype == hidden.dtype and scales[0] is None and scales[1] is None
-
-
-def takes_pool(
-    hidden: Any,
-    kv_weight: torch.Tensor,
-    kv_bias: torch.Tensor | None,
-    cos_sin_cache: Any,
-    k_pool: Any,
-    scales: tuple[Any, Any],
-    *,
-    num_kv_heads: int,
-    head_dim: int,
-    neox: bool,
-) -> bool:
-    """`takes` for a pool call: `launchable_pool`, at a T the measured table says it is faster at."""
-    return launchable_pool(
-        hidden, kv_weight, kv_bias, cos_sin_cache, k_pool, scales, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        neox=neox,
-    ) and faster(hidden.device, hidden.shape[0])  # fmt: skip
 
 
 def launch_pool(

@@ -443,14 +443,16 @@ class KVMaterializer(nn.Module):
             return False
         hidden, neox = call[0], self.rope_style == "neox"
         if isinstance(call, PoolCall):
-            return _fused_ws.takes_pool(
+            runs = _fused_ws.launchable_pool(
                 hidden, state[0], state[1], state[4], call.k_pool, call.scales, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, neox=neox,
             )  # fmt: skip
-        return _fused_ws.takes(
-            hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, neox=neox,
-        )  # fmt: skip
+        else:
+            runs = _fused_ws.launchable(
+                hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, neox=neox,
+            )  # fmt: skip
+        return runs and _fused_ws.faster(hidden.device, hidden.shape[0])
 
     def _stand_in(self, hidden: Tensor, kept: _Kept | None) -> Tensor:
         """kv's place in the op's checks: ``[T, L, 2*H*D]``, hidden's dtype and device (see `stand_in`).
