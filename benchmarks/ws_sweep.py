@@ -16,13 +16,12 @@ in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the va
 within each of three rounds; T 2048, 16384 and 65536 unless given. With ``--pools``: into the bench's
 per-layer pools, 3 ring slots against 4 (no staging tile there).
 
-``--small``: the small T, where today's fused path is `typedkv._fused_kernel` (one program per head
-and token block, ``hidden``'s tile and the weight's in each pipeline stage). Against it and
-``torch.mm``, the warp-specialised kernel with the tiles of `SMALL_TILES`: 64 tokens by one head (80
-programs, as the Triton kernel) or two, ``hidden``'s tiles in the weight's ring or in a ring of their
-own (`Tiles.a_stages`: more of the weight's bytes in flight). Dense and per-layer pools, every
-variant of one T interleaved in rounds (`typedkv._bench.paired_gpu_time_us`); each variant's K and
-V first compared with the Triton kernel's. T 16, 32, 48 and 64 unless given.
+``--small``: the small and middle T, where the fused path is `typedkv._fused_kernel` (one program per
+head and token block) or GEMM + kernel. Against both and ``torch.mm``, the warp-specialised kernel
+with the tiles of `SMALL_TILES`: 64 tokens by one head or two, 128 by one or two (today's tiles), in
+bands of 8 token blocks. Dense and per-layer pools, every variant of one T interleaved in rounds
+(`typedkv._bench.paired_gpu_time_us`); each variant's K and V first compared with the Triton
+kernel's. T 16, 32, 48 and 64 unless given.
 """
 
 from __future__ import annotations
@@ -88,24 +87,24 @@ def grouping(tokens: list[int], pools: bool) -> None:
 
 
 SMALL_TILES = {
-    "64x256 s4": _fused_ws.Tiles(64, 4, 1, 4, 2),
-    "64x128 s8": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
-    "64x128 a3 w11": _fused_ws.Tiles(64, 11, 1, 4, 1, 128, 3),
-    "64x128 a2 w12": _fused_ws.Tiles(64, 12, 1, 4, 1, 128, 2),
+    "64x256 s4": _fused_ws.Tiles(64, 4, 8, 4, 2),
+    "64x128 s8": _fused_ws.Tiles(64, 8, 8, 4, 1, 128),
+    "128x128 s5": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
+    "128x256 s3": _fused_ws.Tiles(128, 3, 8, 8, 1),
 }
 
 
 def small(tokens: list[int]) -> None:
-    """``--small``: `SMALL_TILES` against the Triton fused kernel and torch.mm, dense and into pools."""
+    """``--small``: `SMALL_TILES` against the Triton fused kernel, GEMM + kernel and torch.mm, dense and into pools."""
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     measured, default_tiles = _fused_ws.PROJECTION_WS_FASTER.get(name, ()), _fused_ws.WS_TILES
     bench = _bench_e2e.bench_draft(device)
     draft = bench.draft
 
-    def materializer() -> KVMaterializer:
+    def materializer(path: str = "fused") -> KVMaterializer:
         m = KVMaterializer(bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
-        m.projection_path = "fused"
+        m.projection_path = path
         return m
 
     def tiled(fn: Callable[[], object], table: tuple[tuple[float, _fused_ws.Tiles], ...]) -> Callable[[], None]:
@@ -116,7 +115,7 @@ def small(tokens: list[int]) -> None:
 
         return call
 
-    triton_m = materializer()
+    triton_m, gemm_m = materializer(), materializer("gemm")
     for num_tokens in tokens:
         inputs = [_bench_e2e._inputs(draft, num_tokens, device) for _ in range(4)]
         gemm_out = torch.empty(num_tokens, bench.flat.shape[0], device=device, dtype=draft.dtype)
@@ -130,6 +129,10 @@ def small(tokens: list[int]) -> None:
         calls["triton pool"] = [
             functools.partial(triton_m.into_pool, x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool)
             for x in inputs
+        ]
+        calls["gemm"] = [functools.partial(_discard, gemm_m, x.hidden, x.positions) for x in inputs]
+        calls["gemm pool"] = [
+            functools.partial(gemm_m.into_pool, x.hidden, x.positions, x.cache_loc, x.k_pool, x.v_pool) for x in inputs
         ]
         for fn in (calls["triton"][0], calls["triton pool"][0]):
             fn()
