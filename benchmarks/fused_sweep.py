@@ -3,8 +3,7 @@
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools]
 [--defaults | --v-stages | --early] [T ...]`` (``--defaults``: the default configuration alone,
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
-``--early``: the default with the epilogue's loads, and the positions and slots alone, before the loop
-or after it).
+``--early``: the default with the epilogue's loads before the loop or after it).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
 section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rotated
@@ -39,13 +38,11 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     if "--defaults" in sys.argv:
         return [(_launch.ProjectionConfig(), None)]
     if "--early" in sys.argv:
-        # The default with K's RoPE rows, the epilogue's other loads, and the positions and slots
-        # alone (`early_rows`) before the loop or after it.
+        # The default with K's RoPE rows, and the epilogue's other loads, before the loop or after it.
         return [
-            (_launch.ProjectionConfig(early_rope=rope, early_loads=loads, early_rows=rows), None)
+            (_launch.ProjectionConfig(early_rope=rope, early_loads=loads), None)
             for rope in (False, True)
             for loads in (False, True)
-            for rows in ((False, True) if not rope else (False,))
         ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
@@ -216,7 +213,7 @@ def _sweep(
 def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
-        f"early_rope={config.early_rope} early_loads={config.early_loads} early_rows={config.early_rows} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
+        f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
     )
 
 

@@ -447,31 +447,6 @@ def test_early_loads_match_gemm_path(layout: str, early_loads: bool, monkeypatch
 
 
 @pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
-@pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
-@pytest.mark.parametrize("early_rows", [False, True])
-@pytest.mark.parametrize("layout", ["list", "NHD"])
-def test_early_rows_match_gemm_path(layout: str, early_rows: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ProjectionConfig.early_rows` (positions and slots before the loop, cos/sin after it), each way.
-
-    RoPE rows after the loop (else the positions are loaded with them), a position past the
-    cache (NaN K), a slot past the pool and negative ones (`_into_pool`'s), partial rotary: the
-    same bits as GEMM + kernel, and dense outputs as the oracle.
-    """
-    defaults = _launch.projection_launch.__kwdefaults__
-    assert defaults is not None
-    config = _launch.ProjectionConfig(early_rope=False, early_rows=early_rows)
-    monkeypatch.setitem(defaults, "config", config)
-    monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})  # no launch built with the default kept
-    draft = Draft(torch.float16, rotary_dim=8, eps=torch.tensor([1e-6, 0.5, 4.0]))
-    x, positions = draft.call(10)
-    positions[2] = P + 3
-    fused_bits = _into_pool(draft, "fused", layout, torch.float16, _SCALES["none"], x, positions)
-    gemm_bits = _into_pool(draft, "gemm", layout, torch.float16, _SCALES["none"], x, positions)
-    assert all(torch.equal(a, b) for a, b in zip(fused_bits, gemm_bits, strict=True))
-    assert_matches_oracle(fused(draft)(x, positions), draft.oracle(x, positions), torch.float16)
-
-
-@pytest.mark.production  # a slot >= S is skipped (debug mode rejects it)
 def test_pool_rows_hold_the_oracle() -> None:
     """A stacked pool's named rows hold the oracle's K/V (the comparisons above cannot catch a shared mistake)."""
     draft = Draft(torch.float16, rotary_dim=8, bias=True)
@@ -809,44 +784,41 @@ def test_default_blocks_fit_shared_memory() -> None:
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, False)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, False)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5, False)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6, False)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6, False)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3, False)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3)
     # Where the weight can load by TMA: TMA; up to 128 tokens V's pipeline shallower than K's but from 17 to 32;
     # above 128 in bands of 8 token blocks, of 64 tokens and 4 warps up to 256, of 128 tokens and 8 warps above.
-    assert default.blocks(1, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5, False)
-    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5, False)
-    assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, False)
-    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, False)
-    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, False)
-    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, False)
-    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, False)
-    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, False)
-    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, False)
-    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, False)
-    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4, False)
+    assert default.blocks(1, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
+    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
+    assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
+    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
+    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
+    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
+    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
+    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
+    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
+    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4)
     no_tma = _launch.ProjectionConfig(tma=False)
-    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3, False)
+    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3, False)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4, 3, False)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2, False)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2)
     # Where shared memory makes K's pipeline shallower, V's follows in proportion (at least 2 stages).
-    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4, False)
-    assert default.blocks(48, 128, 2, 48 * 1024, tma_possible=True) == (64, 64, 2, False, False, True, 1, 4, 2, False)
+    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4)
+    assert default.blocks(48, 128, 2, 48 * 1024, tma_possible=True) == (64, 64, 2, False, False, True, 1, 4, 2)
     # Fields given are kept as given; V's depth is K's unless given, where K's is.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6, False)
-    assert pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True) == (64, 256, 6, False, False, True, 1, 4, 6, False)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6)
+    assert pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True) == (64, 256, 6, False, False, True, 1, 4, 6)
     shallow_v = _launch.ProjectionConfig(v_stages=3)
-    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3, False)
-    # The positions and slots before the loop: off in every table, kept where given.
-    early_rows = _launch.ProjectionConfig(early_rows=True)
-    assert early_rows.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, True)
+    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

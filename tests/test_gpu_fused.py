@@ -299,36 +299,6 @@ def test_pools_hold_the_oracle_cuda(layout: str, rope_style: typedkv.RopeStyle) 
     assert_pool_rows(k_pool, v_pool, cache_loc, layout, (k64, v))
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-@pytest.mark.parametrize("num_tokens", [16, 48, 64, 300])
-@pytest.mark.parametrize("layout", ["dense", "list", "HND"])
-def test_early_rows_cuda(monkeypatch: pytest.MonkeyPatch, layout: str, num_tokens: int, tma: bool) -> None:
-    """`ProjectionConfig.early_rows` (not a default yet): positions and slots before the loop, cos/sin after it.
-    With the weight by TMA the slots move too (by pointer they load early anyway). Production mode: a position
-    past the cache gives NaN K, negative slots and one past the pool are skipped, nothing else written."""
-    from typedkv import _fused_impl, _launch
-
-    defaults = _launch.projection_launch.__kwdefaults__
-    assert defaults is not None
-    config = _launch.ProjectionConfig(tma=tma, early_rope=False, early_rows=True)
-    monkeypatch.setitem(defaults, "config", config)
-    _fused_impl._LAUNCHES.clear()
-    typedkv.set_debug(False)
-    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=64, hidden=256)
-    x, positions = draft.call(num_tokens)
-    positions[num_tokens // 2] = P + 100
-    xc, pc = x.cuda(), positions.cuda()
-    want = draft.oracle(x, positions)
-    if layout == "dense":
-        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
-        return
-    cache_loc = torch.randperm(S)[:num_tokens]
-    cache_loc[[0, num_tokens - 1]] = torch.tensor([-1, S + 3])
-    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
-    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-    assert_pool_rows(k_pool, v_pool, cache_loc, layout, want)
-
-
 @pytest.mark.usefixtures("weight_loads")
 @pytest.mark.parametrize("scale", ["none", "float", "tensor"])
 @pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)

@@ -124,26 +124,6 @@ def test_fused_early_loads_compiles_for_hopper(case: str) -> None:
     assert ptx[False] != ptx[True]
 
 
-@pytest.mark.parametrize("case", ["fused-T8192-NHD16-bf16"])
-def test_fused_early_rows_compiles_for_hopper(case: str) -> None:
-    """`ProjectionConfig.early_rows` (positions and slots before the loop, cos/sin after it).
-
-    Off in every table (not measured yet); both ways compile for sm_90, and differ: the
-    case's RoPE rows load after the loop (T > 16), so the positions move.
-    """
-    pytest.importorskip("triton.backends.nvidia")
-    snapshot = _snapshot()
-    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
-    at = kernel.arg_names.index("EARLY_ROWS")
-    assert params[at] is False and params[kernel.arg_names.index("EARLY_ROPE")] is False  # as captured
-    ptx = {
-        early: snapshot.compile_ptx(kernel, (*params[:at], early, *params[at + 1 :]), num_warps)
-        for early in (False, True)
-    }
-    assert all(".entry project_kv_kernel" in text for text in ptx.values())
-    assert ptx[False] != ptx[True]
-
-
 @pytest.mark.parametrize("case", ["dense-T16-neox-R128", "fused-T16-list-fp8e4nv-tensor", "mla-T16-dense-bf16"])
 def test_programmatic_launch_waits_first(case: str) -> None:
     """On Hopper every launch is a programmatic dependent one (`typedkv._launch.programmatic_launch`):

@@ -135,20 +135,8 @@ def _rope_row(rope, tok, tok_ok, freq, freq_ok, HALF: tl.constexpr):
     dependent loads, whose latency then overlaps K's instead of following the
     norm. A position outside ``[0, P)`` is never read (``pos_ok`` is False).
     """
-    return _rope_at(rope, _positions(rope, tok, tok_ok), tok_ok, freq, freq_ok, HALF)
-
-
-@triton.jit
-def _positions(rope, tok, tok_ok):
-    """Each token's position (int64; 0 past the tokens), from ``rope``'s positions (`_rope_row`)."""
-    positions_ptr, positions_stride = rope[0], rope[1]
-    return tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-
-
-@triton.jit
-def _rope_at(rope, pos, tok_ok, freq, freq_ok, HALF: tl.constexpr):
-    """`_rope_row` at positions ``pos`` already loaded (`_positions`): the cos/sin rows alone."""
-    num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r = rope[2], rope[3], rope[4], rope[5]
+    positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r = rope
+    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
     pos_ok = (pos >= 0) & (pos < num_positions)
     cs_row = cos_sin_ptr + pos * cos_sin_stride_p
     cs_mask = (tok_ok & pos_ok)[:, None] & freq_ok[None, :]

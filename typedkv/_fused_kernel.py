@@ -41,8 +41,6 @@ from ._epilogue import (
     _destination_rows,
     _layer_base,
     _layer_scale,
-    _positions,
-    _rope_at,
     _rope_row,
     _row_offset,
     _rstd,
@@ -231,7 +229,6 @@ def project_kv_kernel(
     V_STAGES: tl.constexpr,  # V's pipeline depth (shallower than K's: K's loop ends first, its epilogue hidden)
     EARLY_ROPE: tl.constexpr,  # load K's RoPE rows before the GEMM loop (else after it)
     EARLY_LOADS: tl.constexpr,  # load the epilogue's layer base, scale, eps and norm weights before it too
-    EARLY_ROWS: tl.constexpr,  # load the tokens' positions and destination slots before it (cos/sin after)
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for float32 (no TF32, as torch's float32 GEMM)
     SOFT_ROUND: tl.constexpr,
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
@@ -267,10 +264,9 @@ def project_kv_kernel(
         bias_head = bias_ptr
 
     # Destination rows, as in `typedkv._kernel`.
-    if not W_TMA or EARLY_ROWS:
+    if not W_TMA:
         # Loaded before the loop, their latency hidden by it (the TMA configurations load
-        # them after it unless EARLY_ROWS: registers held through their whole-head loop spilled
-        # where the RoPE rows were held too).
+        # them after it: registers held through their whole-head loop spilled).
         row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
 
     if slot < H:
@@ -295,10 +291,6 @@ def project_kv_kernel(
             # Their dependent loads (position, then cos/sin) in flight while the weights stream in,
             # not after: at small T the epilogue's latency is a part of the time worth having.
             pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
-        elif EARLY_ROWS:
-            # The positions alone (a few registers): after the loop the cos/sin rows are then
-            # one load's latency, not the two dependent ones of position and row.
-            pos = _positions(rope, tok, tok_ok)
         if EARLY_LOADS:
             # The epilogue's other loads in flight during the loop as well (one dependent
             # load each after it otherwise: the layer table's entry, the scale, eps, weights).
@@ -343,7 +335,7 @@ def project_kv_kernel(
             # moves across): loaded where each was used, w2's followed y1's conversion in the
             # SASS. The H200 measured the two orders the same (benchmarks/NOTES.md, T = 16-2048).
             eps, w1, w2, w3 = _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER, PASS)
-        if W_TMA and not EARLY_ROWS:
+        if W_TMA:
             row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # kv as a GEMM would have stored it.
         x1 = _rounded(acc1, bias_head, dims1, pair_ok, store_ty, HAS_BIAS, SOFT_ROUND)
@@ -351,10 +343,7 @@ def project_kv_kernel(
         if PASS > 0:
             x3 = _rounded(acc3, bias_head, dims3, rest_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         if not EARLY_ROPE:
-            if EARLY_ROWS:
-                pos_ok, cos, sin = _rope_at(rope, pos, tok_ok, pair, pair_ok, HALF)
-            else:
-                pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
+            pos_ok, cos, sin = _rope_row(rope, tok, tok_ok, pair, pair_ok, HALF)
         if NORM:
             # RMSNorm in float32 over the whole head row, then rounded to the storage dtype, as the unfused path.
             sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
@@ -413,7 +402,7 @@ def project_kv_kernel(
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
-        if W_TMA and not EARLY_ROWS:
+        if W_TMA:
             row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)

@@ -648,8 +648,6 @@ class Blocks(NamedTuple):
     num_warps: int
     # The V heads' pipeline depth; None in the tables: as K's (``num_stages``).
     v_stages: int | None = None
-    # The tokens' positions and destination slots loaded before the loop (`ProjectionConfig.early_rows`).
-    early_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -673,11 +671,6 @@ class ProjectionConfig:
     # The epilogue's other loads (per-layer pools' table entry, a tensor scale, eps, the K
     # norm weights) before the loop too.
     early_loads: bool | None = None
-    # The tokens' positions (K) and destination slots (pools) before the loop, K's cos/sin rows
-    # after it: one load's latency after the loop where position, then row, were two; a few
-    # registers, where the RoPE rows early (``early_rope``) hold 2 * block_m * R/2 floats. With
-    # the weight by pointer the slots load before the loop whatever this says.
-    early_rows: bool | None = None
     # Weight tiles loaded by TMA (Hopper's tensor memory accelerator, from host-side
     # descriptors) instead of by pointer. Taken only where it can be (`weight_blocks`):
     # NeoX RoPE, each piece of a head a power of two >= 16 rows, the weight's rows
@@ -707,7 +700,6 @@ class ProjectionConfig:
         stages = self.num_stages or measured.num_stages
         early_rope = measured.early_rope if self.early_rope is None else self.early_rope
         early_loads = measured.early_loads if self.early_loads is None else self.early_loads
-        early_rows = measured.early_rows if self.early_rows is None else self.early_rows
         tma = measured.tma if self.tma is None else self.tma
         group_m = self.group_m or measured.group_m
         num_warps = self.num_warps or measured.num_warps
@@ -727,7 +719,7 @@ class ProjectionConfig:
             v_stages = max(2, -(-stages * measured.v_stages // measured.num_stages))
         else:
             v_stages = stages
-        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, early_rows)
+        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps, v_stages)
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, blocks), from benchmarks/fused_sweep.py
@@ -893,7 +885,7 @@ def projection_launch(
     settled = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
     )
-    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, early_rows = settled
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages = settled
     blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
@@ -907,7 +899,7 @@ def projection_launch(
         isinstance(eps, torch.Tensor), slots is not None, page_size, _table_mode(layer_offsets, table_multiple),
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
-        early_rope, early_loads, early_rows, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
+        early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
         blocks is not None, group_m, programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
