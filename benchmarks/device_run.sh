@@ -55,8 +55,8 @@
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   small_t        benchmarks/small_t_probe.py: the GEMM at small T with hidden's ring apart from the weight's
 #                  ($SMALL_T_T, default 16 48 64; at most $SMALL_T_S s)
-#   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's small tiles against the Triton kernel
-#                  ($WS_SMALL_T, default 16 32 48 64; at most $WS_SMALL_S s)
+#   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's other tiles against the Triton kernel
+#                  and GEMM + kernel ($WS_SMALL_T, default 16 32 48 64; at most $WS_SMALL_S s)
 #   fused_early    benchmarks/fused_sweep.py --early, dense then --pools ($FUSED_EARLY_T, default 48 64): the
 #                  epilogue's loads, the RoPE rows and the positions and slots alone, before the loop or after it
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section

@@ -55,7 +55,7 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
     const: dict[str, object] = {
         "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": TILES.stages, "GROUP_M": TILES.group_m,
         "WARPS_M": TILES.warps_m, "WARPS_N": TILES.warps_n, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
-        "POOL": pool, "PAGE": 1, "TABLE": table, "A_STAGES": TILES.a_stages,
+        "POOL": pool, "PAGE": 1, "TABLE": table,
     }  # fmt: skip
     if pool:
         const.update(k_desc=None, v_desc=None)

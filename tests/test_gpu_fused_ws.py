@@ -136,7 +136,7 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
 OTHER_TILES = {
     "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
     "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
-    "64x128_hidden_apart": _fused_ws.Tiles(64, 11, 1, 4, 1, 128, 3),
+    "128x128": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
 }
 
 
@@ -148,7 +148,7 @@ def test_other_tiles_cuda(
     monkeypatch: pytest.MonkeyPatch, launches: list[int], num_tokens: int, layout: str, tiles: str
 ) -> None:
     """`OTHER_TILES`: the oracle's K and V, dense and into pools; at T = 300 a program takes several tiles
-    (its rings, ``hidden``'s own included, carried from one tile to the next)."""
+    (its ring carried from one tile to the next)."""
     monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, OTHER_TILES[tiles]),))
     typedkv.set_debug(False)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=1000)

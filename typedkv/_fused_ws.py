@@ -50,8 +50,7 @@ BLOCK_N, BLOCK_K = 256, 64
 class Tiles(NamedTuple):
     """A launch's tiles: ``block_m`` tokens, ``stages`` ring slots, bands of ``group_m`` token blocks, and
     the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (a warpgroup's
-    wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one); ``a_stages``: 0, ``hidden``'s
-    tile in each ring slot beside the weight's, else a ring of its own with that many slots."""
+    wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one)."""
 
     block_m: int
     stages: int
@@ -59,11 +58,10 @@ class Tiles(NamedTuple):
     warps_m: int
     warps_n: int
     block_n: int = BLOCK_N
-    a_stages: int = 0
 
     @property
     def num_warps(self) -> int:
-        """The consumer warps (the load warps are the kernel's own)."""
+        """The consumer warps (the load warp is the kernel's own)."""
         return self.warps_m * self.warps_n
 
 
@@ -313,5 +311,5 @@ def _launch_kernel(
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
         HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=shape.block_n, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
         WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
-        A_STAGES=shape.a_stages, num_warps=shape.num_warps, **options,
+        num_warps=shape.num_warps, **options,
     )  # fmt: skip

@@ -78,17 +78,11 @@ def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GRO
 @_jit
 def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, LOAD_A: gl.constexpr = True, LOAD_W: gl.constexpr = True):  # fmt: skip
-    """A load warp: every k-step of every tile of this program into its ring, slot ``it % STAGES``:
-    ``hidden``'s tile (``LOAD_A``) and the weight's (``LOAD_W``) under one barrier a slot.
-
-    Both, into one ring, as a rule. Where ``hidden``'s tiles have a ring of their own, one warp
-    loads each (the kernel's ``A_STAGES``): ``hidden`` is small at small T and every program reads
-    it, so L2 serves it and a short ring does, and the weight's ring holds the weight alone, more
-    of its bytes in flight.
-    """
+              GROUP_M: gl.constexpr):  # fmt: skip
+    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``:
+    ``hidden``'s tile and the weight's under one barrier a slot."""
     bits: gl.constexpr = a_desc.block_type.element_ty.primitive_bitwidth
-    nbytes: gl.constexpr = (LOAD_A * BM + LOAD_W * BN) * BK * bits // 8
+    nbytes: gl.constexpr = (BM + BN) * BK * bits // 8
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
@@ -97,10 +91,8 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, nu
             # The slot's last use released (on the first pass the wait's parity 1 passes at once).
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            if LOAD_A:
-                tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-            if LOAD_W:
-                tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
             it += 1
 
 
@@ -215,14 +207,13 @@ def _store_layout(num_warps):
 
 
 @_jit
-def _consumer(a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
+def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
               tiles_n, num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
-              POOL: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, A_STAGES: gl.constexpr):  # fmt: skip
+              POOL: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
     """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
 
-    ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools. With
-    ``A_STAGES``, ``hidden``'s tile of a step waits in its own ring (``a_ready`` / ``a_empty``).
+    ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools.
     """
     out_ty: gl.constexpr = a_bufs.dtype  # the storage dtype: hidden's, the weight's and the outputs'
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -249,22 +240,13 @@ def _consumer(a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm,
         for k in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if A_STAGES == 0:
-                a_tile = a_bufs.index(s)
-            else:
-                mbarrier.wait(a_ready.index(it % A_STAGES), (it // A_STAGES) & 1)
-                a_tile = a_bufs.index(it % A_STAGES)
-            acc = warpgroup_mma(a_tile, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
             # At most this product in flight: the one before has read its slots, which go back.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
-            if A_STAGES != 0:
-                mbarrier.arrive(a_empty.index((it + A_STAGES - 1) % A_STAGES), pred=k > 0)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-        if A_STAGES != 0:
-            mbarrier.arrive(a_empty.index((it + A_STAGES - 1) % A_STAGES))
         layer = off_n // (2 * HD)
         col = off_n - layer * (2 * HD)
         if col < HD:
@@ -301,14 +283,13 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                          HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
                          NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
-                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0, A_STAGES: gl.constexpr = 0):  # fmt: skip
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
     ``POOL``, the pools from ``k_ptr`` on (`_store_rows`; the descriptors None). The tiles
     ``program_id, program_id + num_programs, ...`` (one program per SM, or per tile where there
-    are fewer). ``A_STAGES`` > 0: ``hidden``'s tiles in a ring of their own, fed by a second
-    load warp (`_producer`); 0: beside the weight's in each slot.
+    are fewer).
     """
     if POOL:
         dst = (k_ptr, v_ptr, offsets_ptr, offsets_stride_part, offsets_stride_layer,
@@ -317,59 +298,30 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     else:
         dst = (k_desc, v_desc)
     dtype: gl.constexpr = a_desc.block_type.element_ty
-    A_SLOTS: gl.constexpr = STAGES if A_STAGES == 0 else A_STAGES
-    a_bufs = gl.allocate_shared_memory(dtype, [A_SLOTS, BM, BK], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if A_STAGES == 0:
-        a_ready = ready  # unused: hidden's tiles share the weight's slots and barriers
-        a_empty = empty
-    else:
-        a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(A_STAGES):
-            mbarrier.init(a_ready.index(i), count=1)
-            mbarrier.init(a_empty.index(i), count=1)
     fence_async_shared()
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout(128, 16, rank=2))
     norm = (eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
-    # The partitions' arguments spelt out in each call: a tuple held in a variable turns its
-    # constexprs into tensors. With ``A_STAGES`` a second load warp feeds ``hidden``'s ring.
-    if A_STAGES == 0:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens,
-                             tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
-                             NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
-                (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                             BM, BN, BK, STAGES, GROUP_M)),
-            ],
-            [1],
-            [24],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_bufs, w_bufs, ready, empty, a_ready, a_empty, dst, c_smem, norm, rope, num_tokens,
-                             tiles_m, tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N,
-                             NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, A_STAGES)),
-                (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                             BM, BN, BK, STAGES, GROUP_M, False, True)),
-                (_producer, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, tiles_m, tiles_n, num_tiles, k_steps,
-                             BM, BN, BK, A_STAGES, GROUP_M, True, False)),
-            ],
-            [1, 1],
-            [24, 24],
-        )  # fmt: skip
+    # The partitions' arguments spelt out in the call: a tuple held in a variable turns its
+    # constexprs into tensors.
+    gl.warp_specialize(
+        [
+            (_consumer, (a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
+                         num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N, NORM, EPS_PER_LAYER,
+                         POOL, PAGE, TABLE)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
+                         BM, BN, BK, STAGES, GROUP_M)),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
-    if A_STAGES != 0:
-        for i in gl.static_range(A_STAGES):
-            mbarrier.invalidate(a_ready.index(i))
-            mbarrier.invalidate(a_empty.index(i))
