@@ -58,7 +58,7 @@
 #   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's other tiles against the Triton kernel
 #                  and GEMM + kernel ($WS_SMALL_T, default 16 32 48 64; at most $WS_SMALL_S s)
 #   fused_early    benchmarks/fused_sweep.py --early, dense then --pools ($FUSED_EARLY_T, default 48 64): the
-#                  epilogue's loads, the RoPE rows and the positions and slots alone, before the loop or after it
+#                  epilogue's loads and the RoPE rows before the loop or after it
 #   sglang         the GPU tests against sglang's own helper, then typedkv bench's end-to-end section
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
