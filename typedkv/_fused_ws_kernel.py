@@ -22,7 +22,7 @@ zeros. A tile's positions and slots load before its products, so their latency h
 behind them rather than opening the epilogue.
 
 Gluon kernels do not run under Triton's interpreter: this kernel runs on the GPU
-only, and `typedkv._launch` takes it only where it may (`ws_launchable`).
+only, and the fused path takes it only where it may (`typedkv._fused_ws.launchable`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 # parameter annotations when it compiles); mypy skips this module's bodies.
 from typing import Any
 
-try:  # Triton 3.6's Gluon API (other versions differ: `typedkv._launch.ws_available` checks)
+try:  # Triton 3.6's Gluon API (other versions differ: `typedkv._fused_ws.available` checks)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
