@@ -53,6 +53,8 @@
 #   ws_sweep       benchmarks/ws_sweep.py: that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
 #                  its T list, --tiles to compare tile shapes)
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
+#   streamk_ws     benchmarks/streamk_ws_probe.py: the warp-specialised GEMM cut the stream-K way against one tile a
+#                  program and torch.mm ($STREAMK_WS_T, default 128 256 512 1024 2048; at most $STREAMK_WS_S s)
 #   small_t        benchmarks/small_t_probe.py: the GEMM at small T with hidden's ring apart from the weight's
 #                  ($SMALL_T_T, default 16 48 64; at most $SMALL_T_S s)
 #   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's other tiles against the Triton kernel
@@ -223,6 +225,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
         fused_early)
             probe fused_early fused_sweep.py "${FUSED_EARLY_S:-200}" --early ${FUSED_EARLY_T:-48 64}
             probe fused_early_pools fused_sweep.py "${FUSED_EARLY_S:-200}" --early --pools ${FUSED_EARLY_T:-48 64} ;;
+        streamk_ws)
+            probe streamk_ws streamk_ws_probe.py "${STREAMK_WS_S:-300}" ${STREAMK_WS_T:-} ;;
         small_t)
             probe small_t small_t_probe.py "${SMALL_T_S:-240}" ${SMALL_T_T:-} ;;
         host_ratios)

@@ -1,0 +1,310 @@
+"""Stream-K in the warp-specialised Gluon GEMM (a developer script for the H200).
+
+Not part of the package. Usage: ``python benchmarks/streamk_ws_probe.py [T ...]`` on the GPU (Triton 3.6's
+Gluon); ``python benchmarks/streamk_ws_probe.py --compile`` compiles every variant for sm_90 on the CPU (no
+GPU) and prints its registers, spills and shared memory.
+
+The question. From T = 129 to 1024 the materializer's best path is GEMM + kernel, 1.10-1.13x
+``torch.mm`` alone (docs/performance.md), because no fused kernel here multiplies as fast as cuBLAS
+there: the warp-specialised kernel (`typedkv._fused_ws_kernel`) is cuBLAS-grade per tile (1.02x at
+T = 2048 with K's epilogue) but has 80 tiles of 128 x 256 at T = 256 for 132 SMs, and 640 at 2048
+(4.85 waves, so 5). Here the same producer / consumer ring takes the stream-K cut: the tiles'
+k-steps laid end to end (``tiles * k_steps``) and cut into one equal run per SM, so that every SM
+multiplies the same share. A run covers the end of one tile, whole tiles, and the start of another.
+
+Each program takes its run's pieces from its highest tile down. For a tile cut between programs,
+the program holding the tile's last k-step finishes it (its "owner"). The owner reaches that piece
+last of all its pieces, and the lower programs that hold the tile's earlier k-steps reached theirs
+first: each such program stores its float32 part in its own slot of a workspace and raises its
+flag (release); the owner waits on the flags of the programs below it (acquire), adds their parts
+in program order (so the sum is the same at every run of one T), lowers the flags for the next
+launch and stores the tile. A program only ever waits on lower-numbered programs, which start no
+later than it does, so the waits cannot deadlock however few SMs the launch gets.
+
+Variants: ``dp_128xN`` (one program a whole tile, as many programs as tiles: today's cut, through the
+same code) and ``sk_128xN`` (one run an SM), for tiles of 128 tokens by 128 or 256 weight rows, 8
+consumer warps, bf16 stores by pointer. Each checked twice on random data against ``a @ w^T`` (the
+second call shows that the flags came back down), then timed against ``torch.mm`` as the other
+GEMM probes are (`probe_timing.measure`: CUDA-graph replays over rotating inputs, 3 rounds).
+No K/V epilogue: if stream-K does not beat GEMM + kernel's 1.10-1.13x on the plain GEMM, the fused
+kernel will not either.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is meant)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
+    gluon = gl = None
+
+N_OUT, K_IN, BK = 10240, 4096, 64
+
+
+def _jit(fn: Callable[..., object]) -> Callable[..., object]:
+    """``gluon.jit`` where Gluon is there (the module imports without it)."""
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@_jit
+def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s ``(row, column)`` offsets in bands of ``GROUP_M`` token blocks (as the product kernel's)."""
+    in_band = GROUP_M * tiles_n
+    first_m = (tile // in_band) * GROUP_M
+    band_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_band) % band_m
+    pid_n = (tile % in_band) // band_m
+    return pid_m * BM, pid_n * BN
+
+
+@_jit
+def _run(total):
+    """This program's k-steps ``[lo, hi)`` of the ``total`` laid end to end (every program has one at least)."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    return pid * total // programs, (pid + 1) * total // programs
+
+
+@_jit
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_steps, total,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr):  # fmt: skip
+    """The load warp: the run's pieces, highest tile first, each piece's k-steps into the ring."""
+    nbytes: gl.constexpr = (BM + BN) * BK * 2
+    lo, hi = _run(total)
+    top = (hi - 1) // k_steps
+    it = 0
+    for down in range(top - lo // k_steps + 1):
+        tile = top - down
+        start = tile * k_steps
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        for k in range(gl.maximum(lo - start, 0), gl.minimum(hi - start, k_steps)):
+            s = it % STAGES
+            # The slot's last use released (on the first pass the wait's parity 1 passes at once).
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+            it += 1
+
+
+@_jit
+def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps, total,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
+    """The MMA warps: each piece's k-steps by wgmma; then its part handed over, or the tile finished and stored."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
+    )
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    in_part = gl.expand_dims(rows, 1) * BN + gl.expand_dims(cols, 0)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    lo, hi = _run(total)
+    top = (hi - 1) // k_steps
+    it = 0
+    for down in range(top - lo // k_steps + 1):
+        tile = top - down
+        start = tile * k_steps
+        k_begin = gl.maximum(lo - start, 0)
+        k_end = gl.minimum(hi - start, k_steps)
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(k_begin, k_end):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # At most this product in flight: the one before has read its slots, which go back.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > k_begin)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        if k_end < k_steps:
+            # The tile's last k-step is a higher program's: this part goes to its slot, then the flag.
+            gl.store(part_ptr + pid * (BM * BN) + in_part, acc)
+            gl.thread_barrier()  # every thread's part stored before the one release
+            gl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
+        else:
+            if k_begin > 0:
+                # The tile's first k-steps are in the parts of the programs just below, added
+                # highest first: the same order at every run of this T.
+                src = pid - 1
+                more = True
+                while more:
+                    while gl.atomic_add(flag_ptr + src, 0, sem="acquire", scope="gpu") == 0:
+                        pass
+                    gl.thread_barrier()  # the acquire before any thread's loads of the part
+                    acc += gl.load(part_ptr + src * (BM * BN) + in_part, cache_modifier=".cg")
+                    gl.atomic_xchg(flag_ptr + src, 0, sem="relaxed", scope="gpu")  # down for the next launch
+                    more = src * total // programs > start
+                    src -= 1
+            rm = off_m + rows
+            rn = off_n + cols
+            mask = gl.expand_dims(rm < T, 1) & gl.expand_dims(rn < N, 0)
+            gl.store(c_ptr + gl.expand_dims(rm, 1) * N + gl.expand_dims(rn, 0), acc.to(gl.bfloat16), mask=mask)
+
+
+@_jit
+def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps, total,
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
+    """``c = a @ w^T``, program ``pid`` of ``P`` over the k-steps ``[pid * total // P, (pid + 1) * total // P)``.
+
+    ``part_ptr``: ``P`` float32 ``[BM, BN]`` parts; ``flag_ptr``: ``P`` int32 flags, 0 between launches.
+    """
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_consumer, (a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps,
+                         total, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_steps, total, BM, BN,
+                         BK, STAGES, GROUP_M)),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One variant: tiles of ``bm x bn``, ``stages`` ring slots, one run an SM (``streamk``) or one tile a program."""
+
+    bn: int
+    stages: int
+    streamk: bool
+    bm: int = 128
+    warps: int = 8
+    group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{'sk' if self.streamk else 'dp'}_{self.bm}x{self.bn}_s{self.stages}"
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(BM=self.bm, BN=self.bn, BK=BK, STAGES=self.stages, GROUP_M=self.group_m, WARPS_M=self.warps,
+                    WARPS_N=1)  # fmt: skip
+
+
+CONFIGS = [Config(bn, stages, streamk) for bn, stages in ((256, 4), (128, 6)) for streamk in (False, True)]
+
+
+def _layout(block: list[int]) -> object:
+    """The NVMMA shared layout of a bf16 tile ``block`` (rows of 64 elements: 128-byte swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+class Gemm:
+    """One variant's launch over a fixed ``weight`` ``[N, K]``: ``__call__(a_desc, c)`` writes ``a @ weight^T`` to ``c``."""
+
+    def __init__(self, weight: torch.Tensor, num_tokens: int, cfg: Config, sms: int) -> None:
+        self.cfg, self.num_tokens = cfg, num_tokens
+        self.tiles_m, self.tiles_n = triton.cdiv(num_tokens, cfg.bm), N_OUT // cfg.bn
+        self.k_steps = K_IN // BK
+        self.total = self.tiles_m * self.tiles_n * self.k_steps
+        num_tiles = self.tiles_m * self.tiles_n
+        self.programs = min(sms, self.total) if cfg.streamk else num_tiles
+        assert self.programs * self.total < 2**31, "the runs' bounds are int32 products"
+        # One part a program (one tiles' parts are never read: every program there owns its tile).
+        parts = self.programs if cfg.streamk else 1
+        self.parts = torch.empty(parts, cfg.bm * cfg.bn, device=weight.device, dtype=torch.float32)
+        self.flags = torch.zeros(self.programs, device=weight.device, dtype=torch.int32)
+        self.w_desc = TensorDescriptor.from_tensor(weight, [cfg.bn, BK], _layout([cfg.bn, BK]))
+
+    def a_desc(self, a: torch.Tensor) -> object:
+        return TensorDescriptor.from_tensor(a, [self.cfg.bm, BK], _layout([self.cfg.bm, BK]))
+
+    def __call__(self, a_desc: object, c: torch.Tensor) -> None:
+        gemm_streamk_ws[(self.programs,)](
+            a_desc, self.w_desc, c, self.parts, self.flags, self.num_tokens, N_OUT, self.tiles_m, self.tiles_n,
+            self.k_steps, self.total, **self.cfg.constexprs(), num_warps=self.cfg.warps,
+        )  # fmt: skip
+
+
+def compile_all(folder: str = "/tmp/streamk_ws") -> int:
+    """Compile every variant for sm_90 (CPU, no GPU): registers, spills, shared memory; TTGIR/PTX under ``folder``."""
+    from sm90_build import dump
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(gemm_streamk_ws.arg_names)
+    bad = 0
+    for cfg in {c.name.split("_", 1)[1]: c for c in CONFIGS}.values():  # dp and sk are one kernel
+        const = cfg.constexprs()
+        signature: dict[str, str] = {}
+        for name in names:
+            if name in const:
+                signature[name] = "constexpr"
+            elif name.endswith("_desc"):
+                block = [cfg.bm, BK] if name == "a_desc" else [cfg.bn, BK]
+                signature[name] = f"tensordesc<bf16{block},{_layout(block)!r}>"
+            else:
+                signature[name] = {"c_ptr": "*bf16", "part_ptr": "*fp32", "flag_ptr": "*i32"}.get(name, "i32")
+        constexprs = {(names.index(k),): v for k, v in const.items()}
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("c_ptr", "part_ptr", "flag_ptr", "N")}
+        src = GluonASTSource(fn=gemm_streamk_ws, signature=signature, constexprs=constexprs, attrs=attrs)
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+        except Exception as e:  # a variant that does not compile
+            bad += 1
+            print(f"{cfg.name:<16} FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
+            continue
+        built = dump(kernel, folder, cfg.name)
+        ptx = built.ptx
+        barriers = sorted({line.strip() for line in ptx.splitlines() if line.strip().startswith("bar.sync")})
+        print(f"{cfg.name:<16} ok  regs {built.regs}  local {built.local}  shared {kernel.metadata.shared / 1024:.1f} KB  "
+              f"warp_specialize {'ttg.warp_specialize' in built.ttgir}  wgmma {ptx.count('wgmma.mma_async')}  "
+              f"barriers {barriers}  "
+              f"atomics {ptx.count('atom.')}, acquire loads {ptx.count('.acquire.')}", flush=True)  # fmt: skip
+    return 1 if bad else 0
+
+
+def main() -> int:
+    if "--compile" in sys.argv:
+        return compile_all()
+    from probe_timing import gemm_inputs, largest_error, measure, report
+
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    weight = torch.randn(N_OUT, K_IN, device=device, dtype=torch.bfloat16) / 64
+    for num_tokens in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [128, 256, 512, 1024, 2048]:
+        hiddens, outs, ref, mm_calls = gemm_inputs(weight, num_tokens, 4)
+        variants: dict[str, Sequence[Callable[[], object]]] = {"mm": mm_calls}
+        for cfg in CONFIGS:
+            gemm = Gemm(weight, num_tokens, cfg, sms)
+            descs = [gemm.a_desc(h) for h in hiddens]
+            variants[cfg.name] = [lambda g=gemm, d=d, o=o: g(d, o) for d, o in zip(descs, outs, strict=True)]
+        # Twice into the first output: the second call shows the flags came back down.
+        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, largest_error(outs[0], ref, calls=2)))
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
