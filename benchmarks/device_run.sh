@@ -54,7 +54,7 @@
 #                  its T list, --tiles to compare tile shapes)
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   streamk_ws     benchmarks/streamk_ws_probe.py: the warp-specialised GEMM cut the stream-K way against one tile a
-#                  program and torch.mm ($STREAMK_WS_T, default 128 256 512 1024 2048; at most $STREAMK_WS_S s)
+#                  program and torch.mm ($STREAMK_WS_T, default 64 128 256 512 1024 2048; at most $STREAMK_WS_S s)
 #   small_t        benchmarks/small_t_probe.py: the GEMM at small T with hidden's ring apart from the weight's
 #                  ($SMALL_T_T, default 16 48 64; at most $SMALL_T_S s)
 #   ws_small       benchmarks/ws_sweep.py --small: the warp-specialised kernel's other tiles against the Triton kernel

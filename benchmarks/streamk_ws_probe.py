@@ -21,13 +21,15 @@ in program order (so the sum is the same at every run of one T), lowers the flag
 launch and stores the tile. A program only ever waits on lower-numbered programs, which start no
 later than it does, so the waits cannot deadlock however few SMs the launch gets.
 
-Variants: ``dp_128xN`` (one program a whole tile, as many programs as tiles: today's cut, through the
-same code) and ``sk_128xN`` (one run an SM), for tiles of 128 tokens by 128 or 256 weight rows, 8
-consumer warps, bf16 stores by pointer. Each checked twice on random data against ``a @ w^T`` (the
-second call shows that the flags came back down), then timed against ``torch.mm`` as the other
-GEMM probes are (`probe_timing.measure`: CUDA-graph replays over rotating inputs, 3 rounds).
-No K/V epilogue: if stream-K does not beat GEMM + kernel's 1.10-1.13x on the plain GEMM, the fused
-kernel will not either.
+Variants: ``dp_BMxBN`` (one program a whole tile, as many programs as tiles: today's cut, through
+the same code) and ``sk_BMxBN`` (one run an SM), for tiles of 128 tokens (T > 64; 8 consumer warps)
+or 64 (T <= 128; 4 warps) by 128 or 256 weight rows, bf16 stores by pointer; ``sk_BMxBN_epi`` adds
+K's epilogue to the tiles an owner stores (gluon_probe.py's ``_k_head_epilogue2``: K tiles normed and
+roped, V tiles as they are). Each checked twice on random data against ``a @ w^T`` (with the epilogue:
+gluon_probe.py's ``epilogue_ref``), the second call showing that the flags came back down, then
+timed against ``torch.mm`` as the other GEMM probes are (`probe_timing.measure`: CUDA-graph replays
+over rotating inputs, 3 rounds). T = 64, 128, 256, 512, 1024 and 2048 unless given. At T = 64 every
+SM then pulls a 132nd of the weight, where the fused kernel's 80 programs pull an 80th each.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is mean
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
     gluon = gl = None
+from gluon_probe import _k_head_epilogue2, epilogue_ref, rope_inputs
 
 N_OUT, K_IN, BK = 10240, 4096, 64
 
@@ -104,10 +107,13 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_
 
 
 @_jit
-def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps, total,
+def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, N, tiles_m, tiles_n, k_steps, total,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
-    """The MMA warps: each piece's k-steps by wgmma; then its part handed over, or the tile finished and stored."""
+              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, EPILOGUE: gl.constexpr):  # fmt: skip
+    """The MMA warps: each piece's k-steps by wgmma; then its part handed over, or the tile finished and stored
+    (with ``EPILOGUE``, a K tile normed and roped first: gluon_probe.py's ``_k_head_epilogue2``)."""
+    K_COLS: gl.constexpr = 1024  # a layer's K heads (H * D) in the fused weight's rows ...
+    LAYER_COLS: gl.constexpr = 2048  # ... then its V heads
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
@@ -155,19 +161,26 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, T, N, til
                     gl.atomic_xchg(flag_ptr + src, 0, sem="relaxed", scope="gpu")  # down for the next launch
                     more = src * total // programs > start
                     src -= 1
+            if EPILOGUE and (off_n % LAYER_COLS) < K_COLS:
+                out = _k_head_epilogue2(acc, off_m, T, rope[0], rope[1], rope[2], BM, BN, acc_layout)
+            else:
+                out = acc
             rm = off_m + rows
             rn = off_n + cols
             mask = gl.expand_dims(rm < T, 1) & gl.expand_dims(rn < N, 0)
-            gl.store(c_ptr + gl.expand_dims(rm, 1) * N + gl.expand_dims(rn, 0), acc.to(gl.bfloat16), mask=mask)
+            gl.store(c_ptr + gl.expand_dims(rm, 1) * N + gl.expand_dims(rn, 0), out.to(gl.bfloat16), mask=mask)
 
 
 @_jit
-def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps, total,
-                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
+def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, norm_ptr, positions_ptr, cos_sin_ptr, T, N, tiles_m,
+                    tiles_n, k_steps, total, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
+                    EPILOGUE: gl.constexpr):  # fmt: skip
     """``c = a @ w^T``, program ``pid`` of ``P`` over the k-steps ``[pid * total // P, (pid + 1) * total // P)``.
 
     ``part_ptr``: ``P`` float32 ``[BM, BN]`` parts; ``flag_ptr``: ``P`` int32 flags, 0 between launches.
+    With ``EPILOGUE`` the K tiles (columns ``c % 2048 < 1024``) normed by ``norm_ptr`` and roped at
+    ``positions_ptr``'s rows of ``cos_sin_ptr`` (gluon_probe.py's ``_epi2`` variants).
     """
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_desc.layout)
@@ -179,8 +192,9 @@ def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, ti
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, tiles_n, k_steps,
-                         total, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr,
+                         (norm_ptr, positions_ptr, cos_sin_ptr), T, N, tiles_m, tiles_n, k_steps, total, BM, BN,
+                         STAGES, GROUP_M, WARPS_M, WARPS_N, EPILOGUE)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_steps, total, BM, BN,
                          BK, STAGES, GROUP_M)),
         ],
@@ -194,25 +208,42 @@ def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, T, N, tiles_m, ti
 
 @dataclass(frozen=True)
 class Config:
-    """One variant: tiles of ``bm x bn``, ``stages`` ring slots, one run an SM (``streamk``) or one tile a program."""
+    """One variant: tiles of ``bm x bn``, ``stages`` ring slots, one run an SM (``streamk``) or one tile a
+    program, ``bm // 16`` consumer warps along the tokens, K's epilogue (``epilogue``) or not."""
 
+    bm: int
     bn: int
     stages: int
     streamk: bool
-    bm: int = 128
-    warps: int = 8
+    epilogue: bool = False
     group_m: int = 8
 
     @property
+    def warps(self) -> int:
+        return self.bm // 16
+
+    @property
     def name(self) -> str:
-        return f"{'sk' if self.streamk else 'dp'}_{self.bm}x{self.bn}_s{self.stages}"
+        return f"{'sk' if self.streamk else 'dp'}_{self.bm}x{self.bn}_s{self.stages}{'_epi' if self.epilogue else ''}"
 
     def constexprs(self) -> dict[str, int]:
         return dict(BM=self.bm, BN=self.bn, BK=BK, STAGES=self.stages, GROUP_M=self.group_m, WARPS_M=self.warps,
-                    WARPS_N=1)  # fmt: skip
+                    WARPS_N=1, EPILOGUE=int(self.epilogue))  # fmt: skip
 
 
-CONFIGS = [Config(bn, stages, streamk) for bn, stages in ((256, 4), (128, 6)) for streamk in (False, True)]
+# Tiles and ring slots within 200 KB of shared memory: 128 tokens at T > 64, 64 up to 128.
+SHAPES = {128: ((128, 256, 4), (128, 128, 6)), 64: ((64, 256, 5), (64, 128, 8))}
+
+
+def configs(num_tokens: int) -> list[Config]:
+    """The variants at ``num_tokens``: each shape one tile a program and stream-K, stream-K with K's epilogue."""
+    sizes = [bm for bm in SHAPES if (bm == 64 and num_tokens <= 128) or (bm == 128 and num_tokens > 64)]
+    return [
+        Config(bm, bn, stages, streamk, epilogue)
+        for size in sizes
+        for bm, bn, stages in SHAPES[size]
+        for streamk, epilogue in ((False, False), (True, False), (True, True))
+    ]
 
 
 def _layout(block: list[int]) -> object:
@@ -223,8 +254,10 @@ def _layout(block: list[int]) -> object:
 class Gemm:
     """One variant's launch over a fixed ``weight`` ``[N, K]``: ``__call__(a_desc, c)`` writes ``a @ weight^T`` to ``c``."""
 
-    def __init__(self, weight: torch.Tensor, num_tokens: int, cfg: Config, sms: int) -> None:
-        self.cfg, self.num_tokens = cfg, num_tokens
+    def __init__(
+        self, weight: torch.Tensor, num_tokens: int, cfg: Config, sms: int, rope: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.cfg, self.num_tokens, self.rope = cfg, num_tokens, rope
         self.tiles_m, self.tiles_n = triton.cdiv(num_tokens, cfg.bm), N_OUT // cfg.bn
         self.k_steps = K_IN // BK
         self.total = self.tiles_m * self.tiles_n * self.k_steps
@@ -242,8 +275,8 @@ class Gemm:
 
     def __call__(self, a_desc: object, c: torch.Tensor) -> None:
         gemm_streamk_ws[(self.programs,)](
-            a_desc, self.w_desc, c, self.parts, self.flags, self.num_tokens, N_OUT, self.tiles_m, self.tiles_n,
-            self.k_steps, self.total, **self.cfg.constexprs(), num_warps=self.cfg.warps,
+            a_desc, self.w_desc, c, self.parts, self.flags, *self.rope, self.num_tokens, N_OUT, self.tiles_m,
+            self.tiles_n, self.k_steps, self.total, **self.cfg.constexprs(), num_warps=self.cfg.warps,
         )  # fmt: skip
 
 
@@ -255,7 +288,8 @@ def compile_all(folder: str = "/tmp/streamk_ws") -> int:
 
     names = list(gemm_streamk_ws.arg_names)
     bad = 0
-    for cfg in {c.name.split("_", 1)[1]: c for c in CONFIGS}.values():  # dp and sk are one kernel
+    every = {c.name.removeprefix("dp_").removeprefix("sk_"): c for t in (64, 256) for c in configs(t)}
+    for cfg in every.values():  # one tile a program and stream-K are one kernel
         const = cfg.constexprs()
         signature: dict[str, str] = {}
         for name in names:
@@ -265,9 +299,14 @@ def compile_all(folder: str = "/tmp/streamk_ws") -> int:
                 block = [cfg.bm, BK] if name == "a_desc" else [cfg.bn, BK]
                 signature[name] = f"tensordesc<bf16{block},{_layout(block)!r}>"
             else:
-                signature[name] = {"c_ptr": "*bf16", "part_ptr": "*fp32", "flag_ptr": "*i32"}.get(name, "i32")
+                pointers = {"c_ptr": "*bf16", "part_ptr": "*fp32", "flag_ptr": "*i32", "norm_ptr": "*bf16",
+                            "positions_ptr": "*i32", "cos_sin_ptr": "*fp32"}  # fmt: skip
+                signature[name] = pointers.get(name, "i32")
         constexprs = {(names.index(k),): v for k, v in const.items()}
-        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("c_ptr", "part_ptr", "flag_ptr", "N")}
+        attrs = {
+            (names.index(k),): [["tt.divisibility", 16]]
+            for k in ("c_ptr", "part_ptr", "flag_ptr", "norm_ptr", "positions_ptr", "cos_sin_ptr", "N")
+        }
         src = GluonASTSource(fn=gemm_streamk_ws, signature=signature, constexprs=constexprs, attrs=attrs)
         try:
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
@@ -293,15 +332,24 @@ def main() -> int:
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     weight = torch.randn(N_OUT, K_IN, device=device, dtype=torch.bfloat16) / 64
-    for num_tokens in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [128, 256, 512, 1024, 2048]:
+    for num_tokens in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 128, 256, 512, 1024, 2048]:
         hiddens, outs, ref, mm_calls = gemm_inputs(weight, num_tokens, 4)
+        rope = rope_inputs(num_tokens, device)
+        # Each checked twice into the first output: the second call shows the flags came back down.
+        checks = {
+            False: largest_error(outs[0], ref, calls=2),
+            True: largest_error(outs[0], epilogue_ref(ref, *rope, k_only=True), calls=2),
+        }
         variants: dict[str, Sequence[Callable[[], object]]] = {"mm": mm_calls}
-        for cfg in CONFIGS:
-            gemm = Gemm(weight, num_tokens, cfg, sms)
+        for cfg in configs(num_tokens):
+            gemm = Gemm(weight, num_tokens, cfg, sms, rope)
             descs = [gemm.a_desc(h) for h in hiddens]
             variants[cfg.name] = [lambda g=gemm, d=d, o=o: g(d, o) for d, o in zip(descs, outs, strict=True)]
-        # Twice into the first output: the second call shows the flags came back down.
-        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, largest_error(outs[0], ref, calls=2)))
+
+        def check(name: str, calls: Sequence[Callable[[], object]], checks: dict = checks) -> str:
+            return checks[name.endswith("_epi")](name, calls)
+
+        report(f"T={num_tokens}", *measure(f"T={num_tokens}", variants, check))
         torch.cuda.empty_cache()
     return 0
 
