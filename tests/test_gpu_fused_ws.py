@@ -130,9 +130,33 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
     assert launches == [300]
 
 
+@pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("layout", ["dense", "list", "HND"])
+def test_several_tiles_a_program_cuda(launches: list[int], layout: str) -> None:
+    """At a T where every program takes three tiles or more (the tests above fit one tile a program on an
+    H200): the ring and the staging tile carried from tile to tile. Production mode; into pools, 500 of the
+    tokens spread over the batch have slots, the others -1; every other row keeps its fill."""
+    typedkv.set_debug(False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles_n = L * 2 * H * 128 // _fused_ws.WS_TILES[-1][1].block_n
+    num_tokens = _fused_ws.WS_TILES[-1][1].block_m * (3 * sms // tiles_n + 1)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
+    x, positions, xc, pc = cuda_call(draft, num_tokens)
+    want = draft.oracle(x, positions)
+    if layout == "dense":
+        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
+    else:
+        g = torch.Generator().manual_seed(3)
+        cache_loc = torch.full((num_tokens,), -1, dtype=torch.int64)
+        cache_loc[torch.randperm(num_tokens, generator=g)[:500]] = torch.randperm(S, generator=g)[:500]
+        k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+        draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+        assert_pool_rows(k_pool, v_pool, cache_loc, layout, want)
+    assert launches == [num_tokens]
+
+
 # The other tiles the sweeps time (benchmarks/ws_sweep.py): 64 tokens by two heads, the warpgroups side
-# by side (--tiles); 64 tokens by one head, one warpgroup, ``hidden``'s tiles in the weight's ring or
-# in three slots of their own (--small).
+# by side (--tiles); 64 or 128 tokens by one head (--small).
 OTHER_TILES = {
     "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
     "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
