@@ -29,7 +29,7 @@ interleaved in rounds); printed: each variant's median of its per-round ratios o
 
 The answer (H200, 2026-12-02, 7 rounds): no. Each / ``torch.mm`` at T = 16 / 48 / 64: ``joint_s8``
 1.242 / 1.050 / 1.067, ``joint_s9`` 1.238 / 1.076 / 1.093; the best ring apart, ``apart_a4_w12``,
-1.225 / 1.310 / 1.361, the others 1.47-2.95. The fused kernels keep one ring.
+1.225 / 1.310 / 1.361, the others 1.47-2.85. The fused kernels keep one ring.
 """
 
 from __future__ import annotations
