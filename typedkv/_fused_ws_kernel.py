@@ -76,24 +76,49 @@ def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GRO
 
 
 @_jit
+def _loads(a_desc, w_desc, a_bufs, w_bufs, ready, empty, it, off_m, off_n, k_begin, k_end, BK: gl.constexpr,
+           STAGES: gl.constexpr, nbytes: gl.constexpr):  # fmt: skip
+    """A tile's k-steps ``[k_begin, k_end)``, ``hidden``'s tile and the weight's under one barrier a slot, into the
+    ring from slot ``it % STAGES`` on (``nbytes`` a slot); returns the next ``it``."""
+    for k in range(k_begin, k_end):
+        s = it % STAGES
+        # The slot's last use released (on the first pass the wait's parity 1 passes at once).
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+        it += 1
+    return it
+
+
+@_jit
+def _products(acc, a_bufs, w_bufs, ready, empty, it, k_begin, k_end, STAGES: gl.constexpr):
+    """``acc`` plus a tile's k-steps ``[k_begin, k_end)`` by wgmma as the ring's slots fill (from ``it``), every
+    slot read given back; returns the sum and the next ``it``."""
+    for k in range(k_begin, k_end):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        # At most this product in flight: the one before has read its slots, which go back.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > k_begin)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+    return acc, it
+
+
+@_jit
 def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               GROUP_M: gl.constexpr):  # fmt: skip
-    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``:
-    ``hidden``'s tile and the weight's under one barrier a slot."""
+    """The load warp: every k-step of every tile of this program into the ring (`_loads`)."""
     bits: gl.constexpr = a_desc.block_type.element_ty.primitive_bitwidth
     nbytes: gl.constexpr = (BM + BN) * BK * bits // 8
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
-        for k in range(k_steps):
-            s = it % STAGES
-            # The slot's last use released (on the first pass the wait's parity 1 passes at once).
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
-            it += 1
+        it = _loads(a_desc, w_desc, a_bufs, w_bufs, ready, empty, it, off_m, off_n, 0, k_steps, BK, STAGES, nbytes)
 
 
 @_jit
@@ -237,16 +262,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens,
         else:
             slot = rows_s.to(gl.int64)  # unused
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for k in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            # At most this product in flight: the one before has read its slots, which go back.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        acc, it = _products(acc, a_bufs, w_bufs, ready, empty, it, 0, k_steps, STAGES)
         layer = off_n // (2 * HD)
         col = off_n - layer * (2 * HD)
         if col < HD:
