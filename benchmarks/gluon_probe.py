@@ -77,8 +77,8 @@ try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is mean
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
-    gluon = gl = None
+except ImportError:  # no Gluon: the script cannot run, but importing it (or these names from it) does not fail
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
 
 N_OUT, K_IN, BK = 10240, 4096, 64
 

@@ -41,28 +41,20 @@ from typing import NamedTuple
 
 import torch
 import triton
-
-try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is meant)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
-    gluon = gl = None
+from gluon_probe import (  # the Gluon API of Triton 3.6 (None where there is none)
+    TensorDescriptor,
+    _jit,
+    _layout,
+    fence_async_shared,
+    gl,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 N_OUT, K_IN = 10240, 4096  # the draft's fused K/V projection: 5 layers x 2 x 8 heads x 128 rows, hidden 4096
 BM, BN = 64, 128  # wgmma's smallest M; one head a program
-
-
-def _jit(fn: Callable[..., object]) -> Callable[..., object]:
-    """``gluon.jit`` where Gluon is there (the module imports without it)."""
-    return gluon.jit(fn) if gluon is not None else fn
 
 
 @_jit
@@ -195,10 +187,6 @@ VARIANTS = (
     Variant(64, 3, 10, False),
     Variant(128, 2, 6, False),
 )
-
-
-def _layout(block: list[int]) -> object:
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 def compile_all(folder: str = "/tmp/small_t") -> int:

@@ -40,39 +40,21 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from gluon_probe import (  # the Gluon API of Triton 3.6 (None where there is none), and the K epilogue
+    TensorDescriptor,
+    _jit,
+    _k_head_epilogue2,
+    _layout,
+    epilogue_ref,
+    fence_async_shared,
+    gl,
+    mbarrier,
+    rope_inputs,
+)
 
-try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is meant)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # no Gluon: the script cannot run, but importing it does not fail
-    gluon = gl = None
-from gluon_probe import _k_head_epilogue2, epilogue_ref, rope_inputs
+from typedkv._fused_ws_kernel import _loads, _products, _tile_coords  # the product kernel's ring and tile order
 
 N_OUT, K_IN, BK = 10240, 4096, 64
-
-
-def _jit(fn: Callable[..., object]) -> Callable[..., object]:
-    """``gluon.jit`` where Gluon is there (the module imports without it)."""
-    return gluon.jit(fn) if gluon is not None else fn
-
-
-@_jit
-def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """Tile ``tile``'s ``(row, column)`` offsets in bands of ``GROUP_M`` token blocks (as the product kernel's)."""
-    in_band = GROUP_M * tiles_n
-    first_m = (tile // in_band) * GROUP_M
-    band_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_band) % band_m
-    pid_n = (tile % in_band) // band_m
-    return pid_m * BM, pid_n * BN
 
 
 @_jit
@@ -81,6 +63,14 @@ def _run(total):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     return pid * total // programs, (pid + 1) * total // programs
+
+
+@_jit
+def _piece(lo, hi, top, down, k_steps):
+    """The run's ``down``-th piece from its highest tile ``top``: ``(tile, k_begin, k_end)``."""
+    tile = top - down
+    start = tile * k_steps
+    return tile, gl.maximum(lo - start, 0), gl.minimum(hi - start, k_steps)
 
 
 @_jit
@@ -93,17 +83,9 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_
     top = (hi - 1) // k_steps
     it = 0
     for down in range(top - lo // k_steps + 1):
-        tile = top - down
-        start = tile * k_steps
+        tile, k_begin, k_end = _piece(lo, hi, top, down, k_steps)
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
-        for k in range(gl.maximum(lo - start, 0), gl.minimum(hi - start, k_steps)):
-            s = it % STAGES
-            # The slot's last use released (on the first pass the wait's parity 1 passes at once).
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
-            it += 1
+        it = _loads(a_desc, w_desc, a_bufs, w_bufs, ready, empty, it, off_m, off_n, k_begin, k_end, BK, STAGES, nbytes)
 
 
 @_jit
@@ -126,22 +108,10 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, 
     top = (hi - 1) // k_steps
     it = 0
     for down in range(top - lo // k_steps + 1):
-        tile = top - down
-        start = tile * k_steps
-        k_begin = gl.maximum(lo - start, 0)
-        k_end = gl.minimum(hi - start, k_steps)
+        tile, k_begin, k_end = _piece(lo, hi, top, down, k_steps)
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for k in range(k_begin, k_end):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            # At most this product in flight: the one before has read its slots, which go back.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > k_begin)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        acc, it = _products(acc, a_bufs, w_bufs, ready, empty, it, k_begin, k_end, STAGES)
         if k_end < k_steps:
             # The tile's last k-step is a higher program's: this part goes to its slot, then the flag.
             gl.store(part_ptr + pid * (BM * BN) + in_part, acc)
@@ -159,7 +129,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, 
                     gl.thread_barrier()  # the acquire before any thread's loads of the part
                     acc += gl.load(part_ptr + src * (BM * BN) + in_part, cache_modifier=".cg")
                     gl.atomic_xchg(flag_ptr + src, 0, sem="relaxed", scope="gpu")  # down for the next launch
-                    more = src * total // programs > start
+                    more = src * total // programs > tile * k_steps
                     src -= 1
             if EPILOGUE and (off_n % LAYER_COLS) < K_COLS:
                 out = _k_head_epilogue2(acc, off_m, T, rope[0], rope[1], rope[2], BM, BN, acc_layout)
@@ -244,11 +214,6 @@ def configs(num_tokens: int) -> list[Config]:
         for bm, bn, stages in SHAPES[size]
         for streamk, epilogue in ((False, False), (True, False), (True, True))
     ]
-
-
-def _layout(block: list[int]) -> object:
-    """The NVMMA shared layout of a bf16 tile ``block`` (rows of 64 elements: 128-byte swizzle)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 class Gemm:
