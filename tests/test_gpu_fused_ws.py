@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_fused_projection import H, L, P, assert_matches_oracle
+from test_fused_projection import Draft, H, L, P, assert_matches_oracle
 from test_gpu import compiled_variants
-from test_gpu_fused import S, _pool, _rows, assert_pool_rows, cpu, cuda_call, cuda_draft
+from test_gpu_fused import S, _pool, assert_pool_rows, cpu, cuda_call, cuda_draft
 from test_gpu_integration import capture
 from torch import Tensor
 
@@ -114,6 +114,19 @@ def test_strided_outputs_keep_their_other_rows_cuda(launches: list[int]) -> None
     assert launches == [num_tokens]
 
 
+def assert_dense_or_pools(
+    draft: Draft, xc: Tensor, pc: Tensor, want: tuple[Tensor, Tensor], layout: str, cache_loc: Tensor
+) -> None:
+    """``layout`` "dense": the materializer's K and V are ``want``'s; else K and V go into `_pool`'s pools of
+    ``layout`` at ``cache_loc``'s slots, and `assert_pool_rows` checks every row of them."""
+    if layout == "dense":
+        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
+        return
+    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
+    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
+    assert_pool_rows(k_pool, v_pool, cache_loc, layout, want)
+
+
 @pytest.mark.usefixtures("ws_everywhere")
 @pytest.mark.parametrize("layout", ["flat", "NHD", "HND", "list", "combined", "list_unaligned"])
 def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
@@ -124,9 +137,7 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
     x, positions, xc, pc = cuda_call(draft, 300)
     cache_loc = torch.randperm(S)[:300]
     cache_loc[[2, 290]] = torch.tensor([-1, S + 3])
-    k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
-    draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-    assert_pool_rows(k_pool, v_pool, cache_loc, layout, draft.oracle(x, positions))
+    assert_dense_or_pools(draft, xc, pc, draft.oracle(x, positions), layout, cache_loc)
     assert launches == [300]
 
 
@@ -142,16 +153,10 @@ def test_several_tiles_a_program_cuda(launches: list[int], layout: str) -> None:
     num_tokens = _fused_ws.WS_TILES[-1][1].block_m * (3 * sms // tiles_n + 1)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
     x, positions, xc, pc = cuda_call(draft, num_tokens)
-    want = draft.oracle(x, positions)
-    if layout == "dense":
-        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
-    else:
-        g = torch.Generator().manual_seed(3)
-        cache_loc = torch.full((num_tokens,), -1, dtype=torch.int64)
-        cache_loc[torch.randperm(num_tokens, generator=g)[:500]] = torch.randperm(S, generator=g)[:500]
-        k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
-        draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-        assert_pool_rows(k_pool, v_pool, cache_loc, layout, want)
+    g = torch.Generator().manual_seed(3)
+    cache_loc = torch.full((num_tokens,), -1, dtype=torch.int64)
+    cache_loc[torch.randperm(num_tokens, generator=g)[:500]] = torch.randperm(S, generator=g)[:500]
+    assert_dense_or_pools(draft, xc, pc, draft.oracle(x, positions), layout, cache_loc)
     assert launches == [num_tokens]
 
 
@@ -171,21 +176,13 @@ OTHER_TILES = {
 def test_other_tiles_cuda(
     monkeypatch: pytest.MonkeyPatch, launches: list[int], num_tokens: int, layout: str, tiles: str
 ) -> None:
-    """`OTHER_TILES`: the oracle's K and V, dense and into pools; at T = 300 a program takes several tiles
-    (its ring carried from one tile to the next)."""
+    """`OTHER_TILES`: the oracle's K and V, dense and into pools (every other pool row keeps its fill); at
+    T = 300 a program takes several tiles (its ring carried from one tile to the next)."""
     monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, OTHER_TILES[tiles]),))
     typedkv.set_debug(False)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=1000)
     x, positions, xc, pc = cuda_call(draft, num_tokens)
-    want = draft.oracle(x, positions)
-    if layout == "dense":
-        assert_matches_oracle(cpu(draft.m(xc, pc)), want, torch.bfloat16)
-    else:
-        cache_loc = torch.randperm(S)[:num_tokens]
-        k_pool, v_pool, kv_layout = _pool(layout, torch.bfloat16, 128)
-        draft.m.into_pool(xc, pc, cache_loc.cuda(), k_pool, v_pool, kv_layout=kv_layout)
-        got = (_rows(k_pool, cache_loc, layout), _rows(v_pool, cache_loc, layout))
-        assert_matches_oracle(got, want, torch.bfloat16)
+    assert_dense_or_pools(draft, xc, pc, draft.oracle(x, positions), layout, torch.randperm(S)[:num_tokens])
     assert launches == [num_tokens]
 
 
