@@ -23,7 +23,9 @@ later than it does, so the waits cannot deadlock however few SMs the launch gets
 
 Variants: ``dp_BMxBN`` (one program a whole tile, as many programs as tiles: today's cut, through
 the same code) and ``sk_BMxBN`` (one run an SM), for tiles of 128 tokens (T > 64; 8 consumer warps)
-or 64 (T <= 128; 4 warps) by 128 or 256 weight rows, bf16 stores by pointer; ``sk_BMxBN_epi`` adds
+or 64 (T <= 128; 4 warps) by 128 or 256 weight rows, or of 256 tokens by 128 rows (T > 128; 8 warps),
+bf16 stores by pointer; ``sk_BMxBN_nofix`` is stream-K with no parts handed over (each piece stores
+its own sum, so its results are wrong: it only shows what the hand-over costs); ``sk_BMxBN_epi`` adds
 K's epilogue to the tiles an owner stores (gluon_probe.py's ``_k_head_epilogue2``: K tiles normed and
 roped, V tiles as they are). Each checked twice on random data against ``a @ w^T`` (with the epilogue:
 gluon_probe.py's ``epilogue_ref``), the second call showing that the flags came back down, then
@@ -91,7 +93,8 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_
 @_jit
 def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, N, tiles_m, tiles_n, k_steps, total,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, EPILOGUE: gl.constexpr):  # fmt: skip
+              WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, EPILOGUE: gl.constexpr,
+              FIXUP: gl.constexpr):  # fmt: skip
     """The MMA warps: each piece's k-steps by wgmma; then its part handed over, or the tile finished and stored
     (with ``EPILOGUE``, a K tile normed and roped first: gluon_probe.py's ``_k_head_epilogue2``)."""
     K_COLS: gl.constexpr = 1024  # a layer's K heads (H * D) in the fused weight's rows ...
@@ -112,7 +115,11 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, 
         off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc, it = _products(acc, a_bufs, w_bufs, ready, empty, it, k_begin, k_end, STAGES)
-        if k_end < k_steps:
+        if FIXUP == 0:
+            # Diagnosis only: no parts handed over (each piece stores its own sum; results wrong).
+            gl.store(c_ptr + gl.expand_dims(off_m + rows, 1) * N + gl.expand_dims(off_n + cols, 0),
+                     acc.to(gl.bfloat16), mask=gl.expand_dims(off_m + rows < T, 1))  # fmt: skip
+        elif k_end < k_steps:
             # The tile's last k-step is a higher program's: this part goes to its slot, then the flag.
             gl.store(part_ptr + pid * (BM * BN) + in_part, acc)
             gl.thread_barrier()  # every thread's part stored before the one release
@@ -145,7 +152,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr, rope, T, 
 def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, norm_ptr, positions_ptr, cos_sin_ptr, T, N, tiles_m,
                     tiles_n, k_steps, total, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
-                    EPILOGUE: gl.constexpr):  # fmt: skip
+                    EPILOGUE: gl.constexpr, FIXUP: gl.constexpr):  # fmt: skip
     """``c = a @ w^T``, program ``pid`` of ``P`` over the k-steps ``[pid * total // P, (pid + 1) * total // P)``.
 
     ``part_ptr``: ``P`` float32 ``[BM, BN]`` parts; ``flag_ptr``: ``P`` int32 flags, 0 between launches.
@@ -164,7 +171,7 @@ def gemm_streamk_ws(a_desc, w_desc, c_ptr, part_ptr, flag_ptr, norm_ptr, positio
         [
             (_consumer, (a_bufs, w_bufs, ready, empty, c_ptr, part_ptr, flag_ptr,
                          (norm_ptr, positions_ptr, cos_sin_ptr), T, N, tiles_m, tiles_n, k_steps, total, BM, BN,
-                         STAGES, GROUP_M, WARPS_M, WARPS_N, EPILOGUE)),
+                         STAGES, GROUP_M, WARPS_M, WARPS_N, EPILOGUE, FIXUP)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, k_steps, total, BM, BN,
                          BK, STAGES, GROUP_M)),
         ],
@@ -187,32 +194,42 @@ class Config:
     streamk: bool
     epilogue: bool = False
     group_m: int = 8
+    fixup: bool = True
 
     @property
     def warps(self) -> int:
-        return self.bm // 16
+        return min(self.bm // 16, 8)
 
     @property
     def name(self) -> str:
-        return f"{'sk' if self.streamk else 'dp'}_{self.bm}x{self.bn}_s{self.stages}{'_epi' if self.epilogue else ''}"
+        return f"{'sk' if self.streamk else 'dp'}_{self.bm}x{self.bn}_s{self.stages}{'_epi' if self.epilogue else ''}{'' if self.fixup else '_nofix'}"
 
     def constexprs(self) -> dict[str, int]:
         return dict(BM=self.bm, BN=self.bn, BK=BK, STAGES=self.stages, GROUP_M=self.group_m, WARPS_M=self.warps,
-                    WARPS_N=1, EPILOGUE=int(self.epilogue))  # fmt: skip
+                    WARPS_N=1, EPILOGUE=int(self.epilogue), FIXUP=int(self.fixup))  # fmt: skip
 
 
 # Tiles and ring slots within 200 KB of shared memory: 128 tokens at T > 64, 64 up to 128.
-SHAPES = {128: ((128, 256, 4), (128, 128, 6)), 64: ((64, 256, 5), (64, 128, 8))}
+SHAPES = {128: ((128, 256, 4), (128, 128, 6)), 64: ((64, 256, 5), (64, 128, 8)), 256: ((256, 128, 4),)}
 
 
 def configs(num_tokens: int) -> list[Config]:
     """The variants at ``num_tokens``: each shape one tile a program and stream-K, stream-K with K's epilogue."""
-    sizes = [bm for bm in SHAPES if (bm == 64 and num_tokens <= 128) or (bm == 128 and num_tokens > 64)]
+    sizes = [
+        bm
+        for bm in SHAPES
+        if (bm == 64 and num_tokens <= 128) or (bm == 128 and num_tokens > 64) or (bm == 256 and num_tokens > 128)
+    ]
     return [
-        Config(bm, bn, stages, streamk, epilogue)
+        Config(bm, bn, stages, streamk, epilogue, fixup=fixup)
         for size in sizes
         for bm, bn, stages in SHAPES[size]
-        for streamk, epilogue in ((False, False), (True, False), (True, True))
+        for streamk, epilogue, fixup in (
+            (False, False, True),
+            (True, False, True),
+            (True, True, True),
+            (True, False, False),
+        )
     ]
 
 
