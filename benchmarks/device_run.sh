@@ -25,6 +25,8 @@
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
 #   fused_ab       benchmarks/fused_sweep.py --defaults (dense, then --pools), .old/base and this checkout alternated,
 #                  $FUSED_AB_ROUNDS rounds (3) at $FUSED_AB_T (16 32 48 64)
+#   pools_sorted   benchmarks/fused_sweep.py --defaults --pools, the tokens' random slots as drawn and sorted
+#                  (or as $POOLS_ORDERS names: random, sorted, contiguous), alternated, $POOLS_SORTED_ROUNDS rounds (2) at $POOLS_SORTED_T (64 16384 65536)
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
@@ -45,6 +47,9 @@
 #   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py), its
 #                  details and per-instruction source pages as CSV, and benchmarks/ncu_regions.py on each
 #                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
+#   ncu_ws         Nsight Compute (speed of light, memory, warp stalls) on the warp-specialised fused kernel at
+#                  $NCU_WS_T (16384), dense outputs then per-layer pools with consecutive slots
+#                  (benchmarks/profile_fused.py [--pools]); details as CSV and their main lines printed
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
@@ -153,6 +158,14 @@ for step in $STEPS; do
                     PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults --pools ${FUSED_AB_T:-16 32 48 64} 2>&1 | sed "s/^/$side /"
                 done
             done | tee "$OUT/fused_ab.txt" ;;
+        pools_sorted)
+            for round in $(seq "${POOLS_SORTED_ROUNDS:-2}"); do
+                for order in ${POOLS_ORDERS:-random sorted}; do
+                    [ $order = random ] && flag= || flag=--$order
+                    PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/fused_sweep.py --defaults --pools $flag \
+                        ${POOLS_SORTED_T:-64 16384 65536} 2>&1 | sed "s/^/$order /"
+                done
+            done | tee "$OUT/pools_sorted.txt" ;;
         ab_vfirst)
             for round in 1 2 3; do
                 PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/ab_time.py default --paged
@@ -203,6 +216,20 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 ncu -i "$OUT/fused_T$t.ncu-rep" --page source --csv --print-source sass > "$OUT/source_T$t.csv" 2>&1
                 echo "T=$t"; python3 benchmarks/ncu_regions.py "$OUT/source_T$t.csv"
             done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
+        ncu_ws)
+            for t in ${NCU_WS_T:-16384}; do
+                for where in dense pools; do
+                    [ $where = pools ] && flag=--pools || flag=
+                    timeout 300 ncu -k regex:project_kv_ws_kernel --launch-skip 3 --launch-count 1 \
+                        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                        --section SchedulerStats --section LaunchStats --section Occupancy \
+                        -f -o "$OUT/ws_${where}_T$t" env PYTHONPATH="$ROOT:/tmp/site" \
+                        python3 benchmarks/profile_fused.py "$t" $flag > "$OUT/ncu_ws_${where}_T$t.log" 2>&1
+                    echo "=== T=$t $where"
+                    ncu -i "$OUT/ws_${where}_T$t.ncu-rep" --page details --csv > "$OUT/ws_details_${where}_T$t.csv" 2>&1
+                    python3 benchmarks/ncu_details.py "$OUT/ws_details_${where}_T$t.csv"
+                done
+            done 2>&1 | tee "$OUT/ncu_ws.txt" ;;
         gap)
             probe gap e2e_gap.py "${GAP_S:-240}" ${GAP_T:-} ;;
         chunk)

@@ -1,9 +1,11 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
-Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools]
+Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools [--sorted | --contiguous]]
 [--defaults | --v-stages | --early] [T ...]`` (``--defaults``: the default configuration alone,
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
-``--early``: the default with the epilogue's loads before the loop or after it).
+``--early``: the default with the epilogue's loads before the loop or after it; with ``--pools``,
+``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
+consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
 section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rotated
@@ -138,6 +140,12 @@ def _sweep_pools(
     hidden = [torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype) for _ in range(4)]
     positions = [torch.randint(0, draft.max_position, (num_tokens,), device=device) for _ in range(4)]
     cache_loc = [torch.randperm(slots, device=device)[:num_tokens] for _ in range(4)]
+    if "--sorted" in sys.argv:
+        # The same slots in increasing order: what the random order costs the pool rows' stores.
+        cache_loc = [c.sort().values for c in cache_loc]
+    if "--contiguous" in sys.argv:
+        # Each set's tokens to consecutive slots (set i from slot i * T): the pool rows as dense rows.
+        cache_loc = [torch.arange(i * num_tokens, (i + 1) * num_tokens, device=device) for i in range(4)]
     gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
     mm = [lambda h=h: _discard(torch.mm(h, flat.t(), out=gemm_out)) for h in hidden]
     gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)

@@ -1,7 +1,10 @@
 """Run the fused projection a few times at one T (for ncu), on the end-to-end bench's draft.
 
-Not part of the package. Usage: ``python benchmarks/profile_fused.py T``; profile with
-``ncu -k regex:project_kv_kernel --launch-skip 3 --launch-count 1 ...``.
+Not part of the package. Usage: ``python benchmarks/profile_fused.py T [--pools]``; profile with
+``ncu -k regex:project_kv --launch-skip 3 --launch-count 1 ...`` (``project_kv_kernel`` is the Triton
+kernel, ``project_kv_ws_kernel`` the warp-specialised one, taken from T = 2048 on the H200). With
+``--pools``: `KVMaterializer.into_pool` into per-layer pools of 2T slots, the tokens to consecutive
+slots, so that the pool rows lie as the dense outputs' rows do and only the way of storing them differs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typedkv._bench_e2e import Draft
 
 
 def main() -> None:
-    num_tokens = int(sys.argv[1])
+    num_tokens = int(next(a for a in sys.argv[1:] if not a.startswith("--")))
     device = torch.device("cuda")
     draft = Draft()
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
@@ -28,8 +31,14 @@ def main() -> None:
     m.projection_path = "fused"
     hidden = torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype)
     positions = torch.randint(0, draft.max_position, (num_tokens,), device=device)
-    for _ in range(6):
-        m(hidden, positions)
+    if "--pools" in sys.argv:
+        pools = [torch.empty(2 * num_tokens, H, D, device=device, dtype=draft.dtype) for _ in range(2 * L)]
+        cache_loc = torch.arange(num_tokens, device=device)
+        for _ in range(6):
+            m.into_pool(hidden, positions, cache_loc, pools[:L], pools[L:])
+    else:
+        for _ in range(6):
+            m(hidden, positions)
     torch.cuda.synchronize()
 
 
