@@ -47,9 +47,10 @@
 #   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py), its
 #                  details and per-instruction source pages as CSV, and benchmarks/ncu_regions.py on each
 #                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
-#   ncu_ws         Nsight Compute (speed of light, memory, warp stalls) on the warp-specialised fused kernel at
-#                  $NCU_WS_T (16384), dense outputs then per-layer pools with consecutive slots
-#                  (benchmarks/profile_fused.py [--pools]); details as CSV and their main lines printed
+#   ncu_pools      Nsight Compute (speed of light, memory, warp stalls) on the fused projection's kernel at
+#                  $NCU_POOLS_T (64: the Triton kernel; 16384: the warp-specialised one), dense outputs then
+#                  per-layer pools with consecutive slots (benchmarks/profile_fused.py [--pools]); details as
+#                  CSV, printed a metric a line (benchmarks/ncu_details.py)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
@@ -216,20 +217,20 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                 ncu -i "$OUT/fused_T$t.ncu-rep" --page source --csv --print-source sass > "$OUT/source_T$t.csv" 2>&1
                 echo "T=$t"; python3 benchmarks/ncu_regions.py "$OUT/source_T$t.csv"
             done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
-        ncu_ws)
-            for t in ${NCU_WS_T:-16384}; do
+        ncu_pools)
+            for t in ${NCU_POOLS_T:-64 16384}; do
                 for where in dense pools; do
                     [ $where = pools ] && flag=--pools || flag=
-                    timeout 300 ncu -k regex:project_kv_ws_kernel --launch-skip 3 --launch-count 1 \
+                    timeout 200 ncu -k regex:project_kv --launch-skip 3 --launch-count 1 \
                         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
                         --section SchedulerStats --section LaunchStats --section Occupancy \
-                        -f -o "$OUT/ws_${where}_T$t" env PYTHONPATH="$ROOT:/tmp/site" \
-                        python3 benchmarks/profile_fused.py "$t" $flag > "$OUT/ncu_ws_${where}_T$t.log" 2>&1
+                        -f -o "$OUT/${where}_T$t" env PYTHONPATH="$ROOT:/tmp/site" \
+                        python3 benchmarks/profile_fused.py "$t" $flag > "$OUT/ncu_${where}_T$t.log" 2>&1
                     echo "=== T=$t $where"
-                    ncu -i "$OUT/ws_${where}_T$t.ncu-rep" --page details --csv > "$OUT/ws_details_${where}_T$t.csv" 2>&1
-                    python3 benchmarks/ncu_details.py "$OUT/ws_details_${where}_T$t.csv"
+                    ncu -i "$OUT/${where}_T$t.ncu-rep" --page details --csv > "$OUT/details_${where}_T$t.csv" 2>&1
+                    python3 benchmarks/ncu_details.py "$OUT/details_${where}_T$t.csv"
                 done
-            done 2>&1 | tee "$OUT/ncu_ws.txt" ;;
+            done 2>&1 | tee "$OUT/ncu_pools.txt" ;;
         gap)
             probe gap e2e_gap.py "${GAP_S:-240}" ${GAP_T:-} ;;
         chunk)

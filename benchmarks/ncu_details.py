@@ -1,7 +1,7 @@
 """Print an Nsight Compute details page (``ncu -i REP --page details --csv``) one metric a line.
 
 Not part of the package. Usage: ``python benchmarks/ncu_details.py DETAILS.csv``: section, metric,
-value and unit, for reading two profiles side by side (``STEPS=ncu_ws``).
+value and unit, for reading two profiles side by side (``STEPS=ncu_pools``).
 """
 
 from __future__ import annotations
