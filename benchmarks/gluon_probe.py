@@ -498,7 +498,7 @@ def compile_all(folder: str = "/tmp/gluon") -> int:
         regs = [" ".join((r.split(".")[0], r.split()[-1])) for r in regs]
         ws = "ttg.warp_specialize" in ttgir
         maxnreg = re.findall(r"\.maxnreg\s+(\d+)", ptx) or "-"
-        print(f"{cfg.name:<28} ok  regs {built.regs}  local {built.local}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
+        print(f"{cfg.name:<28} ok  regs {built.regs}  local {built.local}  stack {built.stack}  shared {md.shared / 1024:.1f} KB (ring+c {cfg.smem_kb():.0f} KB)  "
               f"num_warps {md.num_warps}  warp_specialize {ws}  setmaxnreg {regs or 'none'}  "
               f"wgmma {ptx.count('wgmma.mma_async')}  "
               f"maxnreg {maxnreg}", flush=True)  # fmt: skip

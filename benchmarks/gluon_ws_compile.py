@@ -56,12 +56,18 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
         "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": TILES.stages, "GROUP_M": TILES.group_m,
         "WARPS_M": TILES.warps_m, "WARPS_N": TILES.warps_n, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
         "POOL": pool, "PAGE": 1, "TABLE": table,
+        # Ints equal to 1 are constants in Triton's launch (as `triton.compile` is not told here): the norm
+        # weights' and cos/sin rows' column strides, a per-layer eps's stride, the layer table's.
+        "weight_stride_d": 1, "stride_r": 1,
     }  # fmt: skip
+    if eps_per_layer:
+        const["eps_stride"] = 1
     if pool:
         const.update(k_desc=None, v_desc=None)
         types.update(k_ptr="*bf16", v_ptr="*bf16", slots_ptr="*i64")
         if table:
             types["offsets_ptr"] = "*i64"
+            const["offsets_stride_layer"] = 1
         else:
             const["offsets_ptr"] = None
     else:
@@ -75,7 +81,8 @@ def compile_one(label: str, pool: bool, eps_per_layer: bool, table: int, page: i
     signature, const = _signature(pool, eps_per_layer, table)
     const["PAGE"] = page
     names = list(project_kv_ws_kernel.arg_names)
-    # As Triton specialises a launch: pointers on 16 bytes, ints (but the per-call ones) divisible by 16.
+    # As Triton specialises a launch: pointers on 16 bytes, ints (but the per-call ones) divisible by 16
+    # (and those equal to 1 constants, above).
     per_call = (
         set(project_kv_ws_kernel.do_not_specialize) if hasattr(project_kv_ws_kernel, "do_not_specialize") else set()
     )
@@ -101,7 +108,7 @@ def compile_one(label: str, pool: bool, eps_per_layer: bool, table: int, page: i
     stores = re.findall(r"st\.global(?:\.\w+)*?(\.v[248])?\.(?:b|u|f)(\d+)", ptx)
     wide = sum(1 for vec, bits in stores if vec and int(vec[2:]) * int(bits) == 128)
     print(
-        f"{label:<34} ok  regs {built.regs}  local {built.local}  "
+        f"{label:<34} ok  regs {built.regs}  local {built.local}  stack {built.stack}  "
         f"shared {kernel.metadata.shared / 1024:.1f} KB  warp_specialize {'ttg.warp_specialize' in ttgir}  "
         f"global stores {len(stores)} ({wide} of 16 bytes)  TMA copies {ptx.count('cp.async.bulk.tensor')}",
         flush=True,

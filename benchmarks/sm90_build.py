@@ -16,12 +16,19 @@ import triton
 
 
 class Built(NamedTuple):
-    """A compiled kernel's TTGIR and PTX, and its registers and local (spill) bytes as cuobjdump reads them."""
+    """A compiled kernel's TTGIR and PTX, and its registers, local and stack bytes as cuobjdump reads them.
+
+    ptxas's spills show in the stack frame (``STACK``), not in ``LOCAL``: a kernel with ``local 0``
+    can still spill (the warp-specialised kernel built with its norm weights' and cos/sin rows' column
+    strides as arguments: 456 bytes a thread; as Triton's launch builds it, with those strides 1 as
+    constants, none).
+    """
 
     ttgir: str
     ptx: str
     regs: str  # "?" where cuobjdump printed none
     local: str
+    stack: str
 
 
 def dump(kernel: Any, folder: str, name: str) -> Built:
@@ -36,5 +43,6 @@ def dump(kernel: Any, folder: str, name: str) -> Built:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
-    reg, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-    return Built(ttgir, ptx, reg.group(1) if reg else "?", local.group(1) if local else "?")
+    found = [re.search(rf"{key}:(\d+)", usage) for key in ("REG", "LOCAL", "STACK")]
+    reg, local, stack = (m.group(1) if m else "?" for m in found)
+    return Built(ttgir, ptx, reg, local, stack)

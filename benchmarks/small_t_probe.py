@@ -220,7 +220,7 @@ def compile_all(folder: str = "/tmp/small_t") -> int:
             continue
         built = dump(kernel, folder, variant.name)
         print(
-            f"{variant.name:<22} ok  regs {built.regs}  local {built.local}  "
+            f"{variant.name:<22} ok  regs {built.regs}  local {built.local}  stack {built.stack}  "
             f"shared {kernel.metadata.shared / 1024:.1f} KB (rings {variant.smem_kb():.0f} KB)  "
             f"warp_specialize {'ttg.warp_specialize' in built.ttgir}  TMA loads {built.ptx.count('cp.async.bulk.tensor')}  "
             f"wgmma {built.ptx.count('wgmma.mma_async')}",

@@ -299,7 +299,7 @@ def compile_all(folder: str = "/tmp/streamk_ws") -> int:
         built = dump(kernel, folder, cfg.name)
         ptx = built.ptx
         barriers = sorted({line.strip() for line in ptx.splitlines() if line.strip().startswith("bar.sync")})
-        print(f"{cfg.name:<16} ok  regs {built.regs}  local {built.local}  shared {kernel.metadata.shared / 1024:.1f} KB  "
+        print(f"{cfg.name:<16} ok  regs {built.regs}  local {built.local}  stack {built.stack}  shared {kernel.metadata.shared / 1024:.1f} KB  "
               f"warp_specialize {'ttg.warp_specialize' in built.ttgir}  wgmma {ptx.count('wgmma.mma_async')}  "
               f"barriers {barriers}  "
               f"atomics {ptx.count('atom.')}, acquire loads {ptx.count('.acquire.')}", flush=True)  # fmt: skip
