@@ -26,7 +26,8 @@
 #   fused_ab       benchmarks/fused_sweep.py --defaults (dense, then --pools), .old/base and this checkout alternated,
 #                  $FUSED_AB_ROUNDS rounds (3) at $FUSED_AB_T (16 32 48 64)
 #   pools_sorted   benchmarks/fused_sweep.py --defaults --pools, the tokens' random slots as drawn and sorted
-#                  (or as $POOLS_ORDERS names: random, sorted, contiguous), alternated, $POOLS_SORTED_ROUNDS rounds (2) at $POOLS_SORTED_T (64 16384 65536)
+#                  (or as $POOLS_ORDERS names: random, sorted, contiguous), alternated, $POOLS_SORTED_ROUNDS
+#                  rounds (2) at $POOLS_SORTED_T (64 16384 65536)
 #   ab_vfirst      benchmarks/ab_time.py on this checkout, the K/V kernel's default (V's loads first)
 #                  against KVConfig(v_first=False) alternated, 3 rounds (flat and paged pools too)
 #   host_profile   benchmarks/host_profile.py: where the public calls' host time goes on this host
