@@ -66,6 +66,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from typedkv._fused_ws_kernel import _producer, _tile_coords  # the product kernel's load warp and tile order
+
 try:  # the Gluon API of Triton 3.6 (other versions may differ; only 3.6 is meant)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -86,36 +88,6 @@ N_OUT, K_IN, BK = 10240, 4096, 64
 def _jit(fn: Callable[..., object]) -> Callable[..., object]:
     """``gluon.jit`` where Gluon is there (the module imports without it)."""
     return gluon.jit(fn) if gluon is not None else fn
-
-
-@_jit
-def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """Tile ``tile``'s ``(row, column)`` offsets, grouped: ``GROUP_M`` row blocks over every column block."""
-    in_group = GROUP_M * tiles_n
-    first_m = (tile // in_group) * GROUP_M
-    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % group_m
-    pid_n = (tile % in_group) // group_m
-    return pid_m * BM, pid_n * BN
-
-
-@_jit
-def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr):  # fmt: skip
-    """The load warp: every k-step of every tile of this program into the ring, slot ``it % STAGES``."""
-    nbytes: gl.constexpr = (BM + BN) * BK * 2
-    it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
-        for k in range(k_steps):
-            s = it % STAGES
-            # The slot's previous use released (the first pass waits on parity 1: passes at once).
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
-            it += 1
 
 
 @_jit
