@@ -45,13 +45,14 @@
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
 #   epilogue       benchmarks/epilogue_probe.py: the fused kernel's epilogue added to a plain GEMM a step at a time ($EPILOGUE_T)
-#   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py), its
-#                  details and per-instruction source pages as CSV, and benchmarks/ncu_regions.py on each
-#                  ($NCU_INTERVAL: ncu's --sampling-interval, auto)
+#   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py) into
+#                  each of $NCU_WHERE (dense, pools; default dense), benchmarks/ncu_regions.py on each
+#                  per-instruction source page ($NCU_INTERVAL: ncu's --sampling-interval, auto)
 #   ncu_pools      Nsight Compute (speed of light, memory, warp stalls) on the fused projection's kernel at
 #                  $NCU_POOLS_T (64: the Triton kernel; 16384: the warp-specialised one), dense outputs then
 #                  per-layer pools with consecutive slots (benchmarks/profile_fused.py [--pools]); details as
-#                  CSV, printed a metric a line (benchmarks/ncu_details.py)
+#                  CSV, printed a metric a line (benchmarks/ncu_details.py); then torch.mm alone (cuBLAS) the same way
+#   mm_kernels     benchmarks/mm_kernels.py: cuBLAS's kernels for the bench's torch.mm, names and grids ($MM_KERNELS_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
@@ -210,28 +211,40 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
         epilogue)
             probe epilogue epilogue_probe.py "${EPILOGUE_S:-300}" ${EPILOGUE_T:-} ;;
         ncu_fused)
+            mkdir -p /tmp/ncu
             for t in ${NCU_T:-64 2048}; do
-                timeout 200 ncu -k regex:project_kv_kernel --launch-skip 3 --launch-count 1 --set full \
-                    --warp-sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "$OUT/fused_T$t" \
-                    env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/profile_fused.py "$t" > "$OUT/ncu_T$t.log" 2>&1
-                ncu -i "$OUT/fused_T$t.ncu-rep" --page details --csv > "$OUT/details_T$t.csv" 2>&1
-                ncu -i "$OUT/fused_T$t.ncu-rep" --page source --csv --print-source sass > "$OUT/source_T$t.csv" 2>&1
-                echo "T=$t"; python3 benchmarks/ncu_regions.py "$OUT/source_T$t.csv"
+                for where in ${NCU_WHERE:-dense}; do
+                    [ $where = pools ] && flag=--pools || flag=
+                    timeout 200 ncu -k regex:project_kv --launch-skip 3 --launch-count 1 --set full \
+                        --warp-sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "/tmp/ncu/fused_${where}_T$t" \
+                        env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/profile_fused.py "$t" $flag > "/tmp/ncu/ncu_${where}_T$t.log" 2>&1
+                    ncu -i "/tmp/ncu/fused_${where}_T$t.ncu-rep" --page source --csv --print-source sass > "/tmp/ncu/source_${where}_T$t.csv" 2>&1
+                    echo "T=$t $where"; python3 benchmarks/ncu_regions.py "/tmp/ncu/source_${where}_T$t.csv"
+                done
             done 2>&1 | tee "$OUT/ncu_fused.txt" ;;
         ncu_pools)
+            mkdir -p /tmp/ncu
             for t in ${NCU_POOLS_T:-64 16384}; do
-                for where in dense pools; do
-                    [ $where = pools ] && flag=--pools || flag=
-                    timeout 200 ncu -k regex:project_kv --launch-skip 3 --launch-count 1 \
+                pages=
+                for where in dense pools mm; do
+                    flag=; kernels=regex:project_kv
+                    [ $where = pools ] && flag=--pools
+                    [ $where = mm ] && flag=--mm && kernels=regex:nvjet\|gemm\|xmma\|cutlass
+                    timeout 200 ncu -k "$kernels" --launch-skip 3 --launch-count 1 \
                         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-                        --section SchedulerStats --section LaunchStats --section Occupancy \
-                        -f -o "$OUT/${where}_T$t" env PYTHONPATH="$ROOT:/tmp/site" \
-                        python3 benchmarks/profile_fused.py "$t" $flag > "$OUT/ncu_${where}_T$t.log" 2>&1
-                    echo "=== T=$t $where"
-                    ncu -i "$OUT/${where}_T$t.ncu-rep" --page details --csv > "$OUT/details_${where}_T$t.csv" 2>&1
-                    python3 benchmarks/ncu_details.py "$OUT/details_${where}_T$t.csv"
+                        --section SchedulerStats --section LaunchStats --section Occupancy --section InstructionStats \
+                        --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,smsp__inst_executed_op_global_st.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum \
+                        -f -o "/tmp/ncu/${where}_T$t" env PYTHONPATH="$ROOT:/tmp/site" \
+                        python3 benchmarks/profile_fused.py "$t" $flag > "/tmp/ncu/${where}_T$t.log" 2>&1 \
+                        || tail -5 "/tmp/ncu/${where}_T$t.log"
+                    ncu -i "/tmp/ncu/${where}_T$t.ncu-rep" --page raw --csv > "/tmp/ncu/raw_${where}_T$t.csv" 2>&1
+                    pages="$pages $where=/tmp/ncu/raw_${where}_T$t.csv"
                 done
+                echo "=== T=$t"
+                python3 benchmarks/ncu_details.py --raw $pages
             done 2>&1 | tee "$OUT/ncu_pools.txt" ;;
+        mm_kernels)
+            probe mm_kernels mm_kernels.py "${MM_KERNELS_S:-120}" ${MM_KERNELS_T:-} ;;
         gap)
             probe gap e2e_gap.py "${GAP_S:-240}" ${GAP_T:-} ;;
         chunk)

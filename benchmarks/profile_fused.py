@@ -5,6 +5,8 @@ Not part of the package. Usage: ``python benchmarks/profile_fused.py T [--pools]
 kernel, ``project_kv_ws_kernel`` the warp-specialised one, taken from T = 2048 on the H200). With
 ``--pools``: `KVMaterializer.into_pool` into per-layer pools of 2T slots, the tokens to consecutive
 slots, so that the pool rows lie as the dense outputs' rows do and only the way of storing them differs.
+With ``--mm``: ``torch.mm`` of the same hidden states and weights alone (profile cuBLAS's kernel with
+``-k regex:gemm|xmma|cutlass``), the baseline the fused kernel is measured against.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ def main() -> None:
     m.projection_path = "fused"
     hidden = torch.randn(num_tokens, draft.hidden, device=device, dtype=draft.dtype)
     positions = torch.randint(0, draft.max_position, (num_tokens,), device=device)
-    if "--pools" in sys.argv:
+    if "--mm" in sys.argv:
+        for _ in range(6):
+            torch.mm(hidden, weight.reshape(-1, draft.hidden).t())
+    elif "--pools" in sys.argv:
         pools = [torch.empty(2 * num_tokens, H, D, device=device, dtype=draft.dtype) for _ in range(2 * L)]
         cache_loc = torch.arange(num_tokens, device=device)
         for _ in range(6):

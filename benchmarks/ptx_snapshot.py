@@ -17,6 +17,9 @@ as a difference.
     python benchmarks/ptx_snapshot.py /tmp/after       # on the new code
     diff -r /tmp/before /tmp/after                      # nothing: the same machine code
 
+With ``--hopper`` the fused projection's launches are those of an H200 (weight tiles by TMA,
+deeper pipelines): the configurations it runs up to T = 256 there.
+
 Run it without TRITON_INTERPRET (the interpreter compiles nothing).
 """
 
@@ -94,6 +97,8 @@ def compile_ptx(kernel: Any, params: tuple[Any, ...], num_warps: int) -> str:
         if isinstance(value, torch.Tensor):
             attrs[path] = [["tt.divisibility", 16]]
             return "*" + _TYPES[value.dtype]
+        if type(value).__name__ == "TensorDescriptor":  # the weight's TMA tiles (`weight_descriptors`)
+            return f"tensordesc<{_TYPES[value.base.dtype]}[{', '.join(map(str, value.block_shape))}]>"
         if isinstance(value, bool):
             return "i1"
         if isinstance(value, int):
@@ -328,7 +333,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for one .ptx file per launch (created)")
     parser.add_argument("--only", default="", help="cases whose name contains this")
+    parser.add_argument(
+        "--hopper",
+        action="store_true",
+        help="launch as on an H200: the fused kernel's weight tiles by TMA where they can be, its"
+        " pipelines sized to 227 KB of shared memory (by default the CPU tensors' launch: by pointer)",
+    )
     args = parser.parse_args()
+    if args.hopper:
+        _launch._tma_device = lambda device: True  # type: ignore[assignment]
+        _launch._shared_memory = lambda device: 232448  # type: ignore[assignment]
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     for name, call in cases().items():
