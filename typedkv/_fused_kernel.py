@@ -386,7 +386,12 @@ def project_kv_kernel(
         head = slot - H
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < D
-        if EARLY_LOADS:
+        if W_TMA:
+            # V's loop holds one accumulator, with room for its rows (a pool's slots), its
+            # layer's base and scale: loaded after it, they put a load's latency before the
+            # first store, at the end of the programs that end last (small T).
+            row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
+        if EARLY_LOADS or W_TMA:
             v_base = _layer_base(
                 v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
             )
@@ -402,17 +407,15 @@ def project_kv_kernel(
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
-        if W_TMA:
-            row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
-        if not EARLY_LOADS:
+        if not (EARLY_LOADS or W_TMA):
             v_base = _layer_base(
                 v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE
             )
         v_dst = v_base + _row_offset(row, PAGE, (v_stride_page, v_stride_slot)) + head * v_stride_h
         v_ok = row_ok[:, None] & dim_ok[None, :]
-        if not EARLY_LOADS:
+        if not (EARLY_LOADS or W_TMA):
             scale = _layer_scale(scales[1], layer, V_SCALE)
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         # Already on the storage grid: MODE 0's cast to the (same) dtype is exact.
