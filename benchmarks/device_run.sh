@@ -24,7 +24,7 @@
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
 #   fused_ab       benchmarks/fused_sweep.py --defaults (dense, then --pools), .old/base and this checkout alternated,
-#                  $FUSED_AB_ROUNDS rounds (3) at $FUSED_AB_T (16 32 48 64)
+#                  $FUSED_AB_ROUNDS rounds (3) at $FUSED_AB_T (16 32 48 64); $FUSED_AB_WHERE: dense, pools or both (default)
 #   pools_sorted   benchmarks/fused_sweep.py --defaults --pools, the tokens' random slots as drawn and sorted
 #                  (or as $POOLS_ORDERS names: random, sorted, contiguous), alternated, $POOLS_SORTED_ROUNDS
 #                  rounds (2) at $POOLS_SORTED_T (64 16384 65536)
@@ -157,8 +157,11 @@ for step in $STEPS; do
             for round in $(seq "${FUSED_AB_ROUNDS:-3}"); do
                 for side in old new; do
                     [ $side = old ] && path="$ROOT/.old/base" || path="$ROOT"
-                    PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults ${FUSED_AB_T:-16 32 48 64} 2>&1 | sed "s/^/$side /"
-                    PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults --pools ${FUSED_AB_T:-16 32 48 64} 2>&1 | sed "s/^/$side /"
+                    for where in ${FUSED_AB_WHERE:-dense pools}; do
+                        [ $where = pools ] && flag=--pools || flag=
+                        PYTHONPATH="$path:/tmp/site" python3 benchmarks/fused_sweep.py --defaults $flag ${FUSED_AB_T:-16 32 48 64} \
+                            2>&1 | sed "s/^/$side /"
+                    done
                 done
             done | tee "$OUT/fused_ab.txt" ;;
         pools_sorted)
