@@ -266,7 +266,7 @@ def project_kv_kernel(
     # Destination rows, as in `typedkv._kernel`.
     if not W_TMA:
         # Loaded before the loop, their latency hidden by it (the TMA configurations load
-        # them after it: registers held through their whole-head loop spilled).
+        # K's after its loop, where registers held through it spilled, and V's before its own).
         row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
 
     if slot < H:
