@@ -48,10 +48,11 @@
 #   ncu_fused      Nsight Compute on the fused projection at $NCU_T (64 2048; benchmarks/profile_fused.py) into
 #                  each of $NCU_WHERE (dense, pools; default dense), benchmarks/ncu_regions.py on each
 #                  per-instruction source page ($NCU_INTERVAL: ncu's --sampling-interval, auto)
-#   ncu_pools      Nsight Compute (speed of light, memory, warp stalls) on the fused projection's kernel at
-#                  $NCU_POOLS_T (64: the Triton kernel; 16384: the warp-specialised one), dense outputs then
-#                  per-layer pools with consecutive slots (benchmarks/profile_fused.py [--pools]); details as
-#                  CSV, printed a metric a line (benchmarks/ncu_details.py); then torch.mm alone (cuBLAS) the same way
+#   ncu_pools      Nsight Compute (speed of light, memory, warp stalls, instructions) on the fused projection's
+#                  kernel at $NCU_POOLS_T (64: the Triton kernel; 16384: the warp-specialised one), dense outputs,
+#                  per-layer pools with consecutive slots, and torch.mm alone (benchmarks/profile_fused.py [--pools |
+#                  --mm]); the three side by side from their raw pages (benchmarks/ncu_details.py --raw), the
+#                  reports kept under /tmp/ncu (a call's $OUT returns at most 8 files)
 #   mm_kernels     benchmarks/mm_kernels.py: cuBLAS's kernels for the bench's torch.mm, names and grids ($MM_KERNELS_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)

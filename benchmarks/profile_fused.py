@@ -6,7 +6,7 @@ kernel, ``project_kv_ws_kernel`` the warp-specialised one, taken from T = 2048 o
 ``--pools``: `KVMaterializer.into_pool` into per-layer pools of 2T slots, the tokens to consecutive
 slots, so that the pool rows lie as the dense outputs' rows do and only the way of storing them differs.
 With ``--mm``: ``torch.mm`` of the same hidden states and weights alone (profile cuBLAS's kernel with
-``-k regex:gemm|xmma|cutlass``), the baseline the fused kernel is measured against.
+``-k 'regex:nvjet|gemm|xmma|cutlass'``: cuBLAS 13's kernels are named nvjet), the baseline the fused kernel is measured against.
 """
 
 from __future__ import annotations
