@@ -52,7 +52,8 @@
 #                  kernel at $NCU_POOLS_T (64: the Triton kernel; 16384: the warp-specialised one), dense outputs,
 #                  per-layer pools with consecutive slots, and torch.mm alone (benchmarks/profile_fused.py [--pools |
 #                  --mm]); the three side by side from their raw pages (benchmarks/ncu_details.py --raw), the
-#                  reports kept under /tmp/ncu (a call's $OUT returns at most 8 files)
+#                  reports kept under /tmp/ncu (a call's $OUT returns at most 8 files). $NCU_POOLS_WHERE (default
+#                  "dense pools mm") may add "bands": dense, the tiles in bands of $NCU_GROUP_N (8) weight tiles
 #   mm_kernels     benchmarks/mm_kernels.py: cuBLAS's kernels for the bench's torch.mm, names and grids ($MM_KERNELS_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
@@ -230,9 +231,10 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             mkdir -p /tmp/ncu
             for t in ${NCU_POOLS_T:-64 16384}; do
                 pages=
-                for where in dense pools mm; do
+                for where in ${NCU_POOLS_WHERE:-dense pools mm}; do
                     flag=; kernels=regex:project_kv
                     [ $where = pools ] && flag=--pools
+                    [ $where = bands ] && flag="--group-n ${NCU_GROUP_N:-8}"
                     [ $where = mm ] && flag=--mm && kernels=regex:nvjet\|gemm\|xmma\|cutlass
                     timeout 200 ncu -k "$kernels" --launch-skip 3 --launch-count 1 \
                         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

@@ -7,6 +7,8 @@ kernel, ``project_kv_ws_kernel`` the warp-specialised one, taken from T = 2048 o
 slots, so that the pool rows lie as the dense outputs' rows do and only the way of storing them differs.
 With ``--mm``: ``torch.mm`` of the same hidden states and weights alone (profile cuBLAS's kernel with
 ``-k 'regex:nvjet|gemm|xmma|cutlass'``: cuBLAS 13's kernels are named nvjet), the baseline the fused kernel is measured against.
+With ``--group-n N`` (dense outputs, or with ``--pools``): the warp-specialised kernel's tiles in bands of
+``N`` weight tiles over every token block (`typedkv._fused_ws.Tiles.group_n`) instead of the default's bands.
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import sys
 
 import torch
 
-from typedkv import KVMaterializer
+from typedkv import KVMaterializer, _fused_ws
 from typedkv._bench_e2e import Draft
 
 
 def main() -> None:
-    num_tokens = int(next(a for a in sys.argv[1:] if not a.startswith("--")))
+    args = sys.argv[1:]
+    if "--group-n" in args:
+        at = args.index("--group-n")
+        group_n = int(args.pop(at + 1))
+        args.pop(at)
+        _fused_ws.WS_TILES = tuple((most, t._replace(group_n=group_n)) for most, t in _fused_ws.WS_TILES)
+    num_tokens = int(next(a for a in args if not a.startswith("--")))
     device = torch.device("cuda")
     draft = Draft()
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim

@@ -1,6 +1,7 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --small] [T ...]``.
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --weight-bands
+[--pools] | --small] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -14,7 +15,11 @@ by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256
 ``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
 within each of three rounds; T 2048, 16384 and 65536 unless given. With ``--pools``: into the bench's
-per-layer pools, 3 ring slots against 4 (no staging tile there).
+per-layer pools instead.
+
+``--weight-bands``: as ``--grouping``, with the tiles in bands of 4 to 20 weight tiles over every
+token block (`Tiles.group_n`: a band's weight stays in L2 while every token block passes, so the
+weight is read from memory once) against the default bands of 8 token blocks, run first and last.
 
 ``--small``: the small and middle T, where the fused path is `typedkv._fused_kernel` (one program per
 head and token block) or GEMM + kernel. Against both and ``torch.mm``, the warp-specialised kernel
@@ -47,17 +52,15 @@ GROUPINGS = {
     for group_m, stages in ((8, 3), (1, 3), (4, 3), (16, 3), (32, 3), (8, 2))
 }
 GROUPINGS["g8s3 again"] = GROUPINGS["g8s3"]  # the default last too: a control for drift within a row
-# Into pools the tiles leave through registers (no staging tile in shared memory): room for a fourth slot.
-POOL_GROUPINGS = {
-    name: ((math.inf, _fused_ws.Tiles(128, stages, 8, 8, 1)),)
-    for name, stages in (("s3", 3), ("s4", 4), ("s3 again", 3))
+WEIGHT_BANDS = {"g8": _fused_ws.WS_TILES} | {
+    f"n{group_n}": ((math.inf, _fused_ws.Tiles(128, 3, 8, 8, 1, group_n=group_n)),) for group_n in (4, 8, 10, 16, 20)
 }
+WEIGHT_BANDS["g8 again"] = _fused_ws.WS_TILES
 
 
-def grouping(tokens: list[int], pools: bool) -> None:
-    """``--grouping``: each variant of `GROUPINGS` / torch.mm, dense outputs, alternated within rounds
-    (``--pools``: `POOL_GROUPINGS`, into the bench's per-layer pools)."""
-    variants = POOL_GROUPINGS if pools else GROUPINGS
+def grouping(tokens: list[int], variants: dict[str, tuple[tuple[float, _fused_ws.Tiles], ...]], pools: bool) -> None:
+    """``--grouping`` / ``--weight-bands``: each of ``variants`` / torch.mm, dense outputs (``pools``: into the
+    bench's per-layer pools), alternated within each of three rounds."""
     device = torch.device("cuda")
     _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
     bench = _bench_e2e.bench_draft(device)
@@ -172,11 +175,11 @@ def main() -> None:
     if "--small" in sys.argv:
         small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [16, 32, 48, 64])
         return
-    if "--grouping" in sys.argv:
-        grouping(
-            [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536], "--pools" in sys.argv
-        )
-        return
+    for flag, variants in (("--grouping", GROUPINGS), ("--weight-bands", WEIGHT_BANDS)):
+        if flag in sys.argv:
+            tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536]
+            grouping(tokens, variants, "--pools" in sys.argv)
+            return
     compare = "--tiles" in sys.argv
     given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     default = [256, 512, 1024, 2048, 4096] if compare else [256, 512, 768, 1024, 1536, 2048, 4096, 16384, 65536]

@@ -142,11 +142,17 @@ def test_pools_hold_the_oracle_cuda(launches: list[int], layout: str) -> None:
 
 
 @pytest.mark.usefixtures("ws_everywhere")
+@pytest.mark.parametrize("group_n", [0, 4])
 @pytest.mark.parametrize("layout", ["dense", "list", "HND"])
-def test_several_tiles_a_program_cuda(launches: list[int], layout: str) -> None:
+def test_several_tiles_a_program_cuda(
+    monkeypatch: pytest.MonkeyPatch, launches: list[int], layout: str, group_n: int
+) -> None:
     """At a T where every program takes three tiles or more (the tests above fit one tile a program on an
     H200): the ring and the staging tile carried from tile to tile. Production mode; into pools, 500 of the
-    tokens spread over the batch have slots, the others -1; every other row keeps its fill."""
+    tokens spread over the batch have slots, the others -1; every other row keeps its fill. ``group_n`` 4:
+    the tiles in bands of 4 weight tiles (`Tiles.group_n`), the last band of 2 (6 weight tiles here)."""
+    shape = _fused_ws.WS_TILES[-1][1]._replace(group_n=group_n)
+    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, shape),))
     typedkv.set_debug(False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles_n = L * 2 * H * 128 // _fused_ws.WS_TILES[-1][1].block_n
@@ -161,11 +167,13 @@ def test_several_tiles_a_program_cuda(launches: list[int], layout: str) -> None:
 
 
 # The other tiles the sweeps time (benchmarks/ws_sweep.py): 64 tokens by two heads, the warpgroups side
-# by side (--tiles); 64 or 128 tokens by one head (--small).
+# by side (--tiles); 64 or 128 tokens by one head (--small); the default's in bands of weight tiles
+# (--weight-bands; 4 of the 6 here, then 2).
 OTHER_TILES = {
     "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
     "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
     "128x128": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
+    "weight-bands": _fused_ws.WS_TILES[-1][1]._replace(group_n=4),
 }
 
 

@@ -50,7 +50,8 @@ BLOCK_N, BLOCK_K = 256, 64
 class Tiles(NamedTuple):
     """A launch's tiles: ``block_m`` tokens, ``stages`` ring slots, bands of ``group_m`` token blocks, and
     the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (a warpgroup's
-    wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one)."""
+    wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one); ``group_n`` > 0 takes the tiles
+    in bands of ``group_n`` weight tiles over every token block instead of ``group_m``'s bands."""
 
     block_m: int
     stages: int
@@ -58,6 +59,7 @@ class Tiles(NamedTuple):
     warps_m: int
     warps_n: int
     block_n: int = BLOCK_N
+    group_n: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -310,6 +312,6 @@ def _launch_kernel(
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
         HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=shape.block_n, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
-        WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
+        GROUP_N=shape.group_n, WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
         num_warps=shape.num_warps, **options,
     )  # fmt: skip

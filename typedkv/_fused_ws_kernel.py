@@ -62,16 +62,27 @@ _PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride", "slots_st
 
 
 @_jit
-def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """Tile ``tile``'s ``(row, column)`` offsets, in bands: ``GROUP_M`` token blocks over every column block.
+def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                 GROUP_N: gl.constexpr = 0):  # fmt: skip
+    """Tile ``tile``'s ``(row, column)`` offsets, in bands: ``GROUP_M`` token blocks over every column block,
+    or (``GROUP_N`` > 0) ``GROUP_N`` column blocks over every token block.
 
-    A band's rows of ``hidden`` stay in L2 while every head passes over them.
+    A band's rows of ``hidden`` stay in L2 while every head passes over them; with ``GROUP_N`` the
+    band's weight rows stay in L2 while every token block passes over them instead, so the weight
+    is read from memory once and ``hidden`` once a band.
     """
-    in_band = GROUP_M * tiles_n
-    first_m = (tile // in_band) * GROUP_M
-    band_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_band) % band_m
-    pid_n = (tile % in_band) // band_m
+    if GROUP_N > 0:
+        in_band = GROUP_N * tiles_m
+        first_n = (tile // in_band) * GROUP_N
+        band_n = gl.minimum(tiles_n - first_n, GROUP_N)
+        pid_n = first_n + (tile % in_band) % band_n
+        pid_m = (tile % in_band) // band_n
+    else:
+        in_band = GROUP_M * tiles_n
+        first_m = (tile // in_band) * GROUP_M
+        band_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_band) % band_m
+        pid_n = (tile % in_band) // band_m
     return pid_m * BM, pid_n * BN
 
 
@@ -111,13 +122,13 @@ def _products(acc, a_bufs, w_bufs, ready, empty, it, k_begin, k_end, STAGES: gl.
 @_jit
 def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr):  # fmt: skip
+              GROUP_M: gl.constexpr, GROUP_N: gl.constexpr):  # fmt: skip
     """The load warp: every k-step of every tile of this program into the ring (`_loads`)."""
     bits: gl.constexpr = a_desc.block_type.element_ty.primitive_bitwidth
     nbytes: gl.constexpr = (BM + BN) * BK * bits // 8
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
         it = _loads(a_desc, w_desc, a_bufs, w_bufs, ready, empty, it, off_m, off_n, 0, k_steps, BK, STAGES, nbytes)
 
 
@@ -234,7 +245,7 @@ def _store_layout(num_warps):
 @_jit
 def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
               tiles_n, num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUP_N: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
               POOL: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
     """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
 
@@ -252,7 +263,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens,
     positions_ptr, positions_stride = rope[0], rope[1]
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
         # The epilogue's row loads issued before the products, their latency hidden behind them.
         rows_p = off_m + gl.arange(0, BM, layout=pos_layout)
         pos = gl.load(positions_ptr + rows_p * positions_stride, mask=rows_p < num_tokens, other=0).to(gl.int64)
@@ -299,7 +310,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                          HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
                          NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
-                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0):  # fmt: skip
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0, GROUP_N: gl.constexpr = 0):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
@@ -330,10 +341,10 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     gl.warp_specialize(
         [
             (_consumer, (a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
-                         num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, WARPS_M, WARPS_N, NORM, EPS_PER_LAYER,
+                         num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, GROUP_N, WARPS_M, WARPS_N, NORM, EPS_PER_LAYER,
                          POOL, PAGE, TABLE)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
-                         BM, BN, BK, STAGES, GROUP_M)),
+                         BM, BN, BK, STAGES, GROUP_M, GROUP_N)),
         ],
         [1],
         [24],
