@@ -73,7 +73,15 @@ class Tiles(NamedTuple):
 # T = 2048-65536). `benchmarks/ws_sweep.py --tiles` compared 64 x 256 (the warpgroups side by
 # side, a head each) at T = 256-4096 (H200, 2026-12-02, two rounds): faster at 512 (and in one
 # round of two at 1024), where GEMM + kernel beats both; slower at 256 and from 2048 on.
-WS_TILES: tuple[tuple[float, Tiles], ...] = ((math.inf, Tiles(128, 3, 8, 8, 1)),)
+# From T = 65536 on, bands of 8 weight tiles over every token block (`ws_sweep.py --weight-bands`,
+# H200, 2026-12-03, three rounds, each / torch.mm): 1.023-1.036 dense and 1.057-1.061 into per-layer
+# pools against 1.038-1.039 and 1.065-1.068 with bands of 8 token blocks; at 16384 and 32768 not
+# faster in every round (at 16384 the weight is read from memory once: 1.21 GB of DRAM reads against
+# 1.75 by ncu, in the same time), at 2048 slower.
+WS_TILES: tuple[tuple[float, Tiles], ...] = (
+    (65535, Tiles(128, 3, 8, 8, 1)),
+    (math.inf, Tiles(128, 3, 8, 8, 1, group_n=8)),
+)
 
 
 def tiles(num_tokens: int) -> Tiles:
