@@ -19,7 +19,8 @@ per-layer pools instead.
 
 ``--weight-bands``: as ``--grouping``, with the tiles in bands of 4 to 20 weight tiles over every
 token block (`Tiles.group_n`: a band's weight stays in L2 while every token block passes, so the
-weight is read from memory once) against the default bands of 8 token blocks, run first and last.
+weight is read from memory once) against bands of 8 token blocks (the tiles below T = 65536), run
+first and last.
 
 ``--small``: the small and middle T, where the fused path is `typedkv._fused_kernel` (one program per
 head and token block) or GEMM + kernel. Against both and ``torch.mm``, the warp-specialised kernel
