@@ -53,7 +53,7 @@ GROUPINGS = {
     for group_m, stages in ((8, 3), (1, 3), (4, 3), (16, 3), (32, 3), (8, 2))
 }
 GROUPINGS["g8s3 again"] = GROUPINGS["g8s3"]  # the default last too: a control for drift within a row
-WEIGHT_BANDS = {"g8": ((math.inf, _fused_ws.Tiles(128, 3, 8, 8, 1)),)} | {
+WEIGHT_BANDS = {"g8": GROUPINGS["g8s3"]} | {
     f"n{group_n}": ((math.inf, _fused_ws.Tiles(128, 3, 8, 8, 1, group_n=group_n)),) for group_n in (4, 8, 10, 16, 20)
 }
 WEIGHT_BANDS["g8 again"] = WEIGHT_BANDS["g8"]

@@ -62,6 +62,16 @@ _PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride", "slots_st
 
 
 @_jit
+def _band(tile, tiles_a, tiles_b, GROUP: gl.constexpr):
+    """Tile ``tile``'s ``(a, b)`` block indices when tiles go in bands of ``GROUP`` blocks along ``a`` over every
+    block along ``b``, ``a`` the faster within a band (the last band may be narrower)."""
+    in_band = GROUP * tiles_b
+    first = (tile // in_band) * GROUP
+    band = gl.minimum(tiles_a - first, GROUP)
+    return first + (tile % in_band) % band, (tile % in_band) // band
+
+
+@_jit
 def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
                  GROUP_N: gl.constexpr = 0):  # fmt: skip
     """Tile ``tile``'s ``(row, column)`` offsets, in bands: ``GROUP_M`` token blocks over every column block,
@@ -72,17 +82,9 @@ def _tile_coords(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GRO
     is read from memory once and ``hidden`` once a band.
     """
     if GROUP_N > 0:
-        in_band = GROUP_N * tiles_m
-        first_n = (tile // in_band) * GROUP_N
-        band_n = gl.minimum(tiles_n - first_n, GROUP_N)
-        pid_n = first_n + (tile % in_band) % band_n
-        pid_m = (tile % in_band) // band_n
+        pid_n, pid_m = _band(tile, tiles_n, tiles_m, GROUP_N)
     else:
-        in_band = GROUP_M * tiles_n
-        first_m = (tile // in_band) * GROUP_M
-        band_m = gl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_band) % band_m
-        pid_n = (tile % in_band) // band_m
+        pid_m, pid_n = _band(tile, tiles_m, tiles_n, GROUP_M)
     return pid_m * BM, pid_n * BN
 
 
