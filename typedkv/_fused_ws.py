@@ -63,7 +63,7 @@ class Tiles(NamedTuple):
 
     @property
     def num_warps(self) -> int:
-        """The consumer warps (the load warp is the kernel's own)."""
+        """The MMA warps (the load warp and the epilogue warps are the kernel's own)."""
         return self.warps_m * self.warps_n
 
 

@@ -4,22 +4,28 @@
 epilogue does not overlap any loads: 1.2x ``torch.mm`` from T = 2048 on (H200).
 This kernel, written in Gluon (``triton.experimental.gluon``, Triton 3.6's API,
 sm_90 only), is persistent: one program per SM takes tiles of ``BM`` tokens by
-``BN`` weight rows (two heads) in turn. In each program a producer warp issues
-the TMA loads of ``hidden``'s and the weight's tiles into a ring of ``STAGES``
-shared-memory slots (an mbarrier each way per slot), ahead of the consumer
-warpgroups, which multiply by wgmma as slots fill. So the next tile's loads
-are in flight during a tile's epilogue.
+``BN`` weight rows (two heads) in turn, in three partitions of warps:
 
-The epilogue follows `typedkv._fused_kernel` step by step: each tile rounded to
-the storage dtype, as a GEMM that stores ``kv`` would; a K tile (the weight's
+- a load warp (`_producer`) issues the TMA loads of ``hidden``'s and the
+  weight's tiles into a ring of ``STAGES`` shared-memory slots (an mbarrier each
+  way per slot);
+- the MMA warpgroups (`_mma`) multiply by wgmma as slots fill, round each tile
+  to the storage dtype (as a GEMM that stores ``kv`` would) into a staging tile
+  in shared memory, hand it over (two mbarriers) and go on to the next tile;
+- the epilogue warps (`_epilogue`, ``EPI_WARPS``) take the staged tile a few
+  rows at a time and store it: so the tensor cores do not wait on K's norm and
+  RoPE, their loads or the stores (H200, against the epilogue in the MMA warps:
+  1.024-1.051x ``torch.mm`` instead of 1.048-1.055 at T = 16384 dense, into
+  per-layer pools 1.018-1.037 instead of 1.059-1.081; benchmarks/NOTES.md).
+
+The epilogue follows `typedkv._fused_kernel` step by step: a K tile (the weight's
 rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
 never straddles the two) is RMS-normed per head in float32 and rounded, then
 NeoX-roped, a position outside ``[0, P)`` giving NaN; a V tile is stored as it
 is. Tiles go out by TMA stores into ``[L, T, H*D]`` views of dense outputs,
-which clip the rows past ``T``, or into pool rows at the tokens' slots (`_store_rows`),
-both through one staging tile in shared memory; ``hidden``'s rows past ``T`` load as
-zeros. A tile's positions and slots load before its products, so their latency hides
-behind them rather than opening the epilogue.
+which clip the rows past ``T``, or from registers into pool rows at the tokens'
+slots (`_pool_store`); ``hidden``'s rows past ``T`` load as zeros. A K tile's
+positions, cos/sin rows and norm weights load ahead of the rows that use them.
 
 Gluon kernels do not run under Triton's interpreter: this kernel runs on the GPU
 only, and the fused path takes it only where it may (`typedkv._fused_ws.launchable`).
@@ -135,66 +141,14 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, nu
 
 
 @_jit
-def _k_tile(acc, layer, norm, rope, pos, out_ty: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-            D: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
-    """A K tile's epilogue (float32, ``acc_layout``): rounded, RMS-normed per head and rounded, NeoX-roped.
-
-    ``norm`` is ``(eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)``, ``rope``
-    ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)``, ``pos`` the
-    tile's rows' positions (int64, loaded by `_consumer` before the tile's products). The tile is seen as ``[BM, heads, 2, D/2]`` with each rotary pair ``(j, j + D/2)`` in one thread's
-    registers, split into its halves; cos, sin and the norm weights load once a row / once a tile
-    and broadcast over the heads.
-    """
-    HALF: gl.constexpr = D // 2
-    HEADS: gl.constexpr = BN // D
-    eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d = norm
-    _, _, num_positions, cos_sin_ptr, stride_p, stride_r = rope  # positions: loaded by `_consumer`
-    x = acc.to(out_ty).to(gl.float32)  # kv as a GEMM would have stored it
-    x1, x2 = gl.split(gl.permute(gl.reshape(x, [BM, HEADS, 2, HALF]), (0, 1, 3, 2)))
-    half_layout: gl.constexpr = x1.type.layout  # [BM, HEADS, HALF]
-    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [BM, HALF]
-    if NORM:
-        if EPS_PER_LAYER:
-            eps = gl.load(eps_ptr + layer * eps_stride).to(gl.float32)
-        rstd = gl.expand_dims(gl.rsqrt(gl.sum(x1 * x1 + x2 * x2, axis=2) / D + eps), 2)
-        j = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(0, half_layout)))
-        w_row = weight_ptr + layer * weight_stride_l
-        w1 = gl.expand_dims(gl.expand_dims(gl.load(w_row + j * weight_stride_d).to(gl.float32), 0), 0)
-        w2 = gl.expand_dims(gl.expand_dims(gl.load(w_row + (j + HALF) * weight_stride_d).to(gl.float32), 0), 0)
-        # Rounded to the storage dtype, as the unfused path stores the norm's output.
-        y1 = (x1 * rstd * w1).to(out_ty).to(gl.float32)
-        y2 = (x2 * rstd * w2).to(out_ty).to(gl.float32)
-    else:
-        y1 = x1
-        y2 = x2
-    pos_ok = (pos >= 0) & (pos < num_positions)
-    pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, row_half))
-    cs_row = gl.expand_dims(cos_sin_ptr + pos * stride_p, 1)
-    cs_mask = gl.expand_dims(pos_ok, 1) & gl.expand_dims(pair < HALF, 0)
-    cos = gl.load(cs_row + gl.expand_dims(pair * stride_r, 0), mask=cs_mask, other=1.0).to(gl.float32)
-    sin = gl.load(cs_row + gl.expand_dims((pair + HALF) * stride_r, 0), mask=cs_mask, other=0.0).to(gl.float32)
-    cos = gl.expand_dims(cos, 1)
-    sin = gl.expand_dims(sin, 1)
-    # Added to every K dim: NaN for a bad position, -0.0 (which changes no bits) otherwise.
-    bad = gl.expand_dims(gl.expand_dims(gl.where(pos_ok, -0.0, float("nan")), 1), 1)
-    o1 = y1 * cos - y2 * sin + bad
-    o2 = y2 * cos + y1 * sin + bad
-    out = gl.reshape(gl.permute(gl.join(o1, o2), (0, 1, 3, 2)), [BM, BN])
-    return gl.convert_layout(out, acc_layout)
-
-
-@_jit
-def _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D: gl.constexpr, BM: gl.constexpr,
-                BN: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
-    """A tile of K (``part`` 0) or V (1) into the pools' rows, at the tokens' slots.
+def _pool_part(dst, part, layer, TABLE: gl.constexpr):
+    """Where layer ``layer`` of K (``part`` 0) or V (1) starts in its pool, its strides and the pools' rows:
+    ``(start, stride_page, stride_slot, stride_h, num_rows)``.
 
     ``dst`` is ``(k_ptr, v_ptr, layer_offsets_ptr, offsets_stride_part, offsets_stride_layer,
     k_strides, v_strides, slots_ptr, slots_stride, num_rows)``, each strides ``(layer, page,
     slot in page, head)`` in elements; a layer starts ``layer * strides[0]`` from the pool's
     address, or (``TABLE`` > 0) at the offset table's entry, a multiple of ``TABLE`` elements.
-    Row ``r`` is page ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows``
-    skips the token. ``first``: the tile's first column within the part's ``H*D``; ``slot``: the tile's
-    rows' slots (int64, loaded by `_consumer` before the tile's products); ``c_smem``: the staging tile.
     """
     (
         k_ptr,
@@ -204,7 +158,7 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D
         offsets_stride_layer,
         k_strides,
         v_strides,
-        _,  # the slots, loaded by `_consumer`
+        _,  # the slots, loaded by the caller
         _,
         num_rows,
     ) = dst
@@ -222,84 +176,185 @@ def _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D
         )
     else:
         layer_start = layer.to(gl.int64) * stride_l
-    layout: gl.constexpr = _store_layout(NUM_WARPS)
-    # Through the staging tile the dense path stores from (one write, one read, two barriers), not
-    # convert_layout's scratch in pieces: 0.5-0.8% off into pools at T = 16384-65536 (H200).
-    gl.thread_barrier()  # every warp has read the last tile's values
-    c_smem.store(out)
-    gl.thread_barrier()
-    vals = c_smem.load(layout)
-    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    return base + layer_start, stride_page, stride_slot, stride_h, num_rows
+
+
+@_jit
+def _pool_store(vals, target, rows, cols, num_tokens, slot, D: gl.constexpr, PAGE: gl.constexpr):
+    """``vals`` (token rows ``rows``, columns ``cols`` of the part's ``H*D``) into the pool rows at the tokens'
+    slots ``slot`` (int64, the layout of ``rows``), ``target`` from `_pool_part`. Row ``r`` is page
+    ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows`` skips the token, as does a
+    row at or past ``num_tokens``."""
+    start, stride_page, stride_slot, stride_h, num_rows = target
     ok = (rows < num_tokens) & (slot >= 0) & (slot < num_rows)
     row_start = (slot // PAGE) * stride_page + (slot % PAGE) * stride_slot
     col_start = (cols // D).to(gl.int64) * stride_h + cols % D
-    ptrs = base + layer_start + gl.expand_dims(row_start, 1) + gl.expand_dims(col_start, 0)
+    ptrs = start + gl.expand_dims(row_start, 1) + gl.expand_dims(col_start, 0)
     gl.store(ptrs, vals, mask=gl.expand_dims(ok, 1))
 
 
 @_constexpr_function
 def _store_layout(num_warps):
-    """Pool stores' layout: rows of 8 consecutive columns a thread, 16-byte stores where the addresses allow."""
+    """The epilogue's layout: rows of 8 consecutive columns a thread (16-byte shared loads and stores, and pool
+    stores where the addresses allow), a rotary pair's two columns ``D/2`` apart in one thread."""
     return gl.BlockedLayout([1, 8], [4, 8], [int(num_warps), 1], [1, 0])
 
 
 @_jit
-def _consumer(a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m,
-              tiles_n, num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUP_N: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr,
-              POOL: gl.constexpr, PAGE: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
-    """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, then its epilogue and store.
-
-    ``dst``: ``(k_desc, v_desc)`` (dense outputs), or with ``POOL`` `_store_rows`' pools.
-    """
-    out_ty: gl.constexpr = a_bufs.dtype  # the storage dtype: hidden's, the weight's and the outputs'
+def _mma(a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM: gl.constexpr,
+         BN: gl.constexpr, STAGES: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
+    """With epilogue warps (`_epilogue`): the MMA warpgroups' tiles, each rounded to the storage dtype (kv as a
+    GEMM would store it) into the staging tile and handed over, so the next tile's products start at once."""
+    out_ty: gl.constexpr = a_bufs.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
-    # The rows' layouts of the K epilogue's positions and of the pools' slots (`_k_tile`, `_store_rows`).
-    probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([BM, BN], gl.float32, acc_layout), [BM, BN // D, 2, D // 2]),
-                                   (0, 1, 3, 2)))  # fmt: skip
-    pos_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, probe.type.layout))
-    slot_layout: gl.constexpr = gl.SliceLayout(1, _store_layout(WARPS_M * WARPS_N))
-    positions_ptr, positions_stride = rope[0], rope[1]
     it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
-        # The epilogue's row loads issued before the products, their latency hidden behind them.
-        rows_p = off_m + gl.arange(0, BM, layout=pos_layout)
-        pos = gl.load(positions_ptr + rows_p * positions_stride, mask=rows_p < num_tokens, other=0).to(gl.int64)
-        rows_s = off_m + gl.arange(0, BM, layout=slot_layout)
-        if POOL:
-            slot = gl.load(dst[7] + rows_s * dst[8], mask=rows_s < num_tokens, other=-1).to(gl.int64)
-        else:
-            slot = rows_s.to(gl.int64)  # unused
+    n = 0
+    for _tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc, it = _products(acc, a_bufs, w_bufs, ready, empty, it, 0, k_steps, STAGES)
+        out = acc.to(out_ty)
+        # The epilogue warps are done with the last tile (on the first pass the wait's parity 1 passes at once).
+        mbarrier.wait(c_free, (n & 1) ^ 1)
+        c_smem.store(out)
+        fence_async_shared()  # a V tile leaves by a TMA store (the async proxy) as it is
+        mbarrier.arrive(c_full)
+        n += 1
+
+
+@_jit
+def _row_positions(rope, rows, num_tokens):
+    """Rows ``rows``' positions (int64; 0 past ``num_tokens``)."""
+    positions_ptr, positions_stride = rope[0], rope[1]
+    return gl.load(positions_ptr + rows * positions_stride, mask=rows < num_tokens, other=0).to(gl.int64)
+
+
+@_jit
+def _cos_sin(rope, pos, HALF: gl.constexpr, row_half: gl.constexpr):
+    """The rows' cos and sin ``[R, 1, HALF]`` (float32) at positions ``pos`` (the slice of ``row_half``'s dim 1),
+    and ``[R, 1, 1]`` to add to every K dim: NaN for a position outside ``[0, P)``, -0.0 (which changes no
+    bits) otherwise."""
+    _, _, num_positions, cos_sin_ptr, stride_p, stride_r = rope
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, row_half))
+    cs_row = gl.expand_dims(cos_sin_ptr + pos * stride_p, 1)
+    cs_mask = gl.expand_dims(pos_ok, 1) & gl.expand_dims(pair < HALF, 0)
+    cos = gl.load(cs_row + gl.expand_dims(pair * stride_r, 0), mask=cs_mask, other=1.0).to(gl.float32)
+    sin = gl.load(cs_row + gl.expand_dims((pair + HALF) * stride_r, 0), mask=cs_mask, other=0.0).to(gl.float32)
+    bad = gl.expand_dims(gl.expand_dims(gl.where(pos_ok, -0.0, float("nan")), 1), 1)
+    return gl.expand_dims(cos, 1), gl.expand_dims(sin, 1), bad
+
+
+@_jit
+def _norm_weights(norm, layer, HALF: gl.constexpr, EPS_PER_LAYER: gl.constexpr, half_layout: gl.constexpr):
+    """Layer ``layer``'s eps and K norm weights' two halves ``[1, 1, HALF]`` (float32, ``half_layout``)."""
+    eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d = norm
+    if EPS_PER_LAYER:
+        eps = gl.load(eps_ptr + layer * eps_stride).to(gl.float32)
+    j = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(0, half_layout)))
+    w_row = weight_ptr + layer * weight_stride_l
+    w1 = gl.expand_dims(gl.expand_dims(gl.load(w_row + j * weight_stride_d).to(gl.float32), 0), 0)
+    w2 = gl.expand_dims(gl.expand_dims(gl.load(w_row + (j + HALF) * weight_stride_d).to(gl.float32), 0), 0)
+    return eps, w1, w2
+
+
+@_jit
+def _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+            NORM: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """``R`` rows of a K tile, in the storage dtype's values (float32, ``layout``): RMS-normed per head and rounded,
+    NeoX-roped (`_norm_weights`' and `_cos_sin`'s operands); float32 in ``layout``. The rows are seen as
+    ``[R, heads, 2, D/2]`` with each rotary pair ``(j, j + D/2)`` in one thread's registers, split into
+    its halves."""
+    x1, x2 = gl.split(gl.permute(gl.reshape(x, [R, BN // D, 2, D // 2]), (0, 1, 3, 2)))
+    if NORM:
+        rstd = gl.expand_dims(gl.rsqrt(gl.sum(x1 * x1 + x2 * x2, axis=2) / D + eps), 2)
+        # Rounded to the storage dtype, as the unfused path stores the norm's output.
+        y1 = (x1 * rstd * w1).to(out_ty).to(gl.float32)
+        y2 = (x2 * rstd * w2).to(out_ty).to(gl.float32)
+    else:
+        y1 = x1
+        y2 = x2
+    o1 = y1 * cos - y2 * sin + bad
+    o2 = y2 * cos + y1 * sin + bad
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(o1, o2), (0, 1, 3, 2)), [R, BN]), layout)
+
+
+@_jit
+def _epilogue(c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tiles_n, num_tiles, HD: gl.constexpr,
+              D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, GROUP_N: gl.constexpr,
+              NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr, PAGE: gl.constexpr,
+              TABLE: gl.constexpr, EPI_WARPS: gl.constexpr):  # fmt: skip
+    """The epilogue warps: each tile `_mma` hands over, ``4 * EPI_WARPS`` rows at a time (a row a thread) from
+    the staging tile, K's rows normed and roped (`_k_rows`) in place, then stored: by TMA into dense outputs,
+    or (``POOL``) straight from registers into the pools' rows (`_pool_store`). The tile goes back to `_mma`
+    once read.
+
+    A K tile's positions, cos/sin rows and norm weights load ahead: the first rows' before the tile is
+    handed over, the next rows' positions two passes ahead and their cos/sin one ahead, so a pass
+    waits on no load issued in it.
+    """
+    HALF: gl.constexpr = D // 2
+    EPI_ROWS: gl.constexpr = 4 * EPI_WARPS  # `_store_layout`'s rows
+    PASSES: gl.constexpr = BM // EPI_ROWS
+    out_ty: gl.constexpr = c_smem.dtype
+    layout: gl.constexpr = _store_layout(EPI_WARPS)
+    probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([EPI_ROWS, BN], gl.float32, layout),
+                                              [EPI_ROWS, BN // D, 2, HALF]), (0, 1, 3, 2)))  # fmt: skip
+    half_layout: gl.constexpr = probe.type.layout  # [rows, heads, HALF]
+    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [rows, HALF]
+    pos_rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, row_half))
+    store_rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    n = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
         layer = off_n // (2 * HD)
         col = off_n - layer * (2 * HD)
-        if col < HD:
-            out = _k_tile(acc, layer, norm, rope, pos, out_ty, BM, BN, D, NORM, EPS_PER_LAYER,
-                          acc_layout).to(out_ty)  # fmt: skip
-            part = 0
-            first = col
-        else:
-            out = acc.to(out_ty)  # V is kv's value, bit for bit
-            part = 1
-            first = col - HD
+        part = (col >= HD).to(gl.int32)
+        first = col - part * HD
+        cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
         if POOL:
-            _store_rows(out, dst, part, layer, off_m, first, num_tokens, c_smem, slot, D, BM, BN, PAGE, TABLE,
-                        WARPS_M * WARPS_N)  # fmt: skip
+            target = _pool_part(dst, part, layer, TABLE)
+        if col < HD:
+            eps, w1, w2 = _norm_weights(norm, layer, HALF, EPS_PER_LAYER, half_layout)
+            pos_next = _row_positions(rope, off_m + pos_rows, num_tokens)
+            cos, sin, bad = _cos_sin(rope, pos_next, HALF, row_half)
+            if PASSES > 1:
+                pos_next = _row_positions(rope, off_m + EPI_ROWS + pos_rows, num_tokens)
+            mbarrier.wait(c_full, n & 1)
+            for c in gl.static_range(PASSES):
+                if c + 1 < PASSES:
+                    cos_next, sin_next, bad_next = _cos_sin(rope, pos_next, HALF, row_half)
+                    if c + 2 < PASSES:
+                        pos_next = _row_positions(rope, off_m + (c + 2) * EPI_ROWS + pos_rows, num_tokens)
+                chunk = c_smem.slice(c * EPI_ROWS, EPI_ROWS)
+                x = chunk.load(layout).to(gl.float32)
+                vals = _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty, EPI_ROWS, BN, D, NORM, layout).to(out_ty)
+                if POOL:
+                    rows = off_m + c * EPI_ROWS + store_rows
+                    slot = gl.load(dst[7] + rows * dst[8], mask=rows < num_tokens, other=-1).to(gl.int64)
+                    _pool_store(vals, target, rows, cols, num_tokens, slot, D, PAGE)
+                else:
+                    chunk.store(vals)
+                if c + 1 < PASSES:
+                    cos, sin, bad = cos_next, sin_next, bad_next
         else:
-            tma.store_wait(0)  # the last tile's store has read c_smem
-            c_smem.store(out)
-            fence_async_shared()
-            if part == 0:
+            mbarrier.wait(c_full, n & 1)
+            if POOL:
+                for c in gl.static_range(PASSES):
+                    rows = off_m + c * EPI_ROWS + store_rows
+                    slot = gl.load(dst[7] + rows * dst[8], mask=rows < num_tokens, other=-1).to(gl.int64)
+                    _pool_store(c_smem.slice(c * EPI_ROWS, EPI_ROWS).load(layout), target, rows, cols, num_tokens,
+                                slot, D, PAGE)  # fmt: skip
+        if not POOL:
+            fence_async_shared()  # K's rows written here, read by the TMA store
+            if col < HD:
                 tma.async_copy_shared_to_global(dst[0], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
             else:
                 tma.async_copy_shared_to_global(dst[1], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
-    if not POOL:
-        tma.store_wait(0)
+            tma.store_wait(0)  # the store has read the tile
+        mbarrier.arrive(c_free)
+        n += 1
 
 
 @_jit(do_not_specialize=_PER_CALL)
@@ -316,7 +371,7 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
-    ``POOL``, the pools from ``k_ptr`` on (`_store_rows`; the descriptors None). The tiles
+    ``POOL``, the pools from ``k_ptr`` on (`_pool_part`; the descriptors None). The tiles
     ``program_id, program_id + num_programs, ...`` (one program per SM, or per tile where there
     are fewer).
     """
@@ -340,17 +395,32 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
     # The partitions' arguments spelt out in the call: a tuple held in a variable turns its
     # constexprs into tensors.
+    # Two epilogue warps: with the load warp one warpgroup, so the kernel keeps 12 warps and 168 registers
+    # a thread at launch, which the MMA warps' 128 x 256 float32 products need (16 warps would give 128).
+    EPI_WARPS: gl.constexpr = 2
+    # The staging tile's hand-over: `_mma` -> `_epilogue` (full), and back (free).
+    c_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(c_full, count=1)
+    mbarrier.init(c_free, count=1)
+    fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, w_bufs, ready, empty, dst, c_smem, norm, rope, num_tokens, tiles_m, tiles_n,
-                         num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, GROUP_N, WARPS_M, WARPS_N, NORM, EPS_PER_LAYER,
-                         POOL, PAGE, TABLE)),
+            (_mma, (a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM, BN, STAGES, WARPS_M,
+                    WARPS_N)),
+            (_epilogue, (c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tiles_n, num_tiles, HD, D, BM,
+                         BN, GROUP_M, GROUP_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, EPI_WARPS)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
                          BM, BN, BK, STAGES, GROUP_M, GROUP_N)),
         ],
-        [1],
-        [24],
+        [EPI_WARPS, 1],
+        # The epilogue and load warps share a warpgroup, which takes 128 registers a thread: with
+        # Triton's share-out the MMA warps keep 184 (sm_90, 2 epilogue warps: no spills but for
+        # per-layer pools whose layers do not start on 16 bytes).
+        [128, 24],
     )  # fmt: skip
+    mbarrier.invalidate(c_full)
+    mbarrier.invalidate(c_free)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
