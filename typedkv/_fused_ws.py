@@ -1,10 +1,11 @@
 """The warp-specialised fused projection (Hopper, Gluon): where it may run, and its launch.
 
 `typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs or
-pool rows in one persistent, warp-specialised kernel. End to end on the H200 from
-T = 2048 on: 1.03-1.09x ``torch.mm`` alone, where GEMM + kernel reads 1.02-1.12x and
-`typedkv._fused_kernel` 1.18-1.26x (docs/performance.md, "The warp-specialised
-kernel on main"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
+pool rows in one persistent, warp-specialised kernel. End to end on the H200 (two
+runs, 2026-12-04): 1.08-1.10x ``torch.mm`` alone at T = 2048, 1.03-1.04x at 16384,
+1.01-1.02x at 65536 (into per-layer pools 1.05-1.07x, 1.02x, 1.00-1.01x), where GEMM +
+kernel reads 1.09-1.10x, 1.07x and 1.04x (docs/performance.md, "The epilogue in warps
+of its own"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
 these hold (`launchable`, `aligned`), and the fused path takes it from the T
 where it was measured faster (`faster`); everywhere else the fused path launches
 `typedkv._fused_kernel` as before:
@@ -77,7 +78,7 @@ class Tiles(NamedTuple):
 # H200, 2026-12-03, three rounds, each / torch.mm): 1.023-1.036 dense and 1.057-1.061 into per-layer
 # pools against 1.038-1.039 and 1.065-1.068 with bands of 8 token blocks; at 16384 and 32768 not
 # faster in every round (at 16384 the weight is read from memory once: 1.21 GB of DRAM reads against
-# 1.75 by ncu, in the same time), at 2048 slower.
+# 1.75 by ncu, in the same time), at 2048 slower. (All measured with the epilogue in the MMA warps.)
 WS_TILES: tuple[tuple[float, Tiles], ...] = (
     (65535, Tiles(128, 3, 8, 8, 1)),
     (math.inf, Tiles(128, 3, 8, 8, 1, group_n=8)),
@@ -95,7 +96,10 @@ def tiles(num_tokens: int) -> Tiles:
 # T = 2048, 1.047x at 16384 and 65536, where GEMM + kernel reads 1.05-1.10x; 1.51x at 256.
 # In the fused path (benchmarks/ws_sweep.py and the bench's end to end, 2026-12-02):
 # 1.29-1.69x at T = 256-1024 against GEMM + kernel's 0.90-1.19x; from 2048 on 1.03-1.10x
-# against 1.02-1.12x, fused / GEMM + kernel 0.97-1.01 in three end-to-end runs.
+# against 1.02-1.12x, fused / GEMM + kernel 0.97-1.01 in three end-to-end runs. With the
+# epilogue in warps of its own (ws_sweep.py, 2026-12-04, two rounds, dense): 1.35-1.38x at
+# T = 1024 and 1.17-1.19x at 1536 against GEMM + kernel's 1.10-1.11x, at 2048 1.09x against
+# 1.08-1.09x (into per-layer pools 1.06x against 1.09-1.10x).
 PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((2048, math.inf),)}
 
 

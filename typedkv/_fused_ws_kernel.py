@@ -203,8 +203,9 @@ def _store_layout(num_warps):
 @_jit
 def _mma(a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM: gl.constexpr,
          BN: gl.constexpr, STAGES: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
-    """With epilogue warps (`_epilogue`): the MMA warpgroups' tiles, each rounded to the storage dtype (kv as a
-    GEMM would store it) into the staging tile and handed over, so the next tile's products start at once."""
+    """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, the products rounded to the
+    storage dtype (kv as a GEMM would store it: V's final values, bit for bit) into the staging tile and
+    handed over to `_epilogue`, so the next tile's products start at once."""
     out_ty: gl.constexpr = a_bufs.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
@@ -393,8 +394,6 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout(128, 16, rank=2))
     norm = (eps, eps_ptr, eps_stride, weight_ptr, weight_stride_l, weight_stride_d)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, stride_p, stride_r)
-    # The partitions' arguments spelt out in the call: a tuple held in a variable turns its
-    # constexprs into tensors.
     # Two epilogue warps: with the load warp one warpgroup, so the kernel keeps 12 warps and 168 registers
     # a thread at launch, which the MMA warps' 128 x 256 float32 products need (16 warps would give 128).
     EPI_WARPS: gl.constexpr = 2
@@ -404,6 +403,8 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     mbarrier.init(c_full, count=1)
     mbarrier.init(c_free, count=1)
     fence_async_shared()
+    # The partitions' arguments spelt out in the call: a tuple held in a variable turns its
+    # constexprs into tensors.
     gl.warp_specialize(
         [
             (_mma, (a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM, BN, STAGES, WARPS_M,
