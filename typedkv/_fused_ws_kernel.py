@@ -142,8 +142,8 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, nu
 
 @_jit
 def _pool_part(dst, part, layer, TABLE: gl.constexpr):
-    """Where layer ``layer`` of K (``part`` 0) or V (1) starts in its pool, its strides and the pools' rows:
-    ``(start, stride_page, stride_slot, stride_h, num_rows)``.
+    """Where layer ``layer`` of K (``part`` 0) or V (1) starts in its pool, its strides, the pools' rows and the
+    tokens' slots: ``(start, stride_page, stride_slot, stride_h, num_rows, slots_ptr, slots_stride)``.
 
     ``dst`` is ``(k_ptr, v_ptr, layer_offsets_ptr, offsets_stride_part, offsets_stride_layer,
     k_strides, v_strides, slots_ptr, slots_stride, num_rows)``, each strides ``(layer, page,
@@ -158,8 +158,8 @@ def _pool_part(dst, part, layer, TABLE: gl.constexpr):
         offsets_stride_layer,
         k_strides,
         v_strides,
-        _,  # the slots, loaded by the caller
-        _,
+        slots_ptr,
+        slots_stride,
         num_rows,
     ) = dst
     if part == 0:
@@ -176,16 +176,16 @@ def _pool_part(dst, part, layer, TABLE: gl.constexpr):
         )
     else:
         layer_start = layer.to(gl.int64) * stride_l
-    return base + layer_start, stride_page, stride_slot, stride_h, num_rows
+    return base + layer_start, stride_page, stride_slot, stride_h, num_rows, slots_ptr, slots_stride
 
 
 @_jit
-def _pool_store(vals, target, rows, cols, num_tokens, slot, D: gl.constexpr, PAGE: gl.constexpr):
+def _pool_store(vals, target, rows, cols, num_tokens, D: gl.constexpr, PAGE: gl.constexpr):
     """``vals`` (token rows ``rows``, columns ``cols`` of the part's ``H*D``) into the pool rows at the tokens'
-    slots ``slot`` (int64, the layout of ``rows``), ``target`` from `_pool_part`. Row ``r`` is page
-    ``r // PAGE``, slot ``r % PAGE``; a slot that is negative or ``>= num_rows`` skips the token, as does a
-    row at or past ``num_tokens``."""
-    start, stride_page, stride_slot, stride_h, num_rows = target
+    slots, ``target`` from `_pool_part`. Row ``r`` is page ``r // PAGE``, slot ``r % PAGE``; a slot that is
+    negative or ``>= num_rows`` skips the token, as does a row at or past ``num_tokens``."""
+    start, stride_page, stride_slot, stride_h, num_rows, slots_ptr, slots_stride = target
+    slot = gl.load(slots_ptr + rows * slots_stride, mask=rows < num_tokens, other=-1).to(gl.int64)
     ok = (rows < num_tokens) & (slot >= 0) & (slot < num_rows)
     row_start = (slot // PAGE) * stride_page + (slot % PAGE) * stride_slot
     col_start = (cols // D).to(gl.int64) * stride_h + cols % D
@@ -194,7 +194,7 @@ def _pool_store(vals, target, rows, cols, num_tokens, slot, D: gl.constexpr, PAG
 
 
 @_constexpr_function
-def _store_layout(num_warps):
+def _epilogue_layout(num_warps):
     """The epilogue's layout: rows of 8 consecutive columns a thread (16-byte shared loads and stores, and pool
     stores where the addresses allow), a rotary pair's two columns ``D/2`` apart in one thread."""
     return gl.BlockedLayout([1, 8], [4, 8], [int(num_warps), 1], [1, 0])
@@ -296,10 +296,10 @@ def _epilogue(c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tile
     waits on no load issued in it.
     """
     HALF: gl.constexpr = D // 2
-    EPI_ROWS: gl.constexpr = 4 * EPI_WARPS  # `_store_layout`'s rows
+    EPI_ROWS: gl.constexpr = 4 * EPI_WARPS  # `_epilogue_layout`'s rows
     PASSES: gl.constexpr = BM // EPI_ROWS
     out_ty: gl.constexpr = c_smem.dtype
-    layout: gl.constexpr = _store_layout(EPI_WARPS)
+    layout: gl.constexpr = _epilogue_layout(EPI_WARPS)
     probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([EPI_ROWS, BN], gl.float32, layout),
                                               [EPI_ROWS, BN // D, 2, HALF]), (0, 1, 3, 2)))  # fmt: skip
     half_layout: gl.constexpr = probe.type.layout  # [rows, heads, HALF]
@@ -332,9 +332,7 @@ def _epilogue(c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tile
                 x = chunk.load(layout).to(gl.float32)
                 vals = _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty, EPI_ROWS, BN, D, NORM, layout).to(out_ty)
                 if POOL:
-                    rows = off_m + c * EPI_ROWS + store_rows
-                    slot = gl.load(dst[7] + rows * dst[8], mask=rows < num_tokens, other=-1).to(gl.int64)
-                    _pool_store(vals, target, rows, cols, num_tokens, slot, D, PAGE)
+                    _pool_store(vals, target, off_m + c * EPI_ROWS + store_rows, cols, num_tokens, D, PAGE)
                 else:
                     chunk.store(vals)
                 if c + 1 < PASSES:
@@ -343,10 +341,8 @@ def _epilogue(c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tile
             mbarrier.wait(c_full, n & 1)
             if POOL:
                 for c in gl.static_range(PASSES):
-                    rows = off_m + c * EPI_ROWS + store_rows
-                    slot = gl.load(dst[7] + rows * dst[8], mask=rows < num_tokens, other=-1).to(gl.int64)
-                    _pool_store(c_smem.slice(c * EPI_ROWS, EPI_ROWS).load(layout), target, rows, cols, num_tokens,
-                                slot, D, PAGE)  # fmt: skip
+                    _pool_store(c_smem.slice(c * EPI_ROWS, EPI_ROWS).load(layout), target,
+                                off_m + c * EPI_ROWS + store_rows, cols, num_tokens, D, PAGE)  # fmt: skip
         if not POOL:
             fence_async_shared()  # K's rows written here, read by the TMA store
             if col < HD:
