@@ -61,7 +61,7 @@
 #   gluon          benchmarks/gluon_probe.py: the warp-specialised Gluon GEMM, with K's epilogue or not ($GLUON_T)
 #   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py), then typedkv bench --only e2e
 #   ws_sweep       benchmarks/ws_sweep.py: that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
-#                  its T list, --tiles to compare tile shapes)
+#                  its T list, --tiles to compare tile shapes; several runs' arguments separated by "|")
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   streamk_ws     benchmarks/streamk_ws_probe.py: the warp-specialised GEMM cut the stream-K way against one tile a
 #                  program and torch.mm ($STREAMK_WS_T, default 64 128 256 512 1024 2048; at most $STREAMK_WS_S s)
@@ -260,7 +260,13 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
         gluon)
             probe gluon gluon_probe.py "${GLUON_S:-300}" ${GLUON_T:-} ;;
         ws_sweep)
-            probe ws_sweep ws_sweep.py "${WS_SWEEP_S:-400}" ${WS_SWEEP_ARGS:-} ;;
+            # Several invocations: argument sets separated by "|", each with WS_SWEEP_S seconds at most.
+            IFS='|' read -ra sweep_sets <<< "${WS_SWEEP_ARGS:-}"
+            for i in "${!sweep_sets[@]}"; do
+                # shellcheck disable=SC2086
+                probe "ws_sweep_$i" ws_sweep.py "${WS_SWEEP_S:-400}" ${sweep_sets[$i]}
+            done
+            [ ${#sweep_sets[@]} -gt 0 ] || probe ws_sweep ws_sweep.py "${WS_SWEEP_S:-400}" ;;
         ws_tests)
             timeout "${WS_TESTS_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused_ws.py 2>&1 \
                 | tail -30 | tee "$OUT/ws_tests.txt"

@@ -54,7 +54,7 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
     }
     const: dict[str, object] = {
         "HD": HD, "D": 128, "BM": m, "BN": n, "BK": k, "STAGES": TILES.stages, "GROUP_M": TILES.group_m,
-        "GROUP_N": TILES.group_n,
+        "GROUP_N": TILES.group_n, "LAST_MMA": TILES.last_in_mma,
         "WARPS_M": TILES.warps_m, "WARPS_N": TILES.warps_n, "NORM": True, "EPS_PER_LAYER": eps_per_layer,
         "POOL": pool, "PAGE": 1, "TABLE": table,
         # Ints equal to 1 are constants in Triton's launch (as `triton.compile` is not told here): the norm

@@ -18,6 +18,12 @@ sm_90 only), is persistent: one program per SM takes tiles of ``BM`` tokens by
   1.024-1.051x ``torch.mm`` instead of 1.048-1.055 at T = 16384 dense, into
   per-layer pools 1.018-1.037 instead of 1.059-1.081; benchmarks/NOTES.md).
 
+A program's last tile has no next tile's products to overlap: with ``LAST_MMA``
+the MMA warps, idle by then, run its epilogue themselves (`_tile_epilogue`, the
+same code at four times the rows a pass) instead of waiting for two warps to
+(H200, two-head tiles: 0.98-1.00x ``torch.mm`` against 1.03-1.05x at T = 2048,
+1.18-1.26x against 1.30-1.35x at 1024; alike at 16384 and 65536).
+
 The epilogue follows `typedkv._fused_kernel` step by step: a K tile (the weight's
 rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
 never straddles the two) is RMS-normed per head in float32 and rounded, then
@@ -201,26 +207,49 @@ def _epilogue_layout(num_warps):
 
 
 @_jit
-def _mma(a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM: gl.constexpr,
-         BN: gl.constexpr, STAGES: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr):  # fmt: skip
+def _hand_over(c_smem, out, c_full, c_free, free_phase):
+    """``out`` into the staging tile once `_epilogue` has given it back (``c_free``'s phase ``free_phase``), then
+    to `_epilogue` (``c_full``)."""
+    mbarrier.wait(c_free, free_phase)
+    c_smem.store(out)
+    fence_async_shared()  # a V tile leaves by a TMA store (the async proxy) as it is
+    mbarrier.arrive(c_full)
+
+
+@_jit
+def _mma(a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tiles_n,
+         num_tiles, k_steps, HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+         STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUP_N: gl.constexpr, WARPS_M: gl.constexpr,
+         WARPS_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr,
+         PAGE: gl.constexpr, TABLE: gl.constexpr, LAST_MMA: gl.constexpr):  # fmt: skip
     """The MMA warpgroups: each tile's k-steps by wgmma as the ring's slots fill, the products rounded to the
     storage dtype (kv as a GEMM would store it: V's final values, bit for bit) into the staging tile and
-    handed over to `_epilogue`, so the next tile's products start at once."""
+    handed over to `_epilogue`, so the next tile's products start at once.
+
+    With ``LAST_MMA`` the program's last tile stays here: nothing is left to multiply, and these warps
+    run its epilogue (`_tile_epilogue`) a quarter of the passes the epilogue warps would take.
+    """
     out_ty: gl.constexpr = a_bufs.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
     )
     it = 0
     n = 0
-    for _tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc, it = _products(acc, a_bufs, w_bufs, ready, empty, it, 0, k_steps, STAGES)
         out = acc.to(out_ty)
         # The epilogue warps are done with the last tile (on the first pass the wait's parity 1 passes at once).
-        mbarrier.wait(c_free, (n & 1) ^ 1)
-        c_smem.store(out)
-        fence_async_shared()  # a V tile leaves by a TMA store (the async proxy) as it is
-        mbarrier.arrive(c_full)
+        free_phase = (n & 1) ^ 1
+        if LAST_MMA:
+            if tile + gl.num_programs(0) >= num_tiles:
+                _tile_epilogue(c_smem, c_free, free_phase, out, tile, dst, norm, rope, num_tokens, tiles_m, tiles_n,
+                               HD, D, BM, BN, GROUP_M, GROUP_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE,
+                               WARPS_M * WARPS_N)  # fmt: skip
+            else:
+                _hand_over(c_smem, out, c_full, c_free, free_phase)
+        else:
+            _hand_over(c_smem, out, c_full, c_free, free_phase)
         n += 1
 
 
@@ -282,74 +311,96 @@ def _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty: gl.constexpr, R: gl.constexpr
 
 
 @_jit
+def _take(c_smem, bar, phase, staged):
+    """Wait for the staging tile (``bar``'s phase ``phase``); ``staged`` (the tile's values, or None where another
+    partition has staged them) goes into it first."""
+    mbarrier.wait(bar, phase)
+    if staged is not None:
+        c_smem.store(staged)
+
+
+@_jit
+def _tile_epilogue(c_smem, bar, phase, staged, tile, dst, norm, rope, num_tokens, tiles_m, tiles_n, HD: gl.constexpr,
+                   D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                   GROUP_N: gl.constexpr, NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr,
+                   PAGE: gl.constexpr, TABLE: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s epilogue by ``WARPS`` warps, ``4 * WARPS`` rows at a time (a row a thread) from the staging
+    tile once `_take` has it: K's rows normed and roped (`_k_rows`) in place, then stored, by TMA into dense
+    outputs (the store waited for) or (``POOL``) straight from registers into the pools' rows (`_pool_store`).
+
+    A K tile's positions, cos/sin rows and norm weights load ahead: the first rows' before the tile is
+    taken, the next rows' positions two passes ahead and their cos/sin one ahead, so a pass waits on no
+    load issued in it.
+    """
+    HALF: gl.constexpr = D // 2
+    ROWS: gl.constexpr = 4 * WARPS  # `_epilogue_layout`'s rows
+    PASSES: gl.constexpr = BM // ROWS
+    out_ty: gl.constexpr = c_smem.dtype
+    layout: gl.constexpr = _epilogue_layout(WARPS)
+    probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([ROWS, BN], gl.float32, layout),
+                                              [ROWS, BN // D, 2, HALF]), (0, 1, 3, 2)))  # fmt: skip
+    half_layout: gl.constexpr = probe.type.layout  # [rows, heads, HALF]
+    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [rows, HALF]
+    pos_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, row_half))
+    store_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
+    layer = off_n // (2 * HD)
+    col = off_n - layer * (2 * HD)
+    part = (col >= HD).to(gl.int32)
+    first = col - part * HD
+    cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    if POOL:
+        target = _pool_part(dst, part, layer, TABLE)
+    if col < HD:
+        eps, w1, w2 = _norm_weights(norm, layer, HALF, EPS_PER_LAYER, half_layout)
+        pos_next = _row_positions(rope, off_m + pos_rows, num_tokens)
+        cos, sin, bad = _cos_sin(rope, pos_next, HALF, row_half)
+        if PASSES > 1:
+            pos_next = _row_positions(rope, off_m + ROWS + pos_rows, num_tokens)
+        _take(c_smem, bar, phase, staged)
+        for c in gl.static_range(PASSES):
+            if c + 1 < PASSES:
+                cos_next, sin_next, bad_next = _cos_sin(rope, pos_next, HALF, row_half)
+                if c + 2 < PASSES:
+                    pos_next = _row_positions(rope, off_m + (c + 2) * ROWS + pos_rows, num_tokens)
+            chunk = c_smem.slice(c * ROWS, ROWS)
+            x = chunk.load(layout).to(gl.float32)
+            vals = _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty, ROWS, BN, D, NORM, layout).to(out_ty)
+            if POOL:
+                _pool_store(vals, target, off_m + c * ROWS + store_rows, cols, num_tokens, D, PAGE)
+            else:
+                chunk.store(vals)
+            if c + 1 < PASSES:
+                cos, sin, bad = cos_next, sin_next, bad_next
+    else:
+        _take(c_smem, bar, phase, staged)
+        if POOL:
+            for c in gl.static_range(PASSES):
+                _pool_store(c_smem.slice(c * ROWS, ROWS).load(layout), target, off_m + c * ROWS + store_rows, cols,
+                            num_tokens, D, PAGE)  # fmt: skip
+    if not POOL:
+        fence_async_shared()  # K's rows written here (or the tile staged), read by the TMA store
+        if col < HD:
+            tma.async_copy_shared_to_global(dst[0], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+        else:
+            tma.async_copy_shared_to_global(dst[1], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
+        tma.store_wait(0)  # the store has read the tile
+
+
+@_jit
 def _epilogue(c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tiles_n, num_tiles, HD: gl.constexpr,
               D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, GROUP_N: gl.constexpr,
               NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr, PAGE: gl.constexpr,
-              TABLE: gl.constexpr, EPI_WARPS: gl.constexpr):  # fmt: skip
-    """The epilogue warps: each tile `_mma` hands over, ``4 * EPI_WARPS`` rows at a time (a row a thread) from
-    the staging tile, K's rows normed and roped (`_k_rows`) in place, then stored: by TMA into dense outputs,
-    or (``POOL``) straight from registers into the pools' rows (`_pool_store`). The tile goes back to `_mma`
-    once read.
-
-    A K tile's positions, cos/sin rows and norm weights load ahead: the first rows' before the tile is
-    handed over, the next rows' positions two passes ahead and their cos/sin one ahead, so a pass
-    waits on no load issued in it.
-    """
-    HALF: gl.constexpr = D // 2
-    EPI_ROWS: gl.constexpr = 4 * EPI_WARPS  # `_epilogue_layout`'s rows
-    PASSES: gl.constexpr = BM // EPI_ROWS
-    out_ty: gl.constexpr = c_smem.dtype
-    layout: gl.constexpr = _epilogue_layout(EPI_WARPS)
-    probe, _ = gl.split(gl.permute(gl.reshape(gl.zeros([EPI_ROWS, BN], gl.float32, layout),
-                                              [EPI_ROWS, BN // D, 2, HALF]), (0, 1, 3, 2)))  # fmt: skip
-    half_layout: gl.constexpr = probe.type.layout  # [rows, heads, HALF]
-    row_half: gl.constexpr = gl.SliceLayout(1, half_layout)  # [rows, HALF]
-    pos_rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, row_half))
-    store_rows = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+              TABLE: gl.constexpr, EPI_WARPS: gl.constexpr, LAST_MMA: gl.constexpr):  # fmt: skip
+    """The epilogue warps: `_tile_epilogue` on each tile `_mma` hands over (all but the program's last with
+    ``LAST_MMA``), the tile given back to `_mma` once stored."""
+    end = num_tiles
+    if LAST_MMA:
+        end = num_tiles - gl.num_programs(0)
     n = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(tile, tiles_m, tiles_n, BM, BN, GROUP_M, GROUP_N)
-        layer = off_n // (2 * HD)
-        col = off_n - layer * (2 * HD)
-        part = (col >= HD).to(gl.int32)
-        first = col - part * HD
-        cols = first + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        if POOL:
-            target = _pool_part(dst, part, layer, TABLE)
-        if col < HD:
-            eps, w1, w2 = _norm_weights(norm, layer, HALF, EPS_PER_LAYER, half_layout)
-            pos_next = _row_positions(rope, off_m + pos_rows, num_tokens)
-            cos, sin, bad = _cos_sin(rope, pos_next, HALF, row_half)
-            if PASSES > 1:
-                pos_next = _row_positions(rope, off_m + EPI_ROWS + pos_rows, num_tokens)
-            mbarrier.wait(c_full, n & 1)
-            for c in gl.static_range(PASSES):
-                if c + 1 < PASSES:
-                    cos_next, sin_next, bad_next = _cos_sin(rope, pos_next, HALF, row_half)
-                    if c + 2 < PASSES:
-                        pos_next = _row_positions(rope, off_m + (c + 2) * EPI_ROWS + pos_rows, num_tokens)
-                chunk = c_smem.slice(c * EPI_ROWS, EPI_ROWS)
-                x = chunk.load(layout).to(gl.float32)
-                vals = _k_rows(x, eps, w1, w2, cos, sin, bad, out_ty, EPI_ROWS, BN, D, NORM, layout).to(out_ty)
-                if POOL:
-                    _pool_store(vals, target, off_m + c * EPI_ROWS + store_rows, cols, num_tokens, D, PAGE)
-                else:
-                    chunk.store(vals)
-                if c + 1 < PASSES:
-                    cos, sin, bad = cos_next, sin_next, bad_next
-        else:
-            mbarrier.wait(c_full, n & 1)
-            if POOL:
-                for c in gl.static_range(PASSES):
-                    _pool_store(c_smem.slice(c * EPI_ROWS, EPI_ROWS).load(layout), target,
-                                off_m + c * EPI_ROWS + store_rows, cols, num_tokens, D, PAGE)  # fmt: skip
-        if not POOL:
-            fence_async_shared()  # K's rows written here, read by the TMA store
-            if col < HD:
-                tma.async_copy_shared_to_global(dst[0], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
-            else:
-                tma.async_copy_shared_to_global(dst[1], [layer, off_m, first], c_smem.reshape([1, BM, BN]))
-            tma.store_wait(0)  # the store has read the tile
+    for tile in range(gl.program_id(0), end, gl.num_programs(0)):
+        _tile_epilogue(c_smem, c_full, n & 1, None, tile, dst, norm, rope, num_tokens, tiles_m, tiles_n, HD, D, BM,
+                       BN, GROUP_M, GROUP_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, EPI_WARPS)  # fmt: skip
         mbarrier.arrive(c_free)
         n += 1
 
@@ -364,7 +415,8 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                          HD: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
                          NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
-                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0, GROUP_N: gl.constexpr = 0):  # fmt: skip
+                         PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0, GROUP_N: gl.constexpr = 0,
+                         LAST_MMA: gl.constexpr = True):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
@@ -403,10 +455,11 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     # constexprs into tensors.
     gl.warp_specialize(
         [
-            (_mma, (a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, num_tiles, k_steps, BM, BN, STAGES, WARPS_M,
-                    WARPS_N)),
+            (_mma, (a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m,
+                    tiles_n, num_tiles, k_steps, HD, D, BM, BN, STAGES, GROUP_M, GROUP_N, WARPS_M, WARPS_N, NORM,
+                    EPS_PER_LAYER, POOL, PAGE, TABLE, LAST_MMA)),
             (_epilogue, (c_smem, c_full, c_free, dst, norm, rope, num_tokens, tiles_m, tiles_n, num_tiles, HD, D, BM,
-                         BN, GROUP_M, GROUP_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, EPI_WARPS)),
+                         BN, GROUP_M, GROUP_N, NORM, EPS_PER_LAYER, POOL, PAGE, TABLE, EPI_WARPS, LAST_MMA)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_m, tiles_n, num_tiles, k_steps,
                          BM, BN, BK, STAGES, GROUP_M, GROUP_N)),
         ],
