@@ -1,16 +1,16 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
 Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --weight-bands
-[--pools] | --small] [T ...]``.
+[--pools] | --small | --last-tile | --last-tile-large [--pools]] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
 rounds; per T and round, each / ``torch.mm`` alone: that kernel (dense, per-layer pools) and
 GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
 
-``--tiles``: each round twice, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (128 tokens by
-two heads, the warpgroups one above the other) and with 64 tokens by two heads (the warpgroups side
-by side, a head each; more tiles, so fewer SMs idle at T = 256-2048); T from 256 to 4096 unless given.
+``--tiles``: each round twice, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (one head or two
+by T) and with its tiles of two heads at every T; T from 256 to 4096 unless given. (Until
+2026-12-04 the second was 64 tokens by two heads: slower from 1024 on, benchmarks/NOTES.md.)
 
 ``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
@@ -28,6 +28,11 @@ with the tiles of `SMALL_TILES`: 64 tokens by one head or two, 128 by one or two
 bands of 8 token blocks. Dense and per-layer pools, every variant of one T interleaved in rounds
 (`typedkv._bench.paired_gpu_time_us`); each variant's K and V first compared with the Triton
 kernel's. T 16, 32, 48 and 64 unless given.
+
+``--last-tile``: as ``--small``, with `LAST_TILES`: each program's last tile's epilogue in the epilogue
+warps or in the MMA warps, tiles of 128 tokens by two heads or one. T 1024, 1536,
+2048, 4096 and 16384 unless given. ``--last-tile-large [--pools]``: the two with `WS_TILES`' tiles, as
+``--grouping`` (2048, 16384 and 65536 unless given).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ import torch
 from typedkv import KVMaterializer, _bench, _bench_e2e, _fused_ws
 
 TILES = {
-    "128x256": _fused_ws.WS_TILES,
-    "64x256": ((math.inf, _fused_ws.Tiles(64, 4, 8, 4, 2)),),
+    "table": _fused_ws.WS_TILES,
+    "2 heads": tuple((most, t) for most, t in _fused_ws.WS_TILES if t.block_n == _fused_ws.BLOCK_N),
 }
 
 
@@ -97,9 +102,25 @@ SMALL_TILES = {
     "128x256 s3": _fused_ws.Tiles(128, 3, 8, 8, 1),
 }
 
+# ``--last-tile``: a program's last tile's epilogue in the epilogue warps (as every other tile's) or in
+# the MMA warps, idle by then (`Tiles.last_in_mma`), with today's tiles and 128 x 128.
+LAST_TILES = {
+    "256 epi": _fused_ws.Tiles(128, 3, 8, 8, 1, last_in_mma=False),
+    "256 mma": _fused_ws.Tiles(128, 3, 8, 8, 1, last_in_mma=True),
+    "128 epi": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=False),
+    "128 mma": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=True),
+}
+# ``--last-tile-large``: the same for `WS_TILES` (bands of weight tiles from 65536 on), as ``--grouping``.
+LAST_LARGE = {
+    "epi": tuple((most, t._replace(last_in_mma=False)) for most, t in _fused_ws.WS_TILES),
+    "mma": tuple((most, t._replace(last_in_mma=True)) for most, t in _fused_ws.WS_TILES),
+}
+LAST_LARGE["epi again"] = LAST_LARGE["epi"]
 
-def small(tokens: list[int]) -> None:
-    """``--small``: `SMALL_TILES` against the Triton fused kernel, GEMM + kernel and torch.mm, dense and into pools."""
+
+def small(tokens: list[int], variants: dict[str, _fused_ws.Tiles] = SMALL_TILES) -> None:
+    """``--small``: ``variants`` (`SMALL_TILES`) against the Triton fused kernel, GEMM + kernel and torch.mm,
+    dense and into pools."""
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     measured, default_tiles = _fused_ws.PROJECTION_WS_FASTER.get(name, ()), _fused_ws.WS_TILES
@@ -142,7 +163,7 @@ def small(tokens: list[int]) -> None:
             fn()
         ref_k, ref_v = triton_m(inputs[0].hidden, inputs[0].positions)
         _fused_ws.PROJECTION_WS_FASTER[name] = ((0, math.inf),)
-        for label, tiles in SMALL_TILES.items():
+        for label, tiles in variants.items():
             table = ((math.inf, tiles),)
             m = materializer()
             calls[label] = [tiled(functools.partial(_discard, m, x.hidden, x.positions), table) for x in inputs]
@@ -176,7 +197,14 @@ def main() -> None:
     if "--small" in sys.argv:
         small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [16, 32, 48, 64])
         return
-    for flag, variants in (("--grouping", GROUPINGS), ("--weight-bands", WEIGHT_BANDS)):
+    if "--last-tile" in sys.argv and "--last-tile-large" not in sys.argv:
+        small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 1536, 2048, 4096, 16384], LAST_TILES)
+        return
+    for flag, variants in (
+        ("--grouping", GROUPINGS),
+        ("--weight-bands", WEIGHT_BANDS),
+        ("--last-tile-large", LAST_LARGE),
+    ):
         if flag in sys.argv:
             tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536]
             grouping(tokens, variants, "--pools" in sys.argv)

@@ -14,6 +14,7 @@ cannot run (not Hopper, or another Gluon API).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -168,12 +169,15 @@ def test_several_tiles_a_program_cuda(
 
 # The other tiles the sweeps time (benchmarks/ws_sweep.py): 64 tokens by two heads, the warpgroups side
 # by side (--tiles); 64 or 128 tokens by one head (--small); the default's in bands of weight tiles
-# (--weight-bands; 4 of the 6 here, then 2).
+# (--weight-bands; 4 of the 6 here, then 2); two heads or one with each program's last tile's epilogue
+# in the epilogue warps (--last-tile; `WS_TILES` has both).
 OTHER_TILES = {
     "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
     "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
     "128x128": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
     "weight-bands": _fused_ws.WS_TILES[-1][1]._replace(group_n=4),
+    "last-in-epilogue": _fused_ws.WS_TILES[-1][1]._replace(last_in_mma=False),
+    "128x128 last-in-epilogue": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=False),
 }
 
 
@@ -243,18 +247,18 @@ def test_deterministic_and_graph_replay_cuda(launches: list[int]) -> None:
 
 
 def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
-    """On a device the table knows, "auto" takes this kernel at T = 2048 (the oracle's K and V, no GEMM output)
-    and not at T = 300; into per-layer pools too."""
+    """On a device the table knows, "auto" takes this kernel at T = 1024 (one-head tiles) and 2048 (two-head
+    ones; the oracle's K and V, no GEMM output) and not at T = 300; into per-layer pools too."""
     if torch.cuda.get_device_name() not in _fused_ws.PROJECTION_WS_FASTER:
         pytest.skip("no measured table for this device")
     draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512)
-    for num_tokens in (300, 2048):
+    for num_tokens in (300, 1024, 2048):
         x, positions, xc, pc = cuda_call(draft, num_tokens)
         assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
-    assert launches == [2048]
+    assert launches == [1024, 2048]
     k_pool = torch.zeros(L, 4096, H, 128, dtype=torch.bfloat16, device="cuda")
     draft.m.into_pool(xc, pc, torch.randperm(4096, device="cuda")[:2048], list(k_pool), list(torch.zeros_like(k_pool)))
-    assert launches == [2048, 2048]
+    assert launches == [1024, 2048, 2048]
 
 
 def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
@@ -279,11 +283,15 @@ def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
 @pytest.mark.usefixtures("ws_everywhere")
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_cuda() -> None:
-    """The kernel compiles once per layout, never per T."""
+    """The kernel compiles once per layout and tile set (the T ranges of `WS_TILES`), never per T."""
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
-    draft.m(*cuda_call(draft, 256)[2:])
+    # Each range of the table below 65536: its tiles compile at its first T; later its last T (or one
+    # 300 on) and other T compile nothing.
+    bounds = [0] + [int(most) for most, _ in _fused_ws.WS_TILES[:-1]]
+    for num_tokens in (low + 1 for low in bounds[:-1]):
+        draft.m(*cuda_call(draft, num_tokens)[2:])
     before = compiled_variants(_fused_ws_kernel.project_kv_ws_kernel)
-    for num_tokens in (1, 17, 130, 1000, 2049):
+    for num_tokens in (17, 130, 1000, *(min(high, low + 300) for low, high in itertools.pairwise(bounds))):
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
     assert compiled_variants(_fused_ws_kernel.project_kv_ws_kernel) == before

@@ -41,7 +41,7 @@ import torch
 
 from ._materializer import KVMaterializer
 
-TOKENS = (1, 16, 64, 256, 2048, 16384, 65536)
+TOKENS = (1, 16, 64, 256, 1024, 2048, 16384, 65536)
 SGLANG_FILE = "sglang/kernels/ops/speculative/fused_kv_materialize.py"
 SGLANG_WHEEL = "sglang-0.5.23-*.whl"
 

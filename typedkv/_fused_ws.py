@@ -1,14 +1,14 @@
 """The warp-specialised fused projection (Hopper, Gluon): where it may run, and its launch.
 
 `typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs or
-pool rows in one persistent, warp-specialised kernel. End to end on the H200 (two
-runs, 2026-12-04): 1.08-1.10x ``torch.mm`` alone at T = 2048, 1.03-1.04x at 16384,
-1.01-1.02x at 65536 (into per-layer pools 1.05-1.07x, 1.02x, 1.00-1.01x), where GEMM +
-kernel reads 1.09-1.10x, 1.07x and 1.04x (docs/performance.md, "The epilogue in warps
-of its own"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of
-these hold (`launchable`, `aligned`), and the fused path takes it from the T
-where it was measured faster (`faster`); everywhere else the fused path launches
-`typedkv._fused_kernel` as before:
+pool rows in one persistent, warp-specialised kernel. End to end on the H200
+(2026-12-04, third run; "auto" and "fused"): 1.10x ``torch.mm`` alone at T = 1024,
+1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
+1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
+(1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one head"). It is written in Gluon (Triton 3.6's API, sm_90), so it
+runs where all of these hold (`launchable`, `aligned`), and the fused path takes it in
+the T ranges where it was measured faster (`faster`); everywhere else the fused path
+launches `typedkv._fused_kernel` as before:
 
 - a CUDA device of compute capability 9.0, not Triton's interpreter, and a Triton
   release whose Gluon this kernel is written against (`available`: 3.6);
@@ -52,7 +52,9 @@ class Tiles(NamedTuple):
     """A launch's tiles: ``block_m`` tokens, ``stages`` ring slots, bands of ``group_m`` token blocks, and
     the consumer warps as ``warps_m`` along the tokens by ``warps_n`` along the columns (a warpgroup's
     wgmma takes 64 rows); ``block_n`` weight rows (two heads, or one); ``group_n`` > 0 takes the tiles
-    in bands of ``group_n`` weight tiles over every token block instead of ``group_m``'s bands."""
+    in bands of ``group_n`` weight tiles over every token block instead of ``group_m``'s bands;
+    ``last_in_mma``: each program's last tile's epilogue runs in the MMA warps (idle by then, and four
+    times the epilogue warps) instead of the epilogue warps."""
 
     block_m: int
     stages: int
@@ -61,6 +63,7 @@ class Tiles(NamedTuple):
     warps_n: int
     block_n: int = BLOCK_N
     group_n: int = 0
+    last_in_mma: bool = True
 
     @property
     def num_warps(self) -> int:
@@ -68,20 +71,39 @@ class Tiles(NamedTuple):
         return self.warps_m * self.warps_n
 
 
-# (most tokens, tiles). 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two
-# warpgroups one above the other (benchmarks/gluon_probe.py, H200: the fastest of 128 x 128 /
-# 128 x 256 / 64 x 256 tiles, one program a tile or persistent, plain or TMA stores, at
-# T = 2048-65536). `benchmarks/ws_sweep.py --tiles` compared 64 x 256 (the warpgroups side by
-# side, a head each) at T = 256-4096 (H200, 2026-12-02, two rounds): faster at 512 (and in one
-# round of two at 1024), where GEMM + kernel beats both; slower at 256 and from 2048 on.
-# From T = 65536 on, bands of 8 weight tiles over every token block (`ws_sweep.py --weight-bands`,
-# H200, 2026-12-03, three rounds, each / torch.mm): 1.023-1.036 dense and 1.057-1.061 into per-layer
-# pools against 1.038-1.039 and 1.065-1.068 with bands of 8 token blocks; at 16384 and 32768 not
-# faster in every round (at 16384 the weight is read from memory once: 1.21 GB of DRAM reads against
-# 1.75 by ncu, in the same time), at 2048 slower. (All measured with the epilogue in the MMA warps.)
+# Two heads a tile (128 x 256) and one (128 x 128): a persistent kernel's time goes by its busiest
+# program's tiles, so where T's token blocks make 128 x 256 tiles fill the last wave of programs
+# poorly, the tiles of one head fill it better (H200, 132 SMs, 80 heads: at T = 1280, 800 one-head
+# tiles are 7 waves of 6.06, 400 two-head ones 4 of 3.03, which is 8 one-head waves of work).
+_TWO_HEADS = Tiles(128, 3, 8, 8, 1)
+_ONE_HEAD = Tiles(128, 5, 8, 8, 1, 128)
+_ONE_HEAD_LAST_EPI = _ONE_HEAD._replace(last_in_mma=False)
+
+# (most tokens, tiles), measured on the H200 (L=5, H=8, D=128, hidden 4096, bf16; benchmarks/NOTES.md).
+# 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two warpgroups one above the other
+# (benchmarks/gluon_probe.py: the fastest of 128 x 128 / 128 x 256 / 64 x 256 tiles at T = 2048-65536,
+# with the epilogue in the MMA warps). From T = 65536 on, bands of 8 weight tiles over every token
+# block (`ws_sweep.py --weight-bands`, 2026-12-03, three rounds, each / torch.mm: 1.023-1.036 dense
+# and 1.057-1.061 into per-layer pools against 1.038-1.039 and 1.065-1.068; at 16384 and 32768 not
+# faster in every round, at 2048 slower). Below 2048, tiles of one head where T's 128-token blocks
+# fill the waves better (`ws_sweep.py --last-tile`, 2026-12-04, one to three runs, each / torch.mm,
+# dense / per-layer pools): at 704-768 0.99-1.04 / 1.02-1.06 (two heads 1.07-1.10 / 1.06-1.10), 896
+# 1.06 / 1.09 (1.31 / 1.26), 1024 0.96-1.01 / 0.98-1.03 (1.18-1.26 / 1.11-1.18), 1280-1408 0.97 /
+# 1.02-1.03 (1.15-1.16 / 1.09-1.15), 1792 0.95 / 1.03 (1.08 / 1.03); two heads at 1152 1.04 / 1.03
+# (one 1.05 / 1.06) and 1536 1.03-1.08 / 1.02-1.07 (1.02-1.09 / 1.07-1.13). GEMM + kernel at
+# 704-1792: 1.05-1.11. The last tile's epilogue in the MMA warps: faster with two heads at every T
+# up to 4096 (0.98-1.00 against 1.03-1.05 at 2048, 1.18-1.26 against 1.30-1.35 at 1024), alike at
+# 16384 and 65536 (three rounds); with one head faster up to 768 (0.99-1.04 against 1.04-1.06 at
+# 768), slower from 896 on (1.04 against 0.97 at 1408).
 WS_TILES: tuple[tuple[float, Tiles], ...] = (
-    (65535, Tiles(128, 3, 8, 8, 1)),
-    (math.inf, Tiles(128, 3, 8, 8, 1, group_n=8)),
+    (768, _ONE_HEAD),
+    (1024, _ONE_HEAD_LAST_EPI),
+    (1152, _TWO_HEADS),
+    (1408, _ONE_HEAD_LAST_EPI),
+    (1664, _TWO_HEADS),
+    (1792, _ONE_HEAD_LAST_EPI),
+    (65535, _TWO_HEADS),
+    (math.inf, _TWO_HEADS._replace(group_n=8)),
 )
 
 
@@ -94,13 +116,19 @@ def tiles(num_tokens: int) -> Tiles:
 # counts. H200, L=5, H=8, D=128, hidden 4096, bf16, each / torch.mm alone
 # (benchmarks/gluon_probe.py, the kernel's GEMM with K's epilogue, 2026-12-02): 1.021x at
 # T = 2048, 1.047x at 16384 and 65536, where GEMM + kernel reads 1.05-1.10x; 1.51x at 256.
-# In the fused path (benchmarks/ws_sweep.py and the bench's end to end, 2026-12-02):
-# 1.29-1.69x at T = 256-1024 against GEMM + kernel's 0.90-1.19x; from 2048 on 1.03-1.10x
-# against 1.02-1.12x, fused / GEMM + kernel 0.97-1.01 in three end-to-end runs. With the
-# epilogue in warps of its own (ws_sweep.py, 2026-12-04, two rounds, dense): 1.35-1.38x at
-# T = 1024 and 1.17-1.19x at 1536 against GEMM + kernel's 1.10-1.11x, at 2048 1.09x against
-# 1.08-1.09x (into per-layer pools 1.06x against 1.09-1.10x).
-PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((2048, math.inf),)}
+# With the epilogue in warps of its own and `WS_TILES`' tiles by T (2026-12-04), each / torch.mm,
+# dense / per-layer pools, this kernel against GEMM + kernel, as the end-to-end bench times them (one
+# input set; `ws_sweep.py --tiles` and its default mode, two rounds each, and `typedkv bench --only
+# e2e`): at T = 1024 1.083-1.099 / 1.098-1.099 against 1.088-1.114 / 1.092-1.114; 1664 1.057-1.089 /
+# 1.060-1.079 against 1.095-1.111 / 1.107-1.116; 1792 1.069-1.071 / 1.058-1.059 against
+# 1.069-1.101 / 1.091-1.111 (1.086-1.101 in the kernel's own rounds); 1920 1.034-1.059 /
+# 1.046-1.048 against 1.062-1.080 / 1.070-1.072; 2048 1.058 / 1.040 against 1.075 / 1.080. Not
+# faster at 648 (1.29-1.31 against 1.09-1.11), 704 (1.087-1.098 against 1.092-1.100), 896
+# (1.116-1.122 against 1.079-1.109), 1152 (1.086-1.098 against 1.076-1.086), 1280 (1.087-1.089
+# against 1.081-1.119) and 1536 (1.131 against 1.082-1.102). (`ws_sweep.py --last-tile`, four input
+# sets in turn, reads this kernel 4-7% faster against torch.mm at 1024-1920 and GEMM + kernel alike:
+# 0.96-1.01 at 1024.)
+PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((897, 1025), (1537, math.inf))}
 
 
 # The Triton releases whose Gluon the kernel is written against and was run on (major, minor).
@@ -210,7 +238,7 @@ def launch(
 
     ``eps``: a float, or an ``[L]`` tensor (`typedkv._device_tables.layer_eps`). The
     descriptors hold this call's addresses, so they are made per call: the kernel takes the
-    path from T = 2048 on, where a call's GPU time is over 250 us.
+    path from T = 897 on, where a call's GPU time is over 110 us.
     """
     num_tokens = hidden.shape[0]
     hd = k_out.shape[2] * k_out.shape[3]
@@ -324,6 +352,6 @@ def _launch_kernel(
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
         HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=shape.block_n, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
-        GROUP_N=shape.group_n, WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
+        GROUP_N=shape.group_n, LAST_MMA=shape.last_in_mma, WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
         num_warps=shape.num_warps, **options,
     )  # fmt: skip
