@@ -5,10 +5,11 @@ pool rows in one persistent, warp-specialised kernel. End to end on the H200
 (2026-12-04, third run; "auto" and "fused"): 1.10x ``torch.mm`` alone at T = 1024,
 1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
 1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
-(1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one head"). It is written in Gluon (Triton 3.6's API, sm_90), so it
-runs where all of these hold (`launchable`, `aligned`), and the fused path takes it in
-the T ranges where it was measured faster (`faster`); everywhere else the fused path
-launches `typedkv._fused_kernel` as before:
+(1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
+head"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of these
+hold (`launchable`, `aligned`), and the fused path takes it in the T ranges where it was
+measured faster (`faster`); everywhere else the fused path launches
+`typedkv._fused_kernel` as before:
 
 - a CUDA device of compute capability 9.0, not Triton's interpreter, and a Triton
   release whose Gluon this kernel is written against (`available`: 3.6);
