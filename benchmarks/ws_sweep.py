@@ -105,10 +105,9 @@ SMALL_TILES = {
 # ``--last-tile``: a program's last tile's epilogue in the epilogue warps (as every other tile's) or in
 # the MMA warps, idle by then (`Tiles.last_in_mma`), with today's tiles and 128 x 128.
 LAST_TILES = {
-    "256 epi": _fused_ws.Tiles(128, 3, 8, 8, 1, last_in_mma=False),
-    "256 mma": _fused_ws.Tiles(128, 3, 8, 8, 1, last_in_mma=True),
-    "128 epi": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=False),
-    "128 mma": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=True),
+    f"{tiles.block_n} {where}": tiles._replace(last_in_mma=where == "mma")
+    for tiles in (_fused_ws._TWO_HEADS, _fused_ws._ONE_HEAD)
+    for where in ("epi", "mma")
 }
 # ``--last-tile-large``: the same for `WS_TILES` (bands of weight tiles from 65536 on), as ``--grouping``.
 LAST_LARGE = {
@@ -197,7 +196,7 @@ def main() -> None:
     if "--small" in sys.argv:
         small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [16, 32, 48, 64])
         return
-    if "--last-tile" in sys.argv and "--last-tile-large" not in sys.argv:
+    if "--last-tile" in sys.argv:
         small([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 1536, 2048, 4096, 16384], LAST_TILES)
         return
     for flag, variants in (

@@ -177,8 +177,8 @@ OTHER_TILES = {
     "128x128": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
     "weight-bands": _fused_ws.WS_TILES[-1][1]._replace(group_n=4),
     "last-in-epilogue": _fused_ws.WS_TILES[-1][1]._replace(last_in_mma=False),
-    "128x128 last-in-epilogue": _fused_ws.Tiles(128, 5, 8, 8, 1, 128, last_in_mma=False),
 }
+OTHER_TILES["128x128 last-in-epilogue"] = OTHER_TILES["128x128"]._replace(last_in_mma=False)
 
 
 @pytest.mark.usefixtures("ws_everywhere")

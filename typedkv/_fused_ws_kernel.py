@@ -241,6 +241,8 @@ def _mma(a_bufs, w_bufs, ready, empty, c_smem, c_full, c_free, dst, norm, rope, 
         out = acc.to(out_ty)
         # The epilogue warps are done with the last tile (on the first pass the wait's parity 1 passes at once).
         free_phase = (n & 1) ^ 1
+        # Two branches, each handing over: folding LAST_MMA into a run-time test (a Python False set in a
+        # constexpr branch, then tested) does not build when it is off (Triton 3.6).
         if LAST_MMA:
             if tile + gl.num_programs(0) >= num_tiles:
                 _tile_epilogue(c_smem, c_free, free_phase, out, tile, dst, norm, rope, num_tokens, tiles_m, tiles_n,
