@@ -19,6 +19,9 @@
 #   fuzz           the GPU fuzz and thread suites (8 workers, at most 300 s)
 #   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)
+#   ws_sanitizer   tests/fused_ws_sample.py plainly (compiling its kernels), then under each of
+#                  $WS_SANITIZER_TOOLS (memcheck racecheck synccheck) at once, racecheck and synccheck on the
+#                  warp-specialised kernel alone, each at most $WS_SANITIZER_S s (300); reports in $OUT/ws_<tool>.txt
 #   gpu_new        the GPU tests of paged pools, RoPE-only drafts, graph replay and memcheck (4 workers)
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
@@ -142,6 +145,18 @@ for step in $STEPS; do
             PYTHONPATH="$ROOT:/tmp/site" compute-sanitizer --tool memcheck --error-exitcode 1 \
                 python3 tests/fuzz_sample.py --device cuda --examples 30 \
                 2>&1 | tail -30 | tee "$OUT/memcheck.txt"; echo "memcheck rc ${PIPESTATUS[0]}" | tee -a "$OUT/memcheck.txt" ;;
+        ws_sanitizer)
+            PYTHONPATH="$ROOT:/tmp/site" timeout "${WS_SANITIZER_S:-300}" python3 tests/fused_ws_sample.py 2>&1 \
+                | tail -20 | tee "$OUT/ws_sample.txt"
+            for tool in ${WS_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
+                only=()
+                [ "$tool" = memcheck ] || only=(--kernel-name kns=project_kv_ws_kernel)
+                (PYTHONPATH="$ROOT:/tmp/site" timeout "${WS_SANITIZER_S:-300}" compute-sanitizer --tool "$tool" "${only[@]}" \
+                    --error-exitcode 1 python3 tests/fused_ws_sample.py > "$OUT/ws_$tool.txt" 2>&1
+                 echo "ws $tool rc $?" >> "$OUT/ws_$tool.txt") &
+            done
+            wait
+            tail -n 6 "$OUT"/ws_*.txt ;;
         gpu_new)
             python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu.py \
                 -k "rope_only or paged or graph_replay or sanitizer" 2>&1 | tail -40 | tee "$OUT/gpu_new.txt" ;;

@@ -1,6 +1,7 @@
 """Run a script under compute-sanitizer's memcheck: the GPU suites' shared check that no kernel reads or
-writes out of bounds (tests/fuzz_sample.py, tests/mla_fuzz_sample.py, tests/fused_sample.py, and the
-GPU suite's own script)."""
+writes out of bounds (tests/fuzz_sample.py, tests/mla_fuzz_sample.py, tests/fused_sample.py,
+tests/fused_ws_sample.py and the GPU suite's own script); racecheck and synccheck on one kernel
+(tests/fused_ws_sample.py's warp-specialised kernel: shared memory handed between warps by mbarriers)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,25 @@ from pathlib import Path
 import pytest
 
 
-def run_under_memcheck(script: Path, args: Sequence[str], done: str, timeout: int) -> None:
-    """``python script *args`` under memcheck: exit status 0, ``done`` printed, and no error reported.
+def run_under_memcheck(
+    script: Path, args: Sequence[str], done: str, timeout: int, tool: str = "memcheck", kernel: str | None = None
+) -> None:
+    """``python script *args`` under compute-sanitizer's ``tool``: exit status 0, ``done`` printed, and no error
+    (racecheck: no hazard) reported.
 
-    Skips the calling test where compute-sanitizer is not installed.
+    ``kernel``: only the kernels whose names contain it are checked (racecheck and synccheck slow every
+    kernel they watch by orders of magnitude). Skips the calling test where compute-sanitizer is not installed.
     """
-    tool = shutil.which("compute-sanitizer")
-    if tool is None:
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
         pytest.skip("compute-sanitizer is not installed")
+    only = ["--kernel-name", f"kns={kernel}"] if kernel is not None else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script), *args],
+        [sanitizer, "--tool", tool, *only, "--error-exitcode", "1", sys.executable, str(script), *args],
         capture_output=True, text=True, env=env, timeout=timeout,
     )  # fmt: skip
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
-    assert done in report and "ERROR SUMMARY: 0 errors" in report, report[-4000:]
+    clean = "RACECHECK SUMMARY: 0 hazards displayed" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert done in report and clean in report, report[-4000:]

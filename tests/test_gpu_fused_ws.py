@@ -17,9 +17,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from memcheck import run_under_memcheck
 from test_fused_projection import Draft, H, L, P, assert_matches_oracle
 from test_gpu import compiled_variants
 from test_gpu_fused import S, _pool, assert_pool_rows, cpu, cuda_call, cuda_draft
@@ -295,3 +297,12 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
     assert compiled_variants(_fused_ws_kernel.project_kv_ws_kernel) == before
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_ws_sample_under_compute_sanitizer(tool: str) -> None:
+    """tests/fused_ws_sample.py (every tile set, dense outputs and pools, guarded) under compute-sanitizer:
+    memcheck over every kernel it runs (no access out of bounds); racecheck (no shared-memory hazard
+    between the load, MMA and epilogue warps) and synccheck (no misused barrier) on this kernel alone."""
+    kernel = None if tool == "memcheck" else "project_kv_ws_kernel"
+    run_under_memcheck(Path(__file__).with_name("fused_ws_sample.py"), [], "ws sample done", 900, tool, kernel)
