@@ -1,7 +1,7 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
 Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --weight-bands
-[--pools] | --small | --last-tile | --last-tile-large [--pools]] [T ...]``.
+[--pools] | --small | --last-tile | --last-tile-large [--pools] | --rotation] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -33,6 +33,11 @@ kernel's. T 16, 32, 48 and 64 unless given.
 warps or in the MMA warps, tiles of 128 tokens by two heads or one. T 1024, 1536,
 2048, 4096 and 16384 unless given. ``--last-tile-large [--pools]``: the two with `WS_TILES`' tiles, as
 ``--grouping`` (2048, 16384 and 65536 unless given).
+
+``--rotation``: the end-to-end bench's timing (the kernel with `WS_TILES`' tiles, GEMM + kernel) with one
+input set, as the bench runs above T = 256 (`typedkv._bench_e2e.ROTATE_UP_TO`), and with four in turn, as
+``--last-tile`` runs: whether the input sets explain the two timings' disagreement. T 1024, 1280, 1536
+and 1792 unless given.
 """
 
 from __future__ import annotations
@@ -188,6 +193,27 @@ def small(tokens: list[int], variants: dict[str, _fused_ws.Tiles] = SMALL_TILES)
         torch.cuda.empty_cache()
 
 
+def rotation(tokens: list[int]) -> None:
+    """``--rotation``: the end-to-end bench's timing with one input set above T = 256 (as it runs) and with
+    four in turn (as ``--last-tile`` runs), alternated over two rounds; the kernel with `WS_TILES`' tiles
+    and GEMM + kernel, each / torch.mm timed the same way."""
+    device = torch.device("cuda")
+    _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
+    print(f"{'round':>5} {'inputs':>6} {'T':>6} {'mm us':>9} {'ws':>6} {'ws pool':>8} {'gemm':>6} {'gemm pool':>9}")
+    for round_ in (1, 2):
+        for sets, rotate_up_to in ((1, 256), (4, math.inf)) if round_ % 2 else ((4, math.inf), (1, 256)):
+            _bench_e2e.ROTATE_UP_TO = rotate_up_to
+            for row in _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, tokens)["rows"]:
+                r = row["ratio"]
+                print(
+                    f"{round_:>5} {sets:>6} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "
+                    f"{r['typedkv_pool_fused / mm']:>8.3f} {r['typedkv_gemm / mm']:>6.3f} "
+                    f"{r['typedkv_pool_gemm / mm']:>9.3f}",
+                    flush=True,
+                )
+            torch.cuda.empty_cache()
+
+
 def _discard(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
     fn(*args, **kwargs)
 
@@ -208,6 +234,9 @@ def main() -> None:
             tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536]
             grouping(tokens, variants, "--pools" in sys.argv)
             return
+    if "--rotation" in sys.argv:
+        rotation([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 1280, 1536, 1792])
+        return
     compare = "--tiles" in sys.argv
     given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     default = [256, 512, 1024, 2048, 4096] if compare else [256, 512, 768, 1024, 1536, 2048, 4096, 16384, 65536]

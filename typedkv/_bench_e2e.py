@@ -150,6 +150,12 @@ def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
     return {"sglang": where if sglang is not None else f"without sglang: {where}", **result}
 
 
+# Up to this T, four input sets in turn, so a replay does not serve them from L2 (the weights, 84 MB,
+# never fit); above it one set, which L2 may still hold from the call before (benchmarks/ws_sweep.py
+# --rotation times both).
+ROTATE_UP_TO = 256
+
+
 def run_e2e(
     timer: Timer,
     device: torch.device,
@@ -181,8 +187,7 @@ def run_e2e(
         pairs += [("sglang", "mm"), ("sglang_pool", "mm"), ("sglang", "typedkv"), ("sglang_pool", "typedkv_pool")]
     out: list[dict[str, Any]] = []
     for num_tokens in tokens:
-        # Rotating input sets for small T, so a replay does not serve them from L2 (the weights, 84 MB, never fit).
-        inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= 256 else 1)]
+        inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= ROTATE_UP_TO else 1)]
         gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
         # Every graph of this T is alive in the timer at once; they are gone when it returns.
         rounds = timer(_calls(inputs, flat, gemm_out, materializers, theirs))
