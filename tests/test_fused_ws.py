@@ -166,3 +166,18 @@ def test_taken_or_not_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     m(hidden[:3], positions[:3])
     assert asked == [4, 4, 3]
     assert launched == [("dense", 4)] * 3 + [("pool", 4)] * 2 + [("dense", 3)]
+
+
+def test_the_sanitizer_sample_covers_every_tile_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/fused_ws_sample.py (run under compute-sanitizer by the GPU suite) takes every tile set `WS_TILES`
+    launches with; where the kernel cannot run (here) it says so and succeeds, rather than failing to import."""
+    import fused_ws_sample
+
+    sets = fused_ws_sample.tile_sets()
+    assert {shape for _, shape in _fused_ws.WS_TILES} <= set(sets.values())
+    assert any(not shape.last_in_mma and shape.block_n == 2 * _fused_ws.HEAD_DIM for shape in sets.values())
+    assert len(set(sets.values())) == len(sets)
+    if fused_ws_sample.runs_here():
+        pytest.skip("the GPU suite runs it here")
+    assert fused_ws_sample.main([]) == 0
+    assert "ws sample skipped" in capsys.readouterr().out
