@@ -20,8 +20,9 @@
 #   memcheck       tests/fuzz_sample.py (30 examples per op and mode) under compute-sanitizer memcheck
 #   bench          typedkv bench (full)
 #   ws_sanitizer   tests/fused_ws_sample.py plainly (compiling its kernels), then under each of
-#                  $WS_SANITIZER_TOOLS (memcheck racecheck synccheck) at once, racecheck and synccheck on the
-#                  warp-specialised kernel alone, each at most $WS_SANITIZER_S s (300); reports in $OUT/ws_<tool>.txt
+#                  $WS_SANITIZER_TOOLS (memcheck synccheck; racecheck may be named) at once, all but memcheck
+#                  on the warp-specialised kernel alone, each at most $WS_SANITIZER_S s (300); reports in
+#                  $OUT/ws_<tool>.txt
 #   gpu_new        the GPU tests of paged pools, RoPE-only drafts, graph replay and memcheck (4 workers)
 #   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
 #   tp             the two-GPU tensor-parallel test (needs the nvidia-h200-x2 kind)
@@ -148,7 +149,7 @@ for step in $STEPS; do
         ws_sanitizer)
             PYTHONPATH="$ROOT:/tmp/site" timeout "${WS_SANITIZER_S:-300}" python3 tests/fused_ws_sample.py 2>&1 \
                 | tail -20 | tee "$OUT/ws_sample.txt"
-            for tool in ${WS_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
+            for tool in ${WS_SANITIZER_TOOLS:-memcheck synccheck}; do
                 only=()
                 [ "$tool" = memcheck ] || only=(--kernel-name kns=project_kv_ws_kernel)
                 (PYTHONPATH="$ROOT:/tmp/site" timeout "${WS_SANITIZER_S:-300}" compute-sanitizer --tool "$tool" "${only[@]}" \

@@ -18,8 +18,8 @@ Run from the repository root on an H200 (sm_90, Triton 3.6)::
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/fused_ws_sample.py
 
 It prints ``ws sample done`` at the end (``ws sample skipped`` where the kernel cannot
-run). ``tests/test_gpu_fused_ws.py`` runs it under memcheck, racecheck and synccheck,
-these two on this kernel alone (``--kernel-name``).
+run). ``tests/test_gpu_fused_ws.py`` runs it under memcheck and under synccheck, this one
+on this kernel alone (``--kernel-name``; racecheck: see that test).
 """
 
 from __future__ import annotations

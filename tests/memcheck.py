@@ -1,7 +1,7 @@
 """Run a script under compute-sanitizer's memcheck: the GPU suites' shared check that no kernel reads or
 writes out of bounds (tests/fuzz_sample.py, tests/mla_fuzz_sample.py, tests/fused_sample.py,
-tests/fused_ws_sample.py and the GPU suite's own script); racecheck and synccheck on one kernel
-(tests/fused_ws_sample.py's warp-specialised kernel: shared memory handed between warps by mbarriers)."""
+tests/fused_ws_sample.py and the GPU suite's own script); synccheck on one kernel (tests/fused_ws_sample.py's
+warp-specialised kernel: shared memory handed between warps by mbarriers)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def run_under_memcheck(
     """``python script *args`` under compute-sanitizer's ``tool``: exit status 0, ``done`` printed, and no error
     (racecheck: no hazard) reported.
 
-    ``kernel``: only the kernels whose names contain it are checked (racecheck and synccheck slow every
+    ``kernel``: only the kernels whose names contain it are checked (synccheck and racecheck slow every
     kernel they watch by orders of magnitude). Skips the calling test where compute-sanitizer is not installed.
     """
     sanitizer = shutil.which("compute-sanitizer")

@@ -299,10 +299,15 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
     assert compiled_variants(_fused_ws_kernel.project_kv_ws_kernel) == before
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+# Not racecheck: on this kernel (Triton 3.6, compute-sanitizer 2025.3.1, H200) it reports a hazard at every
+# launch between the default warps' write of Triton's warp-specialisation state word (before and after
+# the partitions run) and the other warps' read of it, which a CTA-wide named barrier orders, then fails
+# on a hardware exception of its own ("Internal Sanitizer Error"); none of its hazards is on the kernel's
+# own buffers (benchmarks/NOTES.md, twenty-sixth session).
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck"])
 def test_ws_sample_under_compute_sanitizer(tool: str) -> None:
     """tests/fused_ws_sample.py (every tile set, dense outputs and pools, guarded) under compute-sanitizer:
-    memcheck over every kernel it runs (no access out of bounds); racecheck (no shared-memory hazard
-    between the load, MMA and epilogue warps) and synccheck (no misused barrier) on this kernel alone."""
+    memcheck over every kernel it runs (no access out of bounds), synccheck on this kernel alone (no
+    barrier or mbarrier misused between the load, MMA and epilogue warps)."""
     kernel = None if tool == "memcheck" else "project_kv_ws_kernel"
     run_under_memcheck(Path(__file__).with_name("fused_ws_sample.py"), [], "ws sample done", 900, tool, kernel)
