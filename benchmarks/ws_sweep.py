@@ -1,7 +1,7 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
 Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --weight-bands
-[--pools] | --small | --last-tile | --last-tile-large [--pools] | --rotation] [T ...]``.
+[--pools] | --small | --last-tile | --last-tile-large [--pools] | --rotation | --harness] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
 so the materializer pinned to "fused" launches the warp-specialised kernel wherever it can. Two
@@ -38,6 +38,9 @@ warps or in the MMA warps, tiles of 128 tokens by two heads or one. T 1024, 1536
 input set, as the bench runs above T = 256 (`typedkv._bench_e2e.ROTATE_UP_TO`), and with four in turn, as
 ``--last-tile`` runs: whether the input sets explain the two timings' disagreement. T 1024, 1280, 1536
 and 1792 unless given.
+
+``--harness``: the kernel with `WS_TILES`' tiles timed both ways in one process (the end-to-end bench's
+`run_e2e`, and `small` with and without the Triton kernel's implementations), two rounds; T 1024 unless given.
 """
 
 from __future__ import annotations
@@ -122,9 +125,9 @@ LAST_LARGE = {
 LAST_LARGE["epi again"] = LAST_LARGE["epi"]
 
 
-def small(tokens: list[int], variants: dict[str, _fused_ws.Tiles] = SMALL_TILES) -> None:
-    """``--small``: ``variants`` (`SMALL_TILES`) against the Triton fused kernel, GEMM + kernel and torch.mm,
-    dense and into pools."""
+def small(tokens: list[int], variants: dict[str, _fused_ws.Tiles] = SMALL_TILES, triton_kernel: bool = True) -> None:
+    """``--small``: ``variants`` (`SMALL_TILES`) against the Triton fused kernel (unless not ``triton_kernel``),
+    GEMM + kernel and torch.mm, dense and into pools."""
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     measured, default_tiles = _fused_ws.PROJECTION_WS_FASTER.get(name, ()), _fused_ws.WS_TILES
@@ -166,6 +169,8 @@ def small(tokens: list[int], variants: dict[str, _fused_ws.Tiles] = SMALL_TILES)
         for fn in (calls["triton"][0], calls["triton pool"][0]):
             fn()
         ref_k, ref_v = triton_m(inputs[0].hidden, inputs[0].positions)
+        if not triton_kernel:
+            del calls["triton"], calls["triton pool"]
         _fused_ws.PROJECTION_WS_FASTER[name] = ((0, math.inf),)
         for label, tiles in variants.items():
             table = ((math.inf, tiles),)
@@ -214,6 +219,31 @@ def rotation(tokens: list[int]) -> None:
             torch.cuda.empty_cache()
 
 
+def harness(tokens: list[int]) -> None:
+    """``--harness``: the kernel with `WS_TILES`' tiles timed by the end-to-end bench (`_bench_e2e.run_e2e`) and by
+    ``--small`` / ``--last-tile`` (`small`, with and without the Triton kernel's two implementations), the three
+    in turn, two rounds, one process: whether the two timings still disagree side by side."""
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    measured = _fused_ws.PROJECTION_WS_FASTER.get(name, ())
+    for round_ in (1, 2):
+        for num_tokens in tokens:
+            _fused_ws.PROJECTION_WS_FASTER[name] = ((0, math.inf),)
+            row = _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, [num_tokens])["rows"][0]
+            _fused_ws.PROJECTION_WS_FASTER[name] = measured
+            r = row["ratio"]
+            print(
+                f"round {round_} T={num_tokens} e2e: mm {row['us']['mm']:.2f} us, ws {r['typedkv_fused / mm']:.3f} "
+                f"pool {r['typedkv_pool_fused / mm']:.3f}, gemm {r['typedkv_gemm / mm']:.3f} "
+                f"pool {r['typedkv_pool_gemm / mm']:.3f}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+            for triton_kernel in (True, False):
+                print(f"round {round_} T={num_tokens} small, Triton kernel {triton_kernel}:", flush=True)
+                small([num_tokens], {"table": _fused_ws.tiles(num_tokens)}, triton_kernel)
+
+
 def _discard(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
     fn(*args, **kwargs)
 
@@ -234,6 +264,9 @@ def main() -> None:
             tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [2048, 16384, 65536]
             grouping(tokens, variants, "--pools" in sys.argv)
             return
+    if "--harness" in sys.argv:
+        harness([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024])
+        return
     if "--rotation" in sys.argv:
         rotation([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 1280, 1536, 1792])
         return
