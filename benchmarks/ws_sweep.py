@@ -37,10 +37,13 @@ warps or in the MMA warps, tiles of 128 tokens by two heads or one. T 1024, 1536
 ``--rotation``: the end-to-end bench's timing (the kernel with `WS_TILES`' tiles, GEMM + kernel) with one
 input set, as the bench runs above T = 256 (`typedkv._bench_e2e.ROTATE_UP_TO`), and with four in turn, as
 ``--last-tile`` runs: whether the input sets explain the two timings' disagreement. T 1024, 1280, 1536
-and 1792 unless given.
+and 1792 unless given. On the H200 (2026-12-04, docs/performance.md) they did not: the same ratios
+either way.
 
 ``--harness``: the kernel with `WS_TILES`' tiles timed both ways in one process (the end-to-end bench's
 `run_e2e`, and `small` with and without the Triton kernel's implementations), two rounds; T 1024 unless given.
+On the H200 (2026-12-04) they agreed within their rounds' spread at 1024 and 1792: the 4-7% apart of
+earlier runs was between device calls (machines), not between the two timings.
 """
 
 from __future__ import annotations
