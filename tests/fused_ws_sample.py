@@ -6,11 +6,13 @@ with (`typedkv._fused_ws.WS_TILES`' sets, and two heads with the last tile in th
 epilogue warps) takes every call in turn. Each set writes dense outputs (T = 1, 300
 with positions outside the cos/sin cache, and a T where every program takes three
 tiles or more, so that the ring and the staging tile carry from tile to tile) and
-pools of every layout it takes (flat, NHD and HND pages, per-layer lists, layers off
-16 bytes, the halves of one allocation) at slots negative, past the pool and in it.
+pools at slots negative, past the pool and in it: the first set every layout the kernel
+takes (flat, NHD and HND pages, per-layer lists, layers off 16 bytes, the halves of one
+allocation), the others HND pages and layers off 16 bytes (each layout compiles apart).
 Every destination sits inside a larger allocation whose bytes around it are guards
 (`fused_sample.Guarded`): after each call the guards are unchanged, dense K/V hold the
-float64 oracle (one ulp), and pools hold exactly what the GEMM + kernel path writes.
+float64 oracle (one ulp), and pools what the GEMM + kernel path writes (V bit for bit,
+K within one storage step: `fused_sample._same_pools`).
 A counter around the kernel's launch checks that each call ran this kernel.
 
 Run from the repository root on an H200 (sm_90, Triton 3.6)::
