@@ -53,6 +53,7 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -207,19 +208,28 @@ def rotation(tokens: list[int]) -> None:
     and GEMM + kernel, each / torch.mm timed the same way."""
     device = torch.device("cuda")
     _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
-    print(f"{'round':>5} {'inputs':>6} {'T':>6} {'mm us':>9} {'ws':>6} {'ws pool':>8} {'gemm':>6} {'gemm pool':>9}")
+    _print_header("inputs")
     for round_ in (1, 2):
         for sets, rotate_up_to in ((1, 256), (4, math.inf)) if round_ % 2 else ((4, math.inf), (1, 256)):
             _bench_e2e.ROTATE_UP_TO = rotate_up_to
             for row in _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, tokens)["rows"]:
-                r = row["ratio"]
-                print(
-                    f"{round_:>5} {sets:>6} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "
-                    f"{r['typedkv_pool_fused / mm']:>8.3f} {r['typedkv_gemm / mm']:>6.3f} "
-                    f"{r['typedkv_pool_gemm / mm']:>9.3f}",
-                    flush=True,
-                )
+                _print_row(round_, str(sets), row)
             torch.cuda.empty_cache()
+
+
+def _print_header(label: str) -> None:
+    """The column heads of `_print_row`'s lines, ``label`` the second column's."""
+    print(f"{'round':>5} {label:>8} {'T':>6} {'mm us':>9} {'ws':>6} {'ws pool':>8} {'gemm':>6} {'gemm pool':>9}")
+
+
+def _print_row(round_: int, label: str, row: dict[str, Any]) -> None:
+    """One row of `_bench_e2e.run_e2e`: torch.mm's time, then the kernel and GEMM + kernel / torch.mm, dense and pools."""
+    r = row["ratio"]
+    print(
+        f"{round_:>5} {label:>8} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "
+        f"{r['typedkv_pool_fused / mm']:>8.3f} {r['typedkv_gemm / mm']:>6.3f} {r['typedkv_pool_gemm / mm']:>9.3f}",
+        flush=True,
+    )
 
 
 def harness(tokens: list[int]) -> None:
@@ -234,13 +244,8 @@ def harness(tokens: list[int]) -> None:
             _fused_ws.PROJECTION_WS_FASTER[name] = ((0, math.inf),)
             row = _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, [num_tokens])["rows"][0]
             _fused_ws.PROJECTION_WS_FASTER[name] = measured
-            r = row["ratio"]
-            print(
-                f"round {round_} T={num_tokens} e2e: mm {row['us']['mm']:.2f} us, ws {r['typedkv_fused / mm']:.3f} "
-                f"pool {r['typedkv_pool_fused / mm']:.3f}, gemm {r['typedkv_gemm / mm']:.3f} "
-                f"pool {r['typedkv_pool_gemm / mm']:.3f}",
-                flush=True,
-            )
+            _print_header("timing")
+            _print_row(round_, "e2e", row)
             torch.cuda.empty_cache()
             for triton_kernel in (True, False):
                 print(f"round {round_} T={num_tokens} small, Triton kernel {triton_kernel}:", flush=True)
@@ -279,18 +284,12 @@ def main() -> None:
     tokens = given or default
     device = torch.device("cuda")
     _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
-    print(f"{'round':>5} {'tiles':>8} {'T':>6} {'mm us':>9} {'ws':>6} {'ws pool':>8} {'gemm':>6} {'gemm pool':>9}")
+    _print_header("tiles")
     for round_ in (1, 2):
         for name, table in TILES.items() if compare else [("128x256", _fused_ws.WS_TILES)]:
             _fused_ws.WS_TILES = table
             for row in _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, tokens)["rows"]:
-                r = row["ratio"]
-                print(
-                    f"{round_:>5} {name:>8} {row['tokens']:>6} {row['us']['mm']:>9.2f} {r['typedkv_fused / mm']:>6.3f} "
-                    f"{r['typedkv_pool_fused / mm']:>8.3f} {r['typedkv_gemm / mm']:>6.3f} "
-                    f"{r['typedkv_pool_gemm / mm']:>9.3f}",
-                    flush=True,
-                )
+                _print_row(round_, name, row)
             torch.cuda.empty_cache()
 
 

@@ -101,19 +101,24 @@ def run_dense(device: torch.device, dtype: torch.dtype) -> None:
         draft = Draft(dtype, **kw)
         draft.m.to(device)
         draft.m.projection_path = "fused"
-        x, positions = draft.call(num_tokens)
-        shape = (L, num_tokens, H, draft.head_dim)
-        out = Guarded([shape, shape], dtype, device)
-        draft.m(x.to(device), positions.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
-        assert out.guards_intact(), f"dense {name}: a guard byte changed"
-        got = (out.tensors[0].cpu(), out.tensors[1].cpu())
-        assert_matches_oracle(got, draft.oracle(x, positions), dtype)
-        # Positions outside the cache: NaN in K, V as before, the guards intact.
-        bad = _positions_out_of_range(positions)
-        draft.m(x.to(device), bad.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
-        assert out.guards_intact(), f"dense {name}, positions out of range: a guard byte changed"
-        assert torch.equal(out.tensors[1].cpu(), got[1])
-        assert bool(out.tensors[0][:, 0].isnan().all()), f"dense {name}: K of an out-of-range position is not NaN"
+        check_dense(name, draft, num_tokens, device)
+
+
+def check_dense(name: str, draft: Draft, num_tokens: int, device: torch.device) -> None:
+    """Two calls of ``draft``'s materializer into guarded dense outputs: the float64 oracle's K/V, then with
+    positions outside the cache NaN in their K, V as before; the guards intact after each."""
+    x, positions = draft.call(num_tokens)
+    shape = (L, num_tokens, H, draft.head_dim)
+    out = Guarded([shape, shape], draft.dtype, device)
+    draft.m(x.to(device), positions.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
+    assert out.guards_intact(), f"dense {name}: a guard byte changed"
+    got = (out.tensors[0].cpu(), out.tensors[1].cpu())
+    assert_matches_oracle(got, draft.oracle(x, positions), draft.dtype)
+    bad = _positions_out_of_range(positions)
+    draft.m(x.to(device), bad.to(device), k_out=out.tensors[0], v_out=out.tensors[1])
+    assert out.guards_intact(), f"dense {name}, positions out of range: a guard byte changed"
+    assert torch.equal(out.tensors[1].cpu(), got[1])
+    assert bool(out.tensors[0][:, 0].isnan().all()), f"dense {name}: K of an out-of-range position is not NaN"
 
 
 SCALES: dict[str, dict[str, Any]] = {

@@ -34,8 +34,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from fused_sample import FILL, Guarded, _positions_out_of_range, _same_pools
-from test_fused_projection import Draft, H, L, _layers, assert_matches_oracle
+from fused_sample import FILL, Guarded, _positions_out_of_range, _same_pools, check_dense
+from test_fused_projection import Draft, H, L, _layers
 
 import typedkv
 from typedkv import _fused_ws
@@ -78,18 +78,8 @@ def run_dense(shape: _fused_ws.Tiles, launches: list[int]) -> None:
         draft = Draft(torch.bfloat16, head_dim=D, rotary_dim=D, **kw)
         draft.m.to("cuda")
         draft.m.projection_path = "fused"
-        x, positions = draft.call(num_tokens)
-        out = Guarded([(L, num_tokens, H, D)] * 2, torch.bfloat16, torch.device("cuda"))
         before = len(launches)
-        draft.m(x.cuda(), positions.cuda(), k_out=out.tensors[0], v_out=out.tensors[1])
-        assert out.guards_intact(), f"dense {name}: a guard byte changed"
-        got = (out.tensors[0].cpu(), out.tensors[1].cpu())
-        assert_matches_oracle(got, draft.oracle(x, positions), torch.bfloat16)
-        bad = _positions_out_of_range(positions)
-        draft.m(x.cuda(), bad.cuda(), k_out=out.tensors[0], v_out=out.tensors[1])
-        assert out.guards_intact(), f"dense {name}, positions out of range: a guard byte changed"
-        assert torch.equal(out.tensors[1].cpu(), got[1])
-        assert bool(out.tensors[0][:, 0].isnan().all()), f"dense {name}: K of an out-of-range position is not NaN"
+        check_dense(name, draft, num_tokens, torch.device("cuda"))
         assert launches[before:] == [num_tokens] * 2, f"dense {name}: not the warp-specialised kernel"
 
 
