@@ -44,7 +44,10 @@
 #   split_ab       typedkv bench --only e2e with V written by the GEMM where measured faster (the default) and
 #                  without (typedkv._launch.SPLIT_GEMM_FASTER emptied), alternated, $SPLIT_AB_ROUNDS (1)
 #   gemm_split     benchmarks/gemm_split.py: the GEMM with V written straight to dense outputs ($GEMM_SPLIT_T)
-#   e2e            typedkv bench --only e2e (the end-to-end section alone)
+#   e2e            typedkv bench --only e2e (the end-to-end section alone); with E2E_SMI=1 nvidia-smi samples the
+#                  SM clock, power and clock-event reasons every 200 ms meanwhile ($OUT/e2e_smi.csv)
+#   clocks         nvidia-smi -q (clocks, power, performance) into $OUT/clocks_smi.txt, then benchmarks/clock_probe.py:
+#                  the SM clock and power while torch.mm and the materializer run ($CLOCKS_T, default 64 1024)
 #   tma            benchmarks/tma_probe.py: the GEMM alone, weight tiles through pointers or TMA ($TMA_T)
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
@@ -236,7 +239,7 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             for t in ${NCU_T:-64 2048}; do
                 for where in ${NCU_WHERE:-dense}; do
                     [ $where = pools ] && flag=--pools || flag=
-                    timeout 200 ncu -k regex:project_kv --launch-skip 3 --launch-count 1 --set full \
+                    timeout 200 ncu --clock-control none -k regex:project_kv --launch-skip 3 --launch-count 1 --set full \
                         --warp-sampling-interval "${NCU_INTERVAL:-auto}" --import-source yes -f -o "/tmp/ncu/fused_${where}_T$t" \
                         env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/profile_fused.py "$t" $flag > "/tmp/ncu/ncu_${where}_T$t.log" 2>&1
                     ncu -i "/tmp/ncu/fused_${where}_T$t.ncu-rep" --page source --csv --print-source sass > "/tmp/ncu/source_${where}_T$t.csv" 2>&1
@@ -252,7 +255,7 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
                     [ $where = pools ] && flag=--pools
                     [ $where = bands ] && flag="--group-n ${NCU_GROUP_N:-8}"
                     [ $where = mm ] && flag=--mm && kernels=regex:nvjet\|gemm\|xmma\|cutlass
-                    timeout 200 ncu -k "$kernels" --launch-skip 3 --launch-count 1 \
+                    timeout 200 ncu --clock-control none -k "$kernels" --launch-skip 3 --launch-count 1 \
                         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
                         --section SchedulerStats --section LaunchStats --section Occupancy --section InstructionStats \
                         --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,smsp__inst_executed_op_global_st.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum \
@@ -287,7 +290,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${WS_TESTS_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused_ws.py 2>&1 \
                 | tail -30 | tee "$OUT/ws_tests.txt"
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
-                | tee "$OUT/e2e.txt" ;;
+                | tee "$OUT/e2e.txt"
+            [ -z "$smi" ] || kill "$smi" ;;
         streamk)
             probe streamk streamk_probe.py "${STREAMK_S:-300}" ${STREAMK_T:-} ;;
         ws_small)
@@ -318,9 +322,19 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
                 | tee "$OUT/gemm_split.txt" ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
+        clocks)
+            nvidia-smi -q -d CLOCK,POWER,PERFORMANCE,TEMPERATURE > "$OUT/clocks_smi.txt" 2>&1
+            probe clocks clock_probe.py "${CLOCKS_S:-240}" ${CLOCKS_T:-} ;;
         e2e)
+            smi=
+            if [ "${E2E_SMI:-0}" = 1 ]; then
+                nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+                    --format=csv -lms 200 > "$OUT/e2e_smi.csv" 2>&1 &
+                smi=$!
+            fi
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
-                | tee "$OUT/e2e.txt" ;;
+                | tee "$OUT/e2e.txt"
+            [ -z "$smi" ] || kill "$smi" ;;
         gpu_k)
             timeout "${GPU_K_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/typecheck \
                 ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40 | tee "$OUT/gpu_k.txt" ;;

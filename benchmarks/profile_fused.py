@@ -1,7 +1,7 @@
 """Run the fused projection a few times at one T (for ncu), on the end-to-end bench's draft.
 
 Not part of the package. Usage: ``python benchmarks/profile_fused.py T [--pools]``; profile with
-``ncu -k regex:project_kv --launch-skip 3 --launch-count 1 ...`` (``project_kv_kernel`` is the Triton
+``ncu --clock-control none -k regex:project_kv --launch-skip 3 --launch-count 1 ...`` (``project_kv_kernel`` is the Triton
 kernel, ``project_kv_ws_kernel`` the warp-specialised one, taken from T = 2048 on the H200). With
 ``--pools``: `KVMaterializer.into_pool` into per-layer pools of 2T slots, the tokens to consecutive
 slots, so that the pool rows lie as the dense outputs' rows do and only the way of storing them differs.
