@@ -173,7 +173,7 @@ def test_end_to_end_rows_from_the_rounds() -> None:
     rounds = {"mm": [10.0, 20.0, 40.0], "typedkv_fused": [6.0, 22.0, 30.0]}
     timed: list[set[str]] = []
 
-    def timer(calls: Any) -> dict[str, list[float]]:
+    def timer(calls: Any, sampling: Any = None) -> dict[str, list[float]]:
         timed.append(set(calls))
         return {impl: rounds.get(impl, [12.0, 22.0, 60.0]) for impl in calls}
 

@@ -20,7 +20,7 @@ ADAPTERS = "integrations"
 # Each core module may import only modules of later layers (or of its own layer, with no circle).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "__main__", "_cli"),
-    ("_demo", "_bench", "_bench_e2e"),
+    ("_demo", "_bench", "_bench_e2e", "_gpu_state"),
     ("_materializer", "_mla_materializer"),
     ("_projection",),  # what the materializers share
     ("_api", "_rope_tables", "_mla"),  # the public face

@@ -25,6 +25,7 @@ import sys
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, NamedTuple
@@ -752,15 +753,21 @@ def test_the_helper_has_numpy_docstrings() -> None:
 # --------------------------------------------------------------------------- the bench's end-to-end section
 
 
-def _once_us(calls: Mapping[str, Sequence[Callable[[], None]]], rounds: int = 3) -> dict[str, list[float]]:
+def _once_us(
+    calls: Mapping[str, Sequence[Callable[[], None]]],
+    rounds: int = 3,
+    *,
+    sampling: AbstractContextManager[object] | None = None,
+) -> dict[str, list[float]]:
     """A stand-in for the bench's paired CUDA-graph timer on CPU: each implementation's calls once a round, wall clock."""
     times: dict[str, list[float]] = {impl: [] for impl in calls}
-    for _ in range(rounds):
-        for impl, fns in calls.items():
-            start = time.perf_counter()
-            for call in fns:
-                call()
-            times[impl].append((time.perf_counter() - start) * 1e6 / len(fns))
+    with sampling if sampling is not None else nullcontext():
+        for _ in range(rounds):
+            for impl, fns in calls.items():
+                start = time.perf_counter()
+                for call in fns:
+                    call()
+                times[impl].append((time.perf_counter() - start) * 1e6 / len(fns))
     return times
 
 

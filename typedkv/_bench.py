@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,7 +306,12 @@ def gpu_time_us(calls: Sequence[Callable[[], None]], replays: int = 25, min_call
 
 
 def paired_gpu_time_us(
-    calls: Mapping[str, Sequence[Callable[[], None]]], rounds: int = 7, replays: int = 5, min_calls: int = 20
+    calls: Mapping[str, Sequence[Callable[[], None]]],
+    rounds: int = 7,
+    replays: int = 5,
+    min_calls: int = 20,
+    *,
+    sampling: AbstractContextManager[object] | None = None,
 ) -> dict[str, list[float]]:
     """Each implementation's device time of one call, round by round, the implementations interleaved.
 
@@ -331,6 +337,9 @@ def paired_gpu_time_us(
         is their median.
     min_calls : int
         Calls per graph at least (the rotation repeated), as `gpu_time_us`.
+    sampling : AbstractContextManager, optional
+        Entered while the rounds run, after every graph is captured (a
+        `typedkv._gpu_state.Window`: the GPU's clock and power while timed).
 
     Returns
     -------
@@ -345,10 +354,11 @@ def paired_gpu_time_us(
     """
     graphs = {impl: _captured(fns, min_calls) for impl, fns in calls.items()}
     times: dict[str, list[float]] = {impl: [] for impl in graphs}
-    for round_index in range(rounds):
-        for impl in round_order(list(graphs), round_index):
-            graph, num_calls = graphs[impl]
-            times[impl].append(_replay_us(graph, num_calls, replays))
+    with sampling if sampling is not None else nullcontext():
+        for round_index in range(rounds):
+            for impl in round_order(list(graphs), round_index):
+                graph, num_calls = graphs[impl]
+                times[impl].append(_replay_us(graph, num_calls, replays))
     return times
 
 

@@ -22,6 +22,9 @@ replay, every implementation of one T timed in each of several rounds, the order
 rotated a round), so this module needs nothing of the rest of the bench. A row's
 ``us`` are the medians over the rounds; each ratio is the median of its per-round
 ratios (`paired_ratio`), with its lowest and highest round in ``ratio_range``.
+Where NVML can be read, a row also holds the SM clock and power sampled while
+it was timed (``gpu``; `typedkv._gpu_state`): on the H200 the GEMM runs at the
+board's power limit, whose clock differs between machines and moves the ratios.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ._gpu_state import GpuState, Window
 from ._materializer import KVMaterializer
 
 TOKENS = (1, 16, 64, 256, 1024, 2048, 16384, 65536)
@@ -59,8 +63,13 @@ class Draft:
     max_position: int = 32768
 
 
-Timer = Callable[[Mapping[str, Sequence[Callable[[], None]]]], Mapping[str, Sequence[float]]]
-"""The paired timer: each implementation's calls by name in, each one's microseconds per call in each round out."""
+class Timer(Protocol):
+    """The paired timer (`typedkv._bench.paired_gpu_time_us`): each implementation's calls by name in, each one's
+    microseconds per call in each round out; ``sampling``, where given, entered around the timed rounds only."""
+
+    def __call__(
+        self, calls: Mapping[str, Sequence[Callable[[], None]]], *, sampling: Window | None = None
+    ) -> Mapping[str, Sequence[float]]: ...
 
 
 class PairedRatio(NamedTuple):
@@ -146,8 +155,14 @@ def bench_draft(device: torch.device, draft: Draft | None = None) -> BenchDraft:
 def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
     """The bench's end-to-end section: sglang's helper included when its file can be loaded."""
     sglang, where = load_sglang()
-    result = run_e2e(timer, device, TOKENS[:4] if quick else TOKENS, sglang=sglang)
-    return {"sglang": where if sglang is not None else f"without sglang: {where}", **result}
+    state = GpuState.open(device)
+    try:
+        result = run_e2e(timer, device, TOKENS[:4] if quick else TOKENS, sglang=sglang, gpu_state=state)
+        limits = {"gpu": state.limits()} if state is not None else {}
+    finally:
+        if state is not None:
+            state.close()
+    return {"sglang": where if sglang is not None else f"without sglang: {where}", **limits, **result}
 
 
 # Up to this T, four input sets in turn, so a replay does not serve them from L2 (the weights, 84 MB,
@@ -162,13 +177,16 @@ def run_e2e(
     tokens: Sequence[int] = TOKENS,
     draft: Draft | None = None,
     sglang: ModuleType | None = None,
+    gpu_state: GpuState | None = None,
 ) -> dict[str, Any]:
     """Time every implementation at each T; per row microseconds and ratios between them.
 
     ``timer`` times every implementation of one T in one paired call
     (`typedkv._bench.paired_gpu_time_us`); a row's ``us`` are each one's median
     over the rounds, its ``ratio`` the median of each ratio's per-round values,
-    and ``ratio_range`` their lowest and highest (`paired_ratio`).
+    and ``ratio_range`` their lowest and highest (`paired_ratio`). With
+    ``gpu_state``, a row's ``gpu`` is what it sampled while the row's rounds were
+    timed (`typedkv._gpu_state.summary`; not while its graphs were captured).
     """
     draft, layers, rotary, weight, norm, flat = bench_draft(device, draft)
     H, D = draft.num_kv_heads, draft.head_dim
@@ -190,20 +208,22 @@ def run_e2e(
         inputs = [_inputs(draft, num_tokens, device) for _ in range(4 if num_tokens <= ROTATE_UP_TO else 1)]
         gemm_out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
         # Every graph of this T is alive in the timer at once; they are gone when it returns.
-        rounds = timer(_calls(inputs, flat, gemm_out, materializers, theirs))
+        window = gpu_state.window() if gpu_state is not None else None
+        rounds = timer(_calls(inputs, flat, gemm_out, materializers, theirs), sampling=window)
         del inputs, gemm_out
         if device.type == "cuda":
             torch.cuda.empty_cache()  # their memory back before the next T's graphs are captured
         us = {impl: round(statistics.median(times), 2) for impl, times in rounds.items()}
         paired = {f"{a} / {b}": paired_ratio(rounds[a], rounds[b]) for a, b in pairs}
-        out.append(
-            {
-                "tokens": num_tokens,
-                "us": us,
-                "ratio": {name: round(r.median, 3) for name, r in paired.items()},
-                "ratio_range": {name: [round(r.low, 3), round(r.high, 3)] for name, r in paired.items()},
-            }
-        )
+        row = {
+            "tokens": num_tokens,
+            "us": us,
+            "ratio": {name: round(r.median, 3) for name, r in paired.items()},
+            "ratio_range": {name: [round(r.low, 3), round(r.high, 3)] for name, r in paired.items()},
+        }
+        if window is not None:
+            row["gpu"] = window.summary
+        out.append(row)
     return {"draft": {k: str(v) for k, v in vars(draft).items()}, "rows": out}
 
 
@@ -299,6 +319,23 @@ def e2e_table(result: dict[str, Any]) -> str:
             spans = row.get("ratio_range", {})
             cells = "  ".join(f"{_span(spans.get(r)):>{widths[r]}}" for r in ratios)
             lines.append(f"{row['tokens']:>6}  {cells}")
+    if any(row.get("gpu", {}).get("samples") for row in result["rows"]):
+        limits = result.get("gpu", {})
+        lines += [
+            "",
+            f"the GPU while each T was timed (NVML; highest SM clock {limits.get('max_sm_mhz', '?')} MHz, "
+            f"power limit {limits.get('power_limit_w', '?')} W): SM clock median (lowest), power median, "
+            "share of samples held at the power limit, what lowered the clock:",
+        ]
+        for row in result["rows"]:
+            gpu = row.get("gpu", {})
+            if not gpu.get("samples"):
+                lines.append(f"{row['tokens']:>6}  (no samples)")
+                continue
+            lines.append(
+                f"{row['tokens']:>6}  {gpu['sm_mhz']:>6.0f} ({gpu['sm_mhz_low']:.0f}) MHz  {gpu['watts']:>6.1f} W  "
+                f"{gpu['at_power_limit']:>4.0%}  {', '.join(gpu['reasons']) or '-'}"
+            )
     return "\n".join(lines)
 
 
