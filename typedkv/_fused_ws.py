@@ -128,8 +128,12 @@ def tiles(num_tokens: int) -> Tiles:
 # (1.116-1.122 against 1.079-1.109), 1152 (1.086-1.098 against 1.076-1.086), 1280 (1.087-1.089
 # against 1.081-1.119) and 1536 (1.131 against 1.082-1.102). (`ws_sweep.py --last-tile`, four input
 # sets in turn, reads this kernel 4-7% faster against torch.mm at 1024-1920 and GEMM + kernel alike:
-# 0.96-1.01 at 1024.)
-PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((897, 1025), (1537, math.inf))}
+# 0.96-1.01 at 1024.) At 897-1024 the kernel first took the call on that tie; five later measurements
+# at T = 1024 (2026-12-04: `ws_sweep.py --rotation`, `typedkv bench --only e2e`, and
+# `benchmarks/clock_probe.py` at full clock and held at the power limit on two machines) put it 0.5-1.5
+# points behind GEMM + kernel (1.095-1.109 against 1.087-1.095 at full clock, 1.085-1.094 against
+# 1.073-1.082 at the power limit), so it takes the call from 1537 on only.
+PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1537, math.inf),)}
 
 
 # The Triton releases whose Gluon the kernel is written against and was run on (major, minor).
@@ -239,7 +243,7 @@ def launch(
 
     ``eps``: a float, or an ``[L]`` tensor (`typedkv._device_tables.layer_eps`). The
     descriptors hold this call's addresses, so they are made per call: the kernel takes the
-    path from T = 897 on, where a call's GPU time is over 110 us.
+    path from T = 1537 on, where a call's GPU time is over 150 us.
     """
     num_tokens = hidden.shape[0]
     hd = k_out.shape[2] * k_out.shape[3]

@@ -172,7 +172,7 @@ class KVMaterializer(nn.Module):
     fused path where a table measured per GPU and per ``T`` range says it is
     faster (on the H200: ``T < 33``, and ``T < 129`` where the weight's tiles
     load by TMA -- NeoX RoPE, head pieces of powers of two rows, the weight on
-    16 bytes; and ``897 <= T <= 1024`` or ``T > 1536`` where a warp-specialised kernel can run: sm_90
+    16 bytes; and ``T > 1536`` where a warp-specialised kernel can run: sm_90
     under Triton 3.6, bf16/fp16, NeoX over a head of 128, no bias, no FP8 pool;
     a device not measured takes GEMM + kernel; see docs/performance.md). Both
     paths check a call alike (the same messages, before anything is written)
