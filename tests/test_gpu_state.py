@@ -146,3 +146,27 @@ def test_a_failing_query_ends_the_sampling_quietly(monkeypatch: pytest.MonkeyPat
         state._thread.join(timeout=5)
     assert not state._thread.is_alive() and window.summary == {"samples": 0}
     state.close()
+
+
+@pytest.mark.gpu
+def test_reads_the_real_gpu_cuda() -> None:
+    """On a CUDA machine with NVML: the limits and a window over a few matrix products read plausible values."""
+    pytest.importorskip("pynvml")
+    state = _gpu_state.GpuState.open(torch.device("cuda"))
+    assert state is not None
+    try:
+        limits = state.limits()
+        assert limits["max_sm_mhz"] >= 500 and limits["power_limit_w"] > 50
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        with state.window() as window:
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                for _ in range(20):
+                    a @ a  # the products are the load; their results are not used
+                torch.cuda.synchronize()
+        read = window.summary
+        assert read["samples"] >= 10
+        assert 100 <= read["sm_mhz_low"] <= read["sm_mhz"] <= limits["max_sm_mhz"]
+        assert 0 < read["watts"] and 0 <= read["at_power_limit"] <= 1
+    finally:
+        state.close()
