@@ -22,6 +22,7 @@ import os
 import statistics
 import threading
 import time
+from contextlib import suppress
 from types import TracebackType
 from typing import Any
 
@@ -46,6 +47,12 @@ def _nvml() -> Any:
     except Exception:  # not installed, or no NVML library / driver on this machine
         return None
     return nvml
+
+
+def _shutdown(nvml: Any) -> None:
+    """Release `_nvml`'s initialisation (NVML counts them); quietly, as the sampling is optional."""
+    with suppress(Exception):
+        nvml.nvmlShutdown()
 
 
 def _nvml_index(nvml: Any, cuda_index: int) -> int | None:
@@ -122,17 +129,23 @@ class GpuState:
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             found = _nvml_index(nvml, index)
-            return None if found is None else cls(nvml, found)
+            if found is not None:
+                return cls(nvml, found)
         except Exception:  # an NVML without this device or these queries: record nothing
-            return None
+            pass
+        _shutdown(nvml)
+        return None
 
     def limits(self) -> dict[str, float]:
-        """The device's highest SM clock (MHz) and the power limit the driver enforces (W)."""
+        """The device's highest SM clock (MHz) and the power limit the driver enforces (W); empty if NVML fails."""
         nvml = self._nvml
-        return {
-            "max_sm_mhz": float(nvml.nvmlDeviceGetMaxClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
-            "power_limit_w": nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0,
-        }
+        try:
+            return {
+                "max_sm_mhz": float(nvml.nvmlDeviceGetMaxClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
+                "power_limit_w": nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0,
+            }
+        except Exception:  # the bench goes on without them
+            return {}
 
     def _sample(self) -> tuple[int, float, int]:
         nvml = self._nvml
@@ -168,9 +181,10 @@ class GpuState:
             return summary(self._samples)
 
     def close(self) -> None:
-        """Stop the thread."""
+        """Stop the thread and release NVML."""
         self._stop.set()
         self._thread.join()
+        _shutdown(self._nvml)
 
 
 def summary(samples: list[tuple[int, float, int]]) -> dict[str, Any]:
