@@ -69,8 +69,6 @@
 #   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py), then typedkv bench --only e2e
 #   ws_sweep       benchmarks/ws_sweep.py: that kernel against GEMM + kernel at every T ($WS_SWEEP_ARGS:
 #                  its T list, --tiles to compare tile shapes; several runs' arguments separated by "|")
-#   tail           benchmarks/tail_probe.py: the warp-specialised kernel's last wave as a second launch that takes SMs as
-#                  the first frees them ($TAIL_T; at most $TAIL_S s, 300)
 #   streamk        benchmarks/streamk_probe.py: the GEMM alone, its k-steps spread evenly over every SM ($STREAMK_T)
 #   streamk_ws     benchmarks/streamk_ws_probe.py: the warp-specialised GEMM cut the stream-K way against one tile a
 #                  program and torch.mm ($STREAMK_WS_T, default 64 128 256 512 1024 2048; at most $STREAMK_WS_S s)
@@ -280,8 +278,6 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             probe after_gemm after_gemm_sweep.py "${AFTER_GEMM_S:-300}" ${AFTER_GEMM_T:-} ;;
         gluon)
             probe gluon gluon_probe.py "${GLUON_S:-300}" ${GLUON_T:-} ;;
-        tail)
-            probe tail tail_probe.py "${TAIL_S:-300}" ${TAIL_T:-} ;;
         ws_sweep)
             # Several invocations: argument sets separated by "|", each with WS_SWEEP_S seconds at most.
             IFS='|' read -ra sweep_sets <<< "${WS_SWEEP_ARGS:-}"

@@ -4,10 +4,8 @@ Not part of the package. Usage, with a Triton that has Gluon's 3.6 API on PYTHON
 (``pip install --target /tmp/v36 triton==3.6.0``)::
 
     PYTHONPATH=/tmp/v36:. python benchmarks/gluon_ws_compile.py [block_m=64 warps_m=4 warps_n=2 stages=4]
-        [LAUNCH_DEPENDENTS=1 WAIT_PRIOR_AT_END=1]
 
-(the arguments: other tiles than `typedkv._fused_ws.WS_TILES`' last row, field by field; in capitals,
-the kernel's boolean constexprs of that name).
+(the arguments: other tiles than `typedkv._fused_ws.WS_TILES`' last row, field by field).
 
 Compiles `typedkv._fused_ws_kernel.project_kv_ws_kernel` as `typedkv._fused_ws` launches it
 (the bench's shape: L = 5, H = 8, D = 128, bf16) for dense outputs and for pools (stacked or
@@ -32,11 +30,8 @@ from typedkv._fused_ws_kernel import project_kv_ws_kernel
 
 HD = 8 * 128
 DUMP = "/tmp/gluon_ws"
-# The tiles: `_fused_ws.WS_TILES`' last row, fields overridden by arguments as ``block_m=64 warps_n=2``;
-# arguments in capitals set the kernel's constexprs of that name (``LAUNCH_DEPENDENTS=1``).
-_ARGS = [a.split("=") for a in sys.argv[1:]]
-TILES = _fused_ws.WS_TILES[-1][1]._replace(**{k: int(v) for k, v in _ARGS if not k.isupper()})
-EXTRA = {k: bool(int(v)) for k, v in _ARGS if k.isupper()}
+# The tiles: `_fused_ws.WS_TILES`' last row, fields overridden by arguments as ``block_m=64 warps_n=2``.
+TILES = _fused_ws.WS_TILES[-1][1]._replace(**{k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
 
 
 def _desc(block: list[int]) -> str:
@@ -66,8 +61,6 @@ def _signature(pool: bool, eps_per_layer: bool, table: int) -> tuple[dict[str, s
         # weights' and cos/sin rows' column strides, a per-layer eps's stride, the layer table's.
         "weight_stride_d": 1, "stride_r": 1,
     }  # fmt: skip
-    # The boolean constexprs left to their defaults in the launch are constexprs False here too (not ints).
-    const.update({name: False for name in ("LAUNCH_DEPENDENTS", "WAIT_PRIOR_AT_END") if name in names}, **EXTRA)
     if eps_per_layer:
         const["eps_stride"] = 1
     if pool:

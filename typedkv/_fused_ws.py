@@ -228,22 +228,6 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-class Launch(NamedTuple):
-    """A launch other than the table's, for a developer's probe (benchmarks/tail_probe.py); the ops never pass one.
-
-    ``tiles`` in place of `tiles`' choice; ``one_tile_a_program``: a grid of one program per tile
-    (the hardware hands SMs to programs as they free) instead of one per SM; ``launch_dependents`` /
-    ``wait_prior_at_end``: the kernel's grid-dependency switches (`project_kv_ws_kernel`);
-    ``programmatic``: launched as a programmatic dependent launch.
-    """
-
-    tiles: Tiles
-    one_tile_a_program: bool = False
-    launch_dependents: bool = False
-    wait_prior_at_end: bool = False
-    programmatic: bool = False
-
-
 def launch(
     hidden: torch.Tensor,
     kv_weight: torch.Tensor,
@@ -254,7 +238,6 @@ def launch(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     num_layers: int,
-    how: Launch | None = None,
 ) -> None:
     """K and V of ``hidden`` ``[T, hidden]`` into ``k_out``/``v_out`` ``[L, T, H, D]``, the call checked and `launchable`.
 
@@ -265,7 +248,7 @@ def launch(
     num_tokens = hidden.shape[0]
     hd = k_out.shape[2] * k_out.shape[3]
     cube = _smem_layout(3)
-    shape = how.tiles if how is not None else tiles(num_tokens)
+    shape = tiles(num_tokens)
     outs = [
         GluonDescriptor(
             out,
@@ -278,7 +261,7 @@ def launch(
     ]
     # The pools' arguments unused: None (constexprs to Triton) and zeros.
     pools: tuple[Any, ...] = (None, None, None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, 0, 0)
-    _launch_kernel(hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, (*outs, *pools), hd, {}, how)
+    _launch_kernel(hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, (*outs, *pools), hd, {})
 
 
 def launchable_pool(
@@ -352,12 +335,11 @@ def _launch_kernel(
     destinations: tuple[Any, ...],
     hd: int,
     options: dict[str, Any],
-    how: Launch | None = None,
 ) -> None:
     """One launch: ``destinations`` the kernel's arguments from ``k_desc`` to ``num_rows``, ``options`` its
-    constexprs for pools; ``how``, a probe's `Launch`."""
+    constexprs for pools."""
     num_tokens = hidden.shape[0]
-    shape = how.tiles if how is not None else tiles(num_tokens)
+    shape = tiles(num_tokens)
     flat = _smem_layout(2)
     a_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [shape.block_m, BLOCK_K], flat)
     w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [shape.block_n, BLOCK_K], flat)
@@ -369,13 +351,7 @@ def _launch_kernel(
     eps_ptr = eps if isinstance(eps, torch.Tensor) else cos_sin_cache
     eps_stride = eps.stride(0) if isinstance(eps, torch.Tensor) else 0
     norm = k_norm_weight if k_norm_weight is not None else kv_weight
-    grid = min(num_tiles, _sm_count(hidden.device))
-    if how is not None:
-        grid = num_tiles if how.one_tile_a_program else grid
-        options = {**options, "LAUNCH_DEPENDENTS": how.launch_dependents, "WAIT_PRIOR_AT_END": how.wait_prior_at_end}
-        if how.programmatic:
-            options["launch_pdl"] = True
-    project_kv_ws_kernel[(grid,)](
+    project_kv_ws_kernel[(min(num_tiles, _sm_count(hidden.device)),)](
         a_desc, w_desc, *destinations, 0.0 if per_layer else float(eps), eps_ptr, eps_stride,
         norm, norm.stride(0), norm.stride(1),
         positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),

@@ -74,20 +74,6 @@ _PER_CALL = ("num_tokens", "tiles_m", "num_tiles", "positions_stride", "slots_st
 
 
 @_jit
-def _launch_dependents():
-    """``griddepcontrol.launch_dependents``: a kernel launched after this one as a programmatic dependent
-    launch may start once every program of this one has passed here (or ended)."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-
-
-@_jit
-def _wait_prior():
-    """``griddepcontrol.wait``: until the kernel this one was launched after has ended and its writes are seen."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@_jit
 def _band(tile, tiles_a, tiles_b, GROUP: gl.constexpr):
     """Tile ``tile``'s ``(a, b)`` block indices when tiles go in bands of ``GROUP`` blocks along ``a`` over every
     block along ``b``, ``a`` the faster within a band (the last band may be narrower)."""
@@ -432,23 +418,14 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, WARPS_M: gl.constexpr, WARPS_N: gl.constexpr,
                          NORM: gl.constexpr, EPS_PER_LAYER: gl.constexpr, POOL: gl.constexpr = False,
                          PAGE: gl.constexpr = 1, TABLE: gl.constexpr = 0, GROUP_N: gl.constexpr = 0,
-                         LAST_MMA: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
-                         WAIT_PRIOR_AT_END: gl.constexpr = False):  # fmt: skip
+                         LAST_MMA: gl.constexpr = True):  # fmt: skip
     """K and V of ``hidden`` (``a_desc``, ``[T, hidden]``) by the weight (``w_desc``, ``[L*2*H*D, hidden]``).
 
     ``k_desc``/``v_desc``: the dense outputs as ``[L, T, H*D]``, blocks ``[1, BM, BN]``; or, with
     ``POOL``, the pools from ``k_ptr`` on (`_pool_part`; the descriptors None). The tiles
     ``program_id, program_id + num_programs, ...`` (one program per SM, or per tile where there
     are fewer).
-
-    ``LAUNCH_DEPENDENTS`` and ``WAIT_PRIOR_AT_END`` (off unless a developer's probe sets them,
-    benchmarks/tail_probe.py): a second launch of this kernel over the tiles the first leaves, started
-    as a programmatic dependent launch that does not wait for the first before its work (it reads
-    nothing the first writes), so its programs take the SMs the first's programs leave; it waits for
-    the first at its end, so that what follows it on the stream finds both done.
     """
-    if LAUNCH_DEPENDENTS:
-        _launch_dependents()
     if POOL:
         dst = (k_ptr, v_ptr, offsets_ptr, offsets_stride_part, offsets_stride_layer,
                (k_stride_l, k_stride_page, k_stride_slot, k_stride_h),
@@ -499,5 +476,3 @@ def project_kv_ws_kernel(a_desc, w_desc, k_desc, v_desc, k_ptr, v_ptr, offsets_p
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
-    if WAIT_PRIOR_AT_END:
-        _wait_prior()
