@@ -290,8 +290,7 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             timeout "${WS_TESTS_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused_ws.py 2>&1 \
                 | tail -30 | tee "$OUT/ws_tests.txt"
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
-                | tee "$OUT/e2e.txt"
-            [ -z "$smi" ] || kill "$smi" ;;
+                | tee "$OUT/e2e.txt" ;;
         streamk)
             probe streamk streamk_probe.py "${STREAMK_S:-300}" ${STREAMK_T:-} ;;
         ws_small)
