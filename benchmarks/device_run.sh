@@ -48,6 +48,8 @@
 #                  SM clock, power and clock-event reasons every 200 ms meanwhile ($OUT/e2e_smi.csv)
 #   clocks         nvidia-smi -q (clocks, power, performance) into $OUT/clocks_smi.txt, then benchmarks/clock_probe.py:
 #                  the SM clock and power while torch.mm and the materializer run ($CLOCKS_T, default 64 1024)
+#   placement      benchmarks/placement_probe.py: the fused path against torch.mm with the weights at five places in memory
+#                  ($PLACEMENT_T, default 64; at most $PLACEMENT_S s, 200)
 #   tma            benchmarks/tma_probe.py: the GEMM alone, weight tiles through pointers or TMA ($TMA_T)
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
@@ -321,6 +323,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
                 | tee "$OUT/gemm_split.txt" ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
+        placement)
+            probe placement placement_probe.py "${PLACEMENT_S:-200}" ${PLACEMENT_T:-} ;;
         clocks)
             nvidia-smi -q -d CLOCK,POWER,PERFORMANCE,TEMPERATURE > "$OUT/clocks_smi.txt" 2>&1
             probe clocks clock_probe.py "${CLOCKS_S:-240}" ${CLOCKS_T:-} ;;
