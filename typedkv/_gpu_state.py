@@ -119,8 +119,9 @@ class GpuState:
         self._thread.start()
 
     @classmethod
-    def open(cls, device: torch.device) -> GpuState | None:
-        """A sampler of ``device``, or None where it is no CUDA device or NVML is not available."""
+    def open(cls, device: torch.device, interval_s: float = 0.005) -> GpuState | None:
+        """A sampler of ``device`` (a sample every ``interval_s`` in a window), or None where it is no CUDA
+        device or NVML is not available."""
         if device.type != "cuda":
             return None
         nvml = _nvml()
@@ -130,7 +131,7 @@ class GpuState:
         try:
             found = _nvml_index(nvml, index)
             if found is not None:
-                return cls(nvml, found)
+                return cls(nvml, found, interval_s)
         except Exception:  # an NVML without this device or these queries: record nothing
             pass
         _shutdown(nvml)
