@@ -50,6 +50,8 @@
 #                  the SM clock and power while torch.mm and the materializer run ($CLOCKS_T, default 64 1024)
 #   placement      benchmarks/placement_probe.py: the fused path against torch.mm with the weights at five places in memory
 #                  ($PLACEMENT_T, default 64; at most $PLACEMENT_S s, 200)
+#   l2promo        benchmarks/l2_promotion_probe.py: the fused path with its TMA descriptors' L2 promotion at
+#                  none / 64 / 128 (Triton's) / 256 bytes ($L2PROMO_T; at most $L2PROMO_S s, 300)
 #   tma            benchmarks/tma_probe.py: the GEMM alone, weight tiles through pointers or TMA ($TMA_T)
 #   splitk         benchmarks/splitk_probe.py: the GEMM alone with finer columns or the hidden dimension split ($SPLITK_T)
 #   persistent     benchmarks/persistent_probe.py: a GEMM + norm/RoPE epilogue, one program per tile or persistent ($PERSISTENT_T)
@@ -325,6 +327,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
         placement)
             probe placement placement_probe.py "${PLACEMENT_S:-200}" ${PLACEMENT_T:-} ;;
+        l2promo)
+            probe l2promo l2_promotion_probe.py "${L2PROMO_S:-300}" ${L2PROMO_T:-} ;;
         clocks)
             nvidia-smi -q -d CLOCK,POWER,PERFORMANCE,TEMPERATURE > "$OUT/clocks_smi.txt" 2>&1
             probe clocks clock_probe.py "${CLOCKS_S:-240}" ${CLOCKS_T:-} ;;
