@@ -1,6 +1,6 @@
 """Does the fused path's time at small T depend on where the weights lie in memory (a developer script for the H200)?
 
-Not part of the package. Usage: ``python benchmarks/placement_probe.py [--rotate] [T ...]`` (64 unless given).
+Not part of the package. Usage: ``python benchmarks/placement_probe.py [T ...]`` (64 unless given).
 
 At T = 64 four runs of the end-to-end bench on 2026-12-04 read the materializer at 1.048, 1.060,
 1.074-1.079 and 1.098 of ``torch.mm``, every one at 1980 MHz with ``torch.mm`` at 22.8-23.4 µs, while
@@ -11,9 +11,6 @@ materializer pinned to the fused path (dense), all ten alternated in each of sev
 (`typedkv._bench.paired_gpu_time_us`, four input sets in turn). Prints per copy the fused path's time
 over ``torch.mm`` of the same copy and round (median, range) and ``torch.mm``'s µs. If the copies
 differ by more than their rounds do, where the weights lie is one cause of the spread between runs.
-
-``--rotate``: per copy also the fused path with `typedkv._launch.ProjectionConfig.rotate_k` (each head's
-K loop from its own step, so the programs running together read other columns of their weight rows).
 """
 
 from __future__ import annotations
@@ -24,12 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from typedkv import KVMaterializer, _bench, _bench_e2e, _launch
+from typedkv import KVMaterializer, _bench, _bench_e2e
 
 
 def main() -> None:
-    rotate = "--rotate" in sys.argv
-    tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64]
+    tokens = [int(a) for a in sys.argv[1:]] or [64]
     device = torch.device("cuda")
     bench = _bench_e2e.bench_draft(device)
     copies = [bench.weight] + [bench.weight.clone() for _ in range(3)]
@@ -41,11 +37,11 @@ def main() -> None:
     for i, w in enumerate(copies):
         print(f"copy {i}: weight at 0x{w.data_ptr():x}", flush=True)
     for num_tokens in tokens:
-        _one(bench, copies, num_tokens, rotate)
+        _one(bench, copies, num_tokens)
         torch.cuda.empty_cache()
 
 
-def _one(bench: _bench_e2e.BenchDraft, copies: list[torch.Tensor], num_tokens: int, rotate: bool) -> None:
+def _one(bench: _bench_e2e.BenchDraft, copies: list[torch.Tensor], num_tokens: int) -> None:
     draft, device = bench.draft, bench.flat.device
     inputs = [_bench_e2e._inputs(draft, num_tokens, device) for _ in range(4)]
     out = torch.empty(num_tokens, bench.flat.shape[0], device=device, dtype=draft.dtype)
@@ -56,20 +52,14 @@ def _one(bench: _bench_e2e.BenchDraft, copies: list[torch.Tensor], num_tokens: i
         flat = w.flatten(0, 1)
         calls[f"mm{i}"] = [_mm(x.hidden, flat, out) for x in inputs]
         calls[f"fused{i}"] = [_fused(m, x.hidden, x.positions) for x in inputs]
-        if rotate:
-            r = KVMaterializer(w, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
-            r.projection_path = "fused"
-            calls[f"rot{i}"] = [_rotated(r, x.hidden, x.positions) for x in inputs]
     rounds = _bench.paired_gpu_time_us(calls, rounds=7)
     for i in range(len(copies)):
-        for name in ("fused", "rot") if rotate else ("fused",):
-            ratio = _bench_e2e.paired_ratio(rounds[f"{name}{i}"], rounds[f"mm{i}"])
-            print(
-                f"T={num_tokens} copy {i}: {name} / mm {ratio.median:.3f} ({ratio.low:.3f}-{ratio.high:.3f}), "
-                f"mm {statistics.median(rounds[f'mm{i}']):.2f} us, {name} "
-                f"{statistics.median(rounds[f'{name}{i}']):.2f} us",
-                flush=True,
-            )
+        ratio = _bench_e2e.paired_ratio(rounds[f"fused{i}"], rounds[f"mm{i}"])
+        print(
+            f"T={num_tokens} copy {i}: fused / mm {ratio.median:.3f} ({ratio.low:.3f}-{ratio.high:.3f}), "
+            f"mm {statistics.median(rounds[f'mm{i}']):.2f} us, fused {statistics.median(rounds[f'fused{i}']):.2f} us",
+            flush=True,
+        )
 
 
 def _mm(hidden: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
@@ -82,22 +72,6 @@ def _mm(hidden: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> Callable
 def _fused(m: KVMaterializer, hidden: torch.Tensor, positions: torch.Tensor) -> Callable[[], None]:
     def call() -> None:
         m(hidden, positions)
-
-    return call
-
-
-def _rotated(m: KVMaterializer, hidden: torch.Tensor, positions: torch.Tensor) -> Callable[[], None]:
-    """``m``'s call with its fused launch built rotated: the materializer keeps the launch its first call builds,
-    with `_launch.projection_launch`'s default configuration, which is the rotated one during the call."""
-
-    def call() -> None:
-        defaults = _launch.projection_launch.__kwdefaults__
-        plain = defaults["config"]
-        defaults["config"] = _launch.ProjectionConfig(rotate_k=True)
-        try:
-            m(hidden, positions)
-        finally:
-            defaults["config"] = plain
 
     return call
 

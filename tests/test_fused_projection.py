@@ -723,33 +723,6 @@ def test_weight_tiles_by_tma_equal_by_pointer(
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="builds the kernel's launch directly: runs under the interpreter")
-@pytest.mark.parametrize("pools", [False, True], ids=["dense", "pools"])
-def test_rotated_k_loops_match_the_oracle(pools: bool) -> None:
-    """`ProjectionConfig.rotate_k`: each head's loop starts at its own step and wraps (hidden 96, steps of 32:
-    the 12 heads start at columns 0, 32 and 64). On the grid's exact values K and V match the oracle; on
-    random ones, whose float32 sums depend on their order, V differs from the unrotated loop's (the switch
-    does something)."""
-    draft = Draft(torch.float32, head_dim=32, rotary_dim=32, hidden=96)
-    x, positions = draft.call(37)
-    random_x = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
-
-    def run(hidden: Tensor, rotate: bool) -> tuple[Tensor, Tensor]:
-        config = _launch.ProjectionConfig(block_m=16, block_k=32, tma=True, rotate_k=rotate)
-        launch, k_dst, v_dst, slots = _launch_for(draft, hidden, positions, config, pools)
-        assert launch.weight_blocks is not None  # the whole-head TMA loops, where the rotation is
-        launch(
-            _launch.projection_varying(
-                hidden, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache,
-                positions, slots, k_dst, v_dst, None, weight_blocks=launch.weight_blocks,
-            )
-        )  # fmt: skip
-        return (k_dst[:, slots], v_dst[:, slots]) if pools else (k_dst, v_dst)
-
-    assert_matches_oracle(run(x, True), draft.oracle(x, positions), torch.float32)
-    assert not torch.equal(run(random_x, False)[1], run(random_x, True)[1])
-
-
 def _launch_for(
     draft: Draft, x: Tensor, positions: Tensor, config: _launch.ProjectionConfig, pools: bool
 ) -> tuple[_launch.ProjectionLaunch, Tensor, Tensor, Tensor | None]:

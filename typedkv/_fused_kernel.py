@@ -74,24 +74,16 @@ def _project_tma(acc, a, w_desc, first_row, k0, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _whole_head_tma(a_row, hidden_stride_k, tok_ok, w_desc, head_row, start, HIDDEN: tl.constexpr,
-                    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, ROTATE_K: tl.constexpr):  # fmt: skip
+def _whole_head_tma(a_row, hidden_stride_k, tok_ok, w_desc, head_row, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
     """``hidden[tokens] @ W[head_row : head_row + ROWS]^T`` (``[BLOCK_M, ROWS]``, float32): a whole head, its weight
-    tiles by TMA from ``w_desc`` (a V head, or a K head of full rotary), one product per step.
-
-    With ``ROTATE_K`` (and ``EVEN_K``) the steps start at column ``start`` (a multiple of ``BLOCK_K``) and
-    wrap: the same products, summed in another order."""
+    tiles by TMA from ``w_desc`` (a V head, or a K head of full rotary), one product per step."""
     acc = tl.zeros((BLOCK_M, ROWS), dtype=tl.float32)
     for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0
-        if ROTATE_K and EVEN_K:
-            # The hint keeps `hidden`'s tile loads 16 bytes wide and pipelined (without it the
-            # remainder hides the step's alignment: synchronous 2-byte loads, 3x slower on the H200).
-            k = tl.multiple_of((k0 + start) % HIDDEN, BLOCK_K)
-        kk = k + tl.arange(0, BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K)
         a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-        acc = _project_tma(acc, a, w_desc, head_row, k, PRECISION)
+        acc = _project_tma(acc, a, w_desc, head_row, k0, PRECISION)
     return acc
 
 
@@ -241,7 +233,6 @@ def project_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
     GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
-    ROTATE_K: tl.constexpr,  # each head's K loop starts at its own step (whole-head TMA loops, HIDDEN % BLOCK_K == 0)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
     if WAIT_PRIOR:
@@ -258,10 +249,6 @@ def project_kv_kernel(
     HALF: tl.constexpr = R // 2
     PASS: tl.constexpr = D - R
     EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
-    # ROTATE_K: the programs' first steps spread over the hidden columns (whole-head TMA loops only).
-    start = 0
-    if ROTATE_K:
-        start = ((pid * (HIDDEN // BLOCK_K)) // tl.num_programs(1)) * BLOCK_K
 
     tok = block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_ok = tok < num_tokens
@@ -316,8 +303,8 @@ def project_kv_kernel(
             # kernel at ~1.4x torch.mm where a plain GEMM of whole heads ran at 1.02x), its
             # rotary halves split after the loop.
             acc = _whole_head_tma(
-                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, start, HIDDEN, EVEN_K, BLOCK_M,
-                2 * BLOCK_HALF, BLOCK_K, NUM_STAGES, PRECISION, ROTATE_K,
+                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
+                BLOCK_K, NUM_STAGES, PRECISION,
             )  # fmt: skip
             acc1, acc2 = _halves(acc, BLOCK_M, BLOCK_HALF)
         else:
@@ -411,8 +398,8 @@ def project_kv_kernel(
             scale = _layer_scale(scales[1], layer, V_SCALE)
         if W_TMA:
             acc = _whole_head_tma(
-                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, start, HIDDEN, EVEN_K, BLOCK_M, BLOCK_D,
-                BLOCK_K, V_STAGES, PRECISION, ROTATE_K,
+                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, BLOCK_D, BLOCK_K,
+                V_STAGES, PRECISION,
             )  # fmt: skip
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
