@@ -11,6 +11,14 @@ materializer pinned to the fused path (dense), all ten alternated in each of sev
 (`typedkv._bench.paired_gpu_time_us`, four input sets in turn). Prints per copy the fused path's time
 over ``torch.mm`` of the same copy and round (median, range) and ``torch.mm``'s µs. If the copies
 differ by more than their rounds do, where the weights lie is one cause of the spread between runs.
+
+``--inputs``: the first copy of the weights only, and five groups of input sets instead (each its own
+four ``hidden`` / ``positions`` allocations, a spacer of a few MB between groups so they land
+elsewhere): per group the fused path over ``torch.mm`` of the same inputs. The weights' copies did
+not explain the spread between processes; this asks whether where the caller's inputs lie does.
+Run on the H200 (2026-12-04, three processes in one device call): at T = 64 the groups of a process
+agree within 1 point (1.054-1.064, 1.054-1.060, 1.039-1.049); between processes the fused path held
+24.5-25.0 µs and ``torch.mm`` moved (23.4 µs in the first two, 23.5-23.7 in the third). No.
 """
 
 from __future__ import annotations
@@ -25,9 +33,14 @@ from typedkv import KVMaterializer, _bench, _bench_e2e
 
 
 def main() -> None:
-    tokens = [int(a) for a in sys.argv[1:]] or [64]
+    tokens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64]
     device = torch.device("cuda")
     bench = _bench_e2e.bench_draft(device)
+    if "--inputs" in sys.argv:
+        for num_tokens in tokens:
+            _by_inputs(bench, num_tokens)
+            torch.cuda.empty_cache()
+        return
     copies = [bench.weight] + [bench.weight.clone() for _ in range(3)]
     # The fifth: the first copy's values 8 KB + 128 bytes further on within one allocation.
     shift = (8192 + 128) // bench.weight.element_size()
@@ -60,6 +73,31 @@ def _one(bench: _bench_e2e.BenchDraft, copies: list[torch.Tensor], num_tokens: i
             f"mm {statistics.median(rounds[f'mm{i}']):.2f} us, fused {statistics.median(rounds[f'fused{i}']):.2f} us",
             flush=True,
         )
+
+
+def _by_inputs(bench: _bench_e2e.BenchDraft, num_tokens: int) -> None:
+    draft, device = bench.draft, bench.flat.device
+    m = KVMaterializer(bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
+    m.projection_path = "fused"
+    flat = bench.weight.flatten(0, 1)
+    out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
+    calls: dict[str, list[Callable[[], None]]] = {}
+    spacers = []
+    for g in range(5):
+        spacers.append(torch.empty((g + 1) * 3 * 2**20 + 128 * g, device=device, dtype=torch.uint8))
+        inputs = [_bench_e2e._inputs(draft, num_tokens, device) for _ in range(4)]
+        print(f"group {g}: hidden at " + ", ".join(f"0x{x.hidden.data_ptr():x}" for x in inputs), flush=True)
+        calls[f"mm{g}"] = [_mm(x.hidden, flat, out) for x in inputs]
+        calls[f"fused{g}"] = [_fused(m, x.hidden, x.positions) for x in inputs]
+    rounds = _bench.paired_gpu_time_us(calls, rounds=7)
+    for g in range(5):
+        ratio = _bench_e2e.paired_ratio(rounds[f"fused{g}"], rounds[f"mm{g}"])
+        print(
+            f"T={num_tokens} inputs {g}: fused / mm {ratio.median:.3f} ({ratio.low:.3f}-{ratio.high:.3f}), "
+            f"mm {statistics.median(rounds[f'mm{g}']):.2f} us, fused {statistics.median(rounds[f'fused{g}']):.2f} us",
+            flush=True,
+        )
+    del spacers
 
 
 def _mm(hidden: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
