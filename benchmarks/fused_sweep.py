@@ -46,13 +46,6 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
             for rope in (False, True)
             for loads in (False, True)
         ]
-    if "--rope-lines" in sys.argv:
-        # The default, and K's cos/sin rows asked of L2 at loop step 2 or 8, with V's pipeline as deep or deeper.
-        return [(_launch.ProjectionConfig(), None)] + [
-            (_launch.ProjectionConfig(rope_lines_at=at, v_stages=v_stages), None)
-            for at in (2, 8)
-            for v_stages in (None, 8, 9)
-        ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
         return [(_launch.ProjectionConfig(v_stages=v_stages), None) for v_stages in (None, 2, 3, 4)]
@@ -229,7 +222,6 @@ def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
         f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
-        + (f" rope_lines_at={config.rope_lines_at}" if config.rope_lines_at else "")
     )
 
 

@@ -76,40 +76,15 @@ def _project_tma(acc, a, w_desc, first_row, k0, PRECISION: tl.constexpr):
 @triton.jit
 def _whole_head_tma(a_row, hidden_stride_k, tok_ok, w_desc, head_row, HIDDEN: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    PRECISION: tl.constexpr, lines=None, LINES_AT: tl.constexpr = 0):  # fmt: skip
+                    PRECISION: tl.constexpr):  # fmt: skip
     """``hidden[tokens] @ W[head_row : head_row + ROWS]^T`` (``[BLOCK_M, ROWS]``, float32): a whole head, its weight
-    tiles by TMA from ``w_desc`` (a V head, or a K head of full rotary), one product per step.
-
-    ``LINES_AT`` > 0: at that step the loop also asks L2 for ``lines`` (addresses, `_prefetch_lines`)."""
+    tiles by TMA from ``w_desc`` (a V head, or a K head of full rotary), one product per step."""
     acc = tl.zeros((BLOCK_M, ROWS), dtype=tl.float32)
     for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
-        if LINES_AT > 0:
-            if k0 == LINES_AT * BLOCK_K:
-                _prefetch_lines(lines)
         acc = _project_tma(acc, a, w_desc, head_row, k0, PRECISION)
     return acc
-
-
-@triton.jit
-def _prefetch_lines(ptrs):
-    """Ask L2 for the 128-byte line at each of ``ptrs``: no registers held, nothing waited for."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _cos_sin_lines(rope, tok, tok_ok, R: tl.constexpr):
-    """The 128-byte lines of the tokens' cos/sin rows (``[T, R * itemsize / 128]`` addresses; a position outside
-    the cache clamped into it), for `_prefetch_lines`."""
-    positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r = rope
-    pos = tl.load(positions_ptr + tok * positions_stride, mask=tok_ok, other=0).to(tl.int64)
-    pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
-    LINE: tl.constexpr = 1024 // cos_sin_ptr.dtype.element_ty.primitive_bitwidth
-    line = tl.arange(0, R // LINE) * LINE
-    return cos_sin_ptr + pos[:, None] * cos_sin_stride_p + (line * cos_sin_stride_r)[None, :]
 
 
 @triton.jit
@@ -258,7 +233,6 @@ def project_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
     GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
-    ROPE_LINES_AT: tl.constexpr,  # K heads by TMA, RoPE after the loop: the loop step that asks L2 for cos/sin (0: none)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
     if WAIT_PRIOR:
@@ -328,19 +302,10 @@ def project_kv_kernel(
             # The whole head as one tile and one dot (products half as wide ran the fused
             # kernel at ~1.4x torch.mm where a plain GEMM of whole heads ran at 1.02x), its
             # rotary halves split after the loop.
-            if ROPE_LINES_AT > 0 and not EARLY_ROPE:
-                # The positions now, their cos/sin rows asked of L2 a few steps into the loop (when the
-                # positions are in): the epilogue's dependent loads then find them there.
-                lines = _cos_sin_lines(rope, tok, tok_ok, R)
-                acc = _whole_head_tma(
-                    a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
-                    BLOCK_K, NUM_STAGES, PRECISION, lines, ROPE_LINES_AT,
-                )  # fmt: skip
-            else:
-                acc = _whole_head_tma(
-                    a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
-                    BLOCK_K, NUM_STAGES, PRECISION,
-                )  # fmt: skip
+            acc = _whole_head_tma(
+                a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
+                BLOCK_K, NUM_STAGES, PRECISION,
+            )  # fmt: skip
             acc1, acc2 = _halves(acc, BLOCK_M, BLOCK_HALF)
         else:
             acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)

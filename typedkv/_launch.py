@@ -684,9 +684,6 @@ class ProjectionConfig:
     # by their latency: K's programs, with more of them in flight than V's, end their loop
     # first, and their longer epilogue overlaps V's last loads.
     v_stages: int | None = None
-    # K heads by TMA with their RoPE rows loaded after the loop: the loop step at which each K
-    # program asks L2 for its tokens' cos/sin rows (None or 0: none). CUDA only.
-    rope_lines_at: int | None = None
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
@@ -903,8 +900,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
         early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        blocks is not None, group_m, 0 if INTERPRETED or blocks is None else config.rope_lines_at or 0,
-        programmatic_launch(hidden.device),
+        blocks is not None, group_m, programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
