@@ -82,7 +82,7 @@ def _by_inputs(bench: _bench_e2e.BenchDraft, num_tokens: int) -> None:
     flat = bench.weight.flatten(0, 1)
     out = torch.empty(num_tokens, flat.shape[0], device=device, dtype=draft.dtype)
     calls: dict[str, list[Callable[[], None]]] = {}
-    spacers = []
+    spacers = []  # held to the end: each group's inputs then lie past every spacer before them
     for g in range(5):
         spacers.append(torch.empty((g + 1) * 3 * 2**20 + 128 * g, device=device, dtype=torch.uint8))
         inputs = [_bench_e2e._inputs(draft, num_tokens, device) for _ in range(4)]
