@@ -22,6 +22,8 @@ import pytest
 import torch
 from tp_worker import CASES
 
+from typedkv import _fused_ws
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "tp_worker.py"
 RANKS = 2
@@ -30,7 +32,7 @@ TIMEOUT_S = 300
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def run_worker(*args: str) -> None:
+def run_worker(*args: str, runs: int = len(CASES)) -> str:
     """``torch.distributed.run`` of the worker on `RANKS` processes; fails with its output unless every case passed.
 
     ``--standalone`` rendezvouses on a free local port, so parallel runs do not collide.
@@ -56,14 +58,35 @@ def run_worker(*args: str) -> None:
     assert launcher.returncode == 0, f"{' '.join(command)}: exit status {launcher.returncode}\n{output}"
     # Every rank reported every case: a worker that checked nothing cannot pass.
     passed = re.findall(r"^rank \d+/\d+ .*: OK, bit for bit$", output, re.MULTILINE)
-    assert len(passed) == RANKS * len(CASES), output
+    assert len(passed) == RANKS * runs, output
+    return output
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} CUDA devices")
 def test_two_gpu_tensor_parallel() -> None:
-    """Two CUDA ranks over NCCL: the gathered pool shards are the full-head pool, bit for bit."""
-    run_worker("--backend", "nccl", "--device", "cuda")
+    """Two CUDA ranks over NCCL, on each projection path: the gathered pool shards are the full-head pool, bit for bit."""
+    paths = ("auto", "fused", "gemm")
+    run_worker("--backend", "nccl", "--device", "cuda", "--paths", ",".join(paths), runs=len(CASES) * len(paths))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} CUDA devices")
+@pytest.mark.skipif(
+    not (_fused_ws.available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the warp-specialised kernel runs on sm_90 with Triton 3.6's Gluon",
+)
+def test_two_gpu_tensor_parallel_warp_specialised() -> None:
+    """The same with heads of 128 and the warp-specialised kernel taken at every T it can run.
+
+    Each rank holds two heads: one of the kernel's two-head tiles a layer's K or V.
+    """
+    output = run_worker(
+        "--backend", "nccl", "--device", "cuda", "--head-dim", "128", "--hidden", "256", "--ws-everywhere",
+    )  # fmt: skip
+    # The cases it can run (NeoX over the whole head, no FP8 pool) took it: not a test of the other kernel alone.
+    launches = re.search(r"^tp_worker: (\d+) launches of the warp-specialised kernel", output, re.MULTILINE)
+    assert launches is not None and int(launches[1]) > 0, output
 
 
 def test_two_cpu_ranks_tensor_parallel() -> None:

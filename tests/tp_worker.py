@@ -26,7 +26,14 @@ whose the difference is: the shard's weight rows (a sharding bug), the GEMM (the
 the full-head pool's heads), or the op -- with the number of differing elements and
 the largest difference. Nothing is compared to a tolerance.
 
-Prints one line per case per rank; exits non-zero on any mismatch (every rank,
+Every case runs once per projection path named by ``--paths`` (``KVMaterializer.projection_path``:
+``auto``, ``fused``, ``gemm``), the full-head and the shard materializer on the same path.
+``--ws-everywhere`` widens the measured table of the warp-specialised kernel
+(`typedkv._fused_ws`) to every T, so that the fused path (``auto`` or pinned) takes it wherever it can run
+(head_dim 128, NeoX over the whole head, no FP8 pool, sm_90 under Triton 3.6), and
+counts its launches: rank 0 prints them, and the test asserts there were some.
+
+Prints one line per case, path and rank; exits non-zero on any mismatch (every rank,
 after the last case, so that no rank is left waiting in a collective).
 Debug checking is on (`typedkv.set_debug`), as in the test suite. Under
 ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernel in Triton's interpreter.
@@ -35,16 +42,19 @@ Debug checking is on (`typedkv.set_debug`), as in the test suite. Under
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 import typedkv
+from typedkv._materializer import ProjectionPath
 
 
 @dataclass(frozen=True)
@@ -237,8 +247,8 @@ def compare(name: str, got: Tensor, want: Tensor) -> list[str]:
     return [] if torch.equal(bits(got), bits(want)) else [f"{name}: {difference(got, want)}"]
 
 
-def run_case(case: Case, shape: Shape, seed: int, device: torch.device) -> list[str]:
-    """Write this rank's pool shard and the full-head pool; the problems found (none: bit for bit)."""
+def run_case(case: Case, shape: Shape, seed: int, device: torch.device, path: ProjectionPath) -> list[str]:
+    """Write this rank's pool shard and the full-head pool on ``path``; the problems found (none: bit for bit)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = make_model(case, shape, seed, device)
     call = make_call(case, shape, seed + 1, device)
@@ -249,6 +259,7 @@ def run_case(case: Case, shape: Shape, seed: int, device: torch.device) -> list[
         list(model.kv_weight) if case.per_layer else model.kv_weight, model.k_norm_weight, model.eps,
         model.cos_sin_cache, num_kv_heads=num_kv_heads, rope_style=case.rope_style,
     )  # fmt: skip
+    full.projection_path = path
     full_k, full_v = as_pool(call.k_fill.clone(), case.per_layer), as_pool(call.v_fill.clone(), case.per_layer)
     full.into_pool(
         call.hidden, call.positions, call.cache_loc, full_k, full_v, k_scale=model.k_scale, v_scale=model.v_scale
@@ -262,6 +273,7 @@ def run_case(case: Case, shape: Shape, seed: int, device: torch.device) -> list[
         list(shard_weight) if case.per_layer else shard_weight, model.k_norm_weight, model.eps,
         model.cos_sin_cache, num_kv_heads=num_kv_heads // world_size, rope_style=case.rope_style,
     )  # fmt: skip
+    shard.projection_path = path
     k_fill, v_fill = call.k_fill[:, :, first:end].clone(), call.v_fill[:, :, first:end].clone()
     shard_k, shard_v = as_pool(k_fill.clone(), case.per_layer), as_pool(v_fill.clone(), case.per_layer)
     shard.into_pool(
@@ -282,7 +294,7 @@ def run_case(case: Case, shape: Shape, seed: int, device: torch.device) -> list[
         *row_problems("full-head K pool", want_k, call.k_fill, call.cache_loc),
         *row_problems("full-head V pool", want_v, call.v_fill, call.cache_loc),
     ]
-    return problems + diagnose(case, shape, model, call, shard_weight, heads, want_heads, bool(problems))
+    return problems + diagnose(case, shape, model, call, shard_weight, heads, want_heads, bool(problems), path)
 
 
 def diagnose(
@@ -294,12 +306,17 @@ def diagnose(
     heads: tuple[int, int],
     want_heads: tuple[Tensor, Tensor],
     pools_differ: bool,
+    path: ProjectionPath,
 ) -> list[str]:
     """Where a difference comes from -- the shard's weight rows, the GEMM, or the op; nothing when all agree.
 
     The GEMMs run as `typedkv.KVMaterializer` runs them: one ``torch.mm`` of all layers' rows.
-    The GEMM check runs even when the pools agree: a skipped token's rows never reach a pool.
+    On the GEMM path the GEMM check runs even when the pools agree: a skipped token's rows
+    never reach a pool. The other paths may not run ``torch.mm`` at all (the fused kernel
+    computes the product itself), so there it only explains a difference.
     """
+    if path != "gemm" and not pools_differ:
+        return []
     first, end = heads
     num_tokens, num_layers, num_kv_heads = shape.num_tokens, shape.num_layers, shape.num_kv_heads
     head_dim, hidden_size = shape.head_dim, shape.hidden_size
@@ -354,9 +371,41 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     parser.add_argument("--tokens", type=int, default=37)
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--max-position", type=int, default=128)
+    parser.add_argument(
+        "--paths", type=_paths, default=("auto",), help="projection paths, comma-separated (auto, fused, gemm)"
+    )
+    parser.add_argument(
+        "--ws-everywhere",
+        action="store_true",
+        help="the fused path takes the warp-specialised kernel at every T it can run",
+    )
     args = parser.parse_args(argv)
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.hidden, args.tokens, args.slots, args.max_position)
     return args, shape
+
+
+def _paths(text: str) -> tuple[ProjectionPath, ...]:
+    paths = tuple(text.split(","))
+    choices = get_args(ProjectionPath)
+    if not paths or any(p not in choices for p in paths):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}, got {text!r}")
+    return cast("tuple[ProjectionPath, ...]", paths)
+
+
+def count_ws_launches() -> list[int]:
+    """Widen the warp-specialised kernel's measured table to every T on this device; its launches, counted."""
+    from typedkv import _fused_ws
+
+    launches: list[int] = []
+    real = _fused_ws._launch_kernel
+
+    def counted(hidden: Tensor, *args: Any) -> None:
+        launches.append(hidden.shape[0])
+        real(hidden, *args)
+
+    _fused_ws.PROJECTION_WS_FASTER = {torch.cuda.get_device_name(): ((1, math.inf),)}
+    _fused_ws._launch_kernel = counted  # type: ignore[assignment]  # (the same call, counted)
+    return launches
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -370,22 +419,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group(backend=args.backend, device_id=device if device.type == "cuda" else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     typedkv.set_debug(True)
+    ws_launches = count_ws_launches() if args.ws_everywhere and device.type == "cuda" else []
     failures = 0
     try:
         if shape.num_kv_heads % world_size:
             raise SystemExit(f"--kv-heads {shape.num_kv_heads} is not a multiple of the world size {world_size}")
-        for index, case in enumerate(CASES):
-            problems = run_case(case, shape, args.seed + 100 * index, device)
-            first, end = head_range(rank, world_size, shape.num_kv_heads)
-            where = f"rank {rank}/{world_size} heads [{first}, {end}) of {shape.num_kv_heads}"
-            verdict = "OK, bit for bit" if not problems else "MISMATCH: " + "; ".join(problems)
-            say(f"{where}: {case.name(shape)}: {verdict}")
-            failures += bool(problems)
+        for path in args.paths:
+            for index, case in enumerate(CASES):
+                problems = run_case(case, shape, args.seed + 100 * index, device, path)
+                first, end = head_range(rank, world_size, shape.num_kv_heads)
+                where = f"rank {rank}/{world_size} heads [{first}, {end}) of {shape.num_kv_heads}"
+                verdict = "OK, bit for bit" if not problems else "MISMATCH: " + "; ".join(problems)
+                say(f"{where}: {case.name(shape)}, path {path}: {verdict}")
+                failures += bool(problems)
         # Every rank exits with the verdict of all ranks.
         total = torch.tensor([failures], device=device)
         dist.all_reduce(total)
         if rank == 0:
-            say(f"tp_worker: {int(total.item())} of {len(CASES) * world_size} case runs failed")
+            if args.ws_everywhere:
+                say(f"tp_worker: {len(ws_launches)} launches of the warp-specialised kernel on rank 0")
+            say(f"tp_worker: {int(total.item())} of {len(CASES) * len(args.paths) * world_size} case runs failed")
         return 1 if total.item() else 0
     finally:
         dist.destroy_process_group()
