@@ -1,9 +1,10 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools [--sorted | --contiguous]]
-[--defaults | --v-stages | --early] [T ...]`` (``--defaults``: the default configuration alone,
+[--defaults | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default configuration alone,
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
-``--early``: the default with the epilogue's loads before the loop or after it; with ``--pools``,
+``--early``: the default with the epilogue's loads before the loop or after it; ``--before-wait``: the
+default with the next kernel let launch early and weight columns asked of L2 before the wait; with ``--pools``,
 ``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
 consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
@@ -45,6 +46,22 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
             (_launch.ProjectionConfig(early_rope=rope, early_loads=loads), None)
             for rope in (False, True)
             for loads in (False, True)
+        ]
+    if "--before-wait" in sys.argv:
+        # The default, and the same letting the next kernel launch at this one's start (its programs
+        # then wait on the SMs this one leaves idle) and asking L2 for the first columns of each
+        # head's weight rows before waiting for the prior kernel.
+        return [
+            (_launch.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
+            for columns, signal in [
+                (0, False),
+                (0, True),
+                (256, True),
+                (512, True),
+                (1024, True),
+                (2048, True),
+                (1024, False),
+            ]
         ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
@@ -222,6 +239,11 @@ def _config_text(config: _launch.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
         f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
+        + (
+            f" l2_before_wait={config.l2_before_wait} signal_next={config.signal_next}"
+            if "--before-wait" in sys.argv
+            else ""
+        )
     )
 
 

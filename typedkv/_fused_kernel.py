@@ -34,7 +34,7 @@ from __future__ import annotations
 # parameter annotations when it compiles); mypy skips this module's bodies.
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._epilogue import (
     _cast,
@@ -85,6 +85,22 @@ def _whole_head_tma(a_row, hidden_stride_k, tok_ok, w_desc, head_row, HIDDEN: tl
         a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
         acc = _project_tma(acc, a, w_desc, head_row, k0, PRECISION)
     return acc
+
+
+@triton.jit
+def _prefetch_head(w_ptr, head_row, w_stride_n, w_stride_k, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HIDDEN: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+    """Ask L2 for the first ``COLUMNS`` columns of the head's ``D`` weight rows, a 128-byte line each request.
+
+    The weights are no prior kernel's output, so this may run before ``gdc_wait``: the
+    program then has its first steps' tiles in L2 when its loads start."""
+    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+    rows = head_row + tl.minimum(tl.arange(0, BLOCK_D), D - 1)
+    cols = tl.minimum(tl.arange(0, COLUMNS // LINE) * LINE, HIDDEN - 1)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_stride_n + (cols * w_stride_k)[None, :]
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -233,9 +249,12 @@ def project_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
     GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
+    L2_BEFORE_WAIT: tl.constexpr,  # weight columns of the head asked of L2 before waiting for the prior kernel (0: none)
+    SIGNAL_NEXT: tl.constexpr,  # let the next kernel's programs launch now (they wait for this one's end)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
-    if WAIT_PRIOR:
+    EARLY_WORK: tl.constexpr = L2_BEFORE_WAIT > 0 or SIGNAL_NEXT
+    if WAIT_PRIOR and not EARLY_WORK:
         gdc_wait()  # before any load: hidden may be the prior kernel's output
     # Token blocks on grid axis 0, (layer, head slot) on axis 1: the programs
     # launched together share their weight rows, which L2 then serves.
@@ -245,6 +264,15 @@ def project_kv_kernel(
         block, pid = _banded(block, pid, tl.num_programs(0), tl.num_programs(1), GROUP_M)
     layer = pid // (2 * H)
     slot = pid % (2 * H)
+    if EARLY_WORK:
+        if L2_BEFORE_WAIT > 0:
+            _prefetch_head(
+                w_ptr, layer * (2 * H * D) + slot * D, w_stride_n, w_stride_k, D, BLOCK_D, HIDDEN, L2_BEFORE_WAIT
+            )
+        if SIGNAL_NEXT:
+            gdc_launch_dependents()
+        if WAIT_PRIOR:
+            gdc_wait()
     store_ty: tl.constexpr = hidden_ptr.dtype.element_ty
     HALF: tl.constexpr = R // 2
     PASS: tl.constexpr = D - R

@@ -684,6 +684,11 @@ class ProjectionConfig:
     # by their latency: K's programs, with more of them in flight than V's, end their loop
     # first, and their longer epilogue overlaps V's last loads.
     v_stages: int | None = None
+    # Experiments (off): weight columns of each head asked of L2 before the kernel waits for
+    # the prior one (a programmatic dependent launch), and letting the next kernel launch at
+    # the start of this one.
+    l2_before_wait: int = 0
+    signal_next: bool = False
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
@@ -900,7 +905,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
         early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        blocks is not None, group_m, programmatic_launch(hidden.device),
+        blocks is not None, group_m, config.l2_before_wait, config.signal_next, programmatic_launch(hidden.device),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
