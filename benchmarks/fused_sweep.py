@@ -4,7 +4,8 @@ Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sw
 [--defaults | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default configuration alone,
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
 ``--early``: the default with the epilogue's loads before the loop or after it; ``--before-wait``: the
-default with the next kernel let launch early and weight columns asked of L2 before the wait; with ``--pools``,
+default against the next kernel let launch after the weight loop and weight columns asked of L2 before the wait,
+on and off; with ``--pools``,
 ``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
 consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
@@ -48,20 +49,14 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
             for loads in (False, True)
         ]
     if "--before-wait" in sys.argv:
-        # The default, and the same letting the next kernel launch at this one's start (its programs
-        # then wait on the SMs this one leaves idle) and asking L2 for the first columns of each
-        # head's weight rows before waiting for the prior kernel.
-        return [
+        # The default, then neither, the next kernel let launch after the weight loop, and that with
+        # the first 128 or 256 columns of each head's weight rows asked of L2 before the wait for the
+        # prior kernel. 2026-12-04 (two processes, 7 rounds each): at T = 32-128 the last two gained
+        # 0.5-1.0 us a call, at 16 the signal alone; at the start of the kernel, the signal cost
+        # 6-7 us a call (1.28-1.34x torch.mm at T = 1-64), and L2 requests without it 1.5-2 us.
+        return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
-            for columns, signal in [
-                (0, False),
-                (0, True),
-                (256, True),
-                (512, True),
-                (1024, True),
-                (2048, True),
-                (1024, False),
-            ]
+            for columns, signal in [(0, False), (0, True), (128, True), (256, True)]
         ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
@@ -117,9 +112,8 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     ]
 
 
-def main() -> None:
-    device = torch.device("cuda")
-    draft = Draft()
+def draft_tensors(draft: Draft, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bench draft's weight ``[L, 2*H*D, hidden]``, K norm weights ``[L, D]`` and NeoX cos/sin cache, seeded."""
     L, H, D = draft.num_layers, draft.num_kv_heads, draft.head_dim
     torch.manual_seed(0)
     weight = torch.randn(L, 2 * H * D, draft.hidden, device=device, dtype=draft.dtype) / draft.hidden**0.5
@@ -127,7 +121,14 @@ def main() -> None:
     half = D // 2
     inv = 1.0 / 1e6 ** (torch.arange(half, dtype=torch.float32, device=device) / half)
     angles = torch.outer(torch.arange(draft.max_position, dtype=torch.float32, device=device), inv)
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return weight, norm, torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    draft = Draft()
+    H = draft.num_kv_heads
+    weight, norm, cos_sin = draft_tensors(draft, device)
     gemm = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
     gemm.projection_path = "gemm"
     pools = "--pools" in sys.argv

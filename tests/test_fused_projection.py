@@ -784,41 +784,69 @@ def test_default_blocks_fit_shared_memory() -> None:
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
     default = _launch.ProjectionConfig()
-    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
-    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5)
-    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5)
-    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
-    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6)
-    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3)
+    assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, 0, False)
+    assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, 0, False)
+    assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5, 0, False)
+    assert default.blocks(33, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6, 0, False)
+    assert default.blocks(64, 128, 2, h200) == (64, 64, 6, False, False, False, 1, 4, 6, 0, False)
+    assert default.blocks(65, 128, 2, h200) == (128, 64, 3, False, False, False, 1, 4, 3, 0, False)
     # Where the weight can load by TMA: TMA; up to 128 tokens V's pipeline shallower than K's but from 17 to 32;
     # above 128 in bands of 8 token blocks, of 64 tokens and 4 warps up to 256, of 128 tokens and 8 warps above.
-    assert default.blocks(1, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
-    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5)
-    assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
-    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5)
-    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
-    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7)
-    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
-    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6)
-    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
-    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3)
-    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4)
+    assert default.blocks(1, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5, 0, True)
+    assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5, 0, True)
+    assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, 128, True)
+    assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, 128, True)
+    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 128, True)
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 128, True)
+    assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, 128, True)
+    assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, 128, True)
+    assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, 0, True)
+    assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, 0, True)
+    assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4, 0, False)
     no_tma = _launch.ProjectionConfig(tma=False)
-    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3)
+    assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3, 0, False)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
-    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
-    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4, 3)
+    assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3, 0, False)
+    assert default.blocks(16, 128, 4, h200) == (16, 128, 3, True, True, False, 1, 4, 3, 0, False)
     # A small shared memory: two stages at least, then narrower K steps.
-    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2)
+    assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2, 0, False)
     # Where shared memory makes K's pipeline shallower, V's follows in proportion (at least 2 stages).
-    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4)
-    assert default.blocks(48, 128, 2, 48 * 1024, tma_possible=True) == (64, 64, 2, False, False, True, 1, 4, 2)
+    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4, 128, True)
+    assert default.blocks(48, 128, 2, 48 * 1024, tma_possible=True) == (
+        64,
+        64,
+        2,
+        False,
+        False,
+        True,
+        1,
+        4,
+        2,
+        128,
+        True,
+    )
     # Fields given are kept as given; V's depth is K's unless given, where K's is.
     pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
-    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6)
-    assert pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True) == (64, 256, 6, False, False, True, 1, 4, 6)
+    assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6, 0, False)
+    assert pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True) == (
+        64,
+        256,
+        6,
+        False,
+        False,
+        True,
+        1,
+        4,
+        6,
+        128,
+        True,
+    )
     shallow_v = _launch.ProjectionConfig(v_stages=3)
-    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3)
+    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3, 128, True)
+    # Up to T = 256 by TMA the next kernel is let launch after the weight loop, and from 17 to 128 a program
+    # asks L2 for its first 128 weight columns before it waits for the prior kernel; either may be pinned.
+    quiet = _launch.ProjectionConfig(l2_before_wait=0, signal_next=False)
+    assert quiet.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 0, False)
 
 
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)

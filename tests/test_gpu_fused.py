@@ -369,6 +369,61 @@ def test_cuda_graph_fused(pool: bool) -> None:
     assert draft.m._workspace is None  # the fused path has no GEMM output
 
 
+@pytest.mark.parametrize("num_tokens", [16, 64])
+def test_next_kernel_reads_the_fused_output_cuda(num_tokens: int) -> None:
+    """On Hopper the fused kernel lets the next kernel launch once its weight loops are done
+    (`typedkv._launch.ProjectionConfig.signal_next`): a programmatic launch right after it that reads its K and V
+    reads them whole, eagerly and in a replayed graph, the two inputs alternating.
+
+    K and V are written as views of one ``[T, L, 2, H, D]`` buffer, which `typedkv.materialize_kv` then
+    takes as its kv (its kernel waits for the prior one's end before its first load).
+    """
+    from typedkv import _launch
+
+    typedkv.set_debug(False)
+    draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=4096)
+    m, width = draft.m, 2 * H * 128
+    buf = torch.empty(num_tokens, L, 2, H, 128, dtype=torch.bfloat16, device="cuda")
+    k_out, v_out = (buf[:, :, i].permute(1, 0, 2, 3) for i in range(2))
+    inputs = [cuda_call(draft, num_tokens, seed=40 + i)[2:] for i in range(2)]
+    hidden, positions = (t.clone() for t in inputs[0])
+
+    def step(i: int) -> tuple[Tensor, Tensor]:
+        hidden.copy_(inputs[i % 2][0])
+        positions.copy_(inputs[i % 2][1])
+        m(hidden, positions, k_out=k_out, v_out=v_out)
+        return typedkv.materialize_kv(
+            buf.view(num_tokens, L, width), m.k_norm_weight, m.eps, m.cos_sin_cache, positions, num_kv_heads=H
+        )
+
+    want = []
+    for i in range(2):
+        hidden.copy_(inputs[i][0])
+        positions.copy_(inputs[i][1])
+        m(hidden, positions, k_out=k_out, v_out=v_out)
+        torch.cuda.synchronize()
+        kv = buf.view(num_tokens, L, width).clone()
+        want.append(typedkv.materialize_kv(kv, m.k_norm_weight, m.eps, m.cos_sin_cache, positions, num_kv_heads=H))
+        torch.cuda.synchronize()
+    assert not torch.equal(want[0][0], want[1][0])
+    for i in range(6):
+        k, v = step(i)
+        torch.cuda.synchronize()
+        assert torch.equal(k, want[i % 2][0]) and torch.equal(v, want[i % 2][1])
+    graph, out = capture(lambda: (step(1), step(0))[1])
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], want[0][0]) and torch.equal(out[1], want[0][1])
+    # The calls above ran the signalling kernel (on Hopper): not a test of a kernel that signals nothing.
+    (kept,) = m._plans.values()
+    ptx = [launch.compiled.asm["ptx"] for launch in kept.launches.values() if launch.compiled is not None]
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert ptx and all(
+        ("griddepcontrol.launch_dependents" in text) is (hopper and _launch.PROGRAMMATIC_LAUNCH) for text in ptx
+    )
+
+
 @pytest.mark.usefixtures("weight_loads")
 @pytest.mark.usefixtures("fresh_compile")
 def test_compiled_into_pool_fused_pinned() -> None:

@@ -169,3 +169,45 @@ def test_only_a_kernel_that_waits_launches_programmatically() -> None:
     assert _launch.KernelLaunch(kernel, grid, (*params[:-1], True), num_warps).programmatic
     assert not _launch.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
     assert not _launch.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic
+
+
+@pytest.mark.parametrize("num_tokens", [16, 64])
+@pytest.mark.parametrize("where", ["dense", "list"])
+def test_fused_overlaps_its_neighbours_on_hopper(num_tokens: int, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched as on an H200 (weights by TMA, programmatic dependent launches), the fused kernel lets the next
+    kernel launch once its weight loops are done (`ProjectionConfig.signal_next`), and from T = 17 asks L2 for
+    its first weight columns before it waits for the prior kernel (`ProjectionConfig.l2_before_wait`): nothing
+    but those requests comes before the wait, and no weight tile is loaded after the signal."""
+    pytest.importorskip("triton.backends.nvidia")
+    from typedkv import _fused_impl
+
+    monkeypatch.setattr(_launch, "_tma_device", lambda device: True)
+    monkeypatch.setattr(_launch, "_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(_launch, "programmatic_launch", lambda device: True)
+    monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})
+    snapshot = _snapshot()
+    pool = None if where == "dense" else snapshot._pool_alloc(num_tokens, where, torch.bfloat16, None)
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot._fused(num_tokens, pool=pool))
+    names = kernel.arg_names
+    assert params[names.index("W_TMA")] is True and params[names.index("WAIT_PRIOR")] is True
+    assert params[names.index("SIGNAL_NEXT")] is True
+    assert params[names.index("L2_BEFORE_WAIT")] == (128 if num_tokens > 16 else 0)
+    lines = snapshot.compile_ptx(kernel, params, num_warps).splitlines()
+
+    def at(pattern: str) -> list[int]:
+        return [i for i, line in enumerate(lines) if re.search(pattern, line)]
+
+    (wait,) = at(r"griddepcontrol\.wait")
+    memory = at(r"\b(ld|st|atom|red)\.global|cp\.async")
+    prefetches = at(r"prefetch\.global\.L2")
+    assert memory and wait < memory[0]
+    assert len(prefetches) == (0 if num_tokens <= 16 else 128 * 2 // (num_warps * 32))
+    assert all(p < wait for p in prefetches)
+    # One signal in K's programs and one in V's, each after its weight loop: the tile loads
+    # that follow a signal are the other head's (before its next signal), none after the last.
+    signals = at(r"griddepcontrol\.launch_dependents")
+    tiles = at(r"cp\.async\.bulk\.tensor")
+    assert len(signals) == 2 and tiles and tiles[0] < signals[0]
+    assert not [t for t in tiles if t > signals[1]]
+    stores = at(r"\bst\.global")
+    assert stores and not [t for t in tiles if signals[0] < t < min(s for s in stores if s > signals[0])]

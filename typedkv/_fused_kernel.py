@@ -249,12 +249,11 @@ def project_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     W_TMA: tl.constexpr,  # weight tiles through the descriptors (NeoX, every piece a power of two rows)
     GROUP_M: tl.constexpr,  # token blocks per band of programs (`_banded`; 1: none)
-    L2_BEFORE_WAIT: tl.constexpr,  # weight columns of the head asked of L2 before waiting for the prior kernel (0: none)
-    SIGNAL_NEXT: tl.constexpr,  # let the next kernel's programs launch now (they wait for this one's end)
+    L2_BEFORE_WAIT: tl.constexpr,  # the head's first weight columns asked of L2 before WAIT_PRIOR's wait (0: none)
+    SIGNAL_NEXT: tl.constexpr,  # after the weight loop, let the next kernel launch (griddepcontrol.launch_dependents)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
 ):
-    EARLY_WORK: tl.constexpr = L2_BEFORE_WAIT > 0 or SIGNAL_NEXT
-    if WAIT_PRIOR and not EARLY_WORK:
+    if WAIT_PRIOR and L2_BEFORE_WAIT == 0:
         gdc_wait()  # before any load: hidden may be the prior kernel's output
     # Token blocks on grid axis 0, (layer, head slot) on axis 1: the programs
     # launched together share their weight rows, which L2 then serves.
@@ -264,13 +263,12 @@ def project_kv_kernel(
         block, pid = _banded(block, pid, tl.num_programs(0), tl.num_programs(1), GROUP_M)
     layer = pid // (2 * H)
     slot = pid % (2 * H)
-    if EARLY_WORK:
-        if L2_BEFORE_WAIT > 0:
-            _prefetch_head(
-                w_ptr, layer * (2 * H * D) + slot * D, w_stride_n, w_stride_k, D, BLOCK_D, HIDDEN, L2_BEFORE_WAIT
-            )
-        if SIGNAL_NEXT:
-            gdc_launch_dependents()
+    if L2_BEFORE_WAIT > 0:
+        # Launched while the prior kernel ends, a program has its first weight tiles on their
+        # way before it may load anything that kernel wrote (`_prefetch_head`).
+        _prefetch_head(
+            w_ptr, layer * (2 * H * D) + slot * D, w_stride_n, w_stride_k, D, BLOCK_D, HIDDEN, L2_BEFORE_WAIT
+        )
         if WAIT_PRIOR:
             gdc_wait()
     store_ty: tl.constexpr = hidden_ptr.dtype.element_ty
@@ -358,6 +356,10 @@ def project_kv_kernel(
                         acc3 = _project(
                             acc3, a, w_head, w_stride_n, w_stride_k, dims3, rest_ok, kk, HIDDEN, EVEN_K, PRECISION
                         )
+        if SIGNAL_NEXT:
+            # The weights are in: the next kernel's launch and its programs' start overlap this
+            # epilogue (it waits for this kernel's end before it loads anything).
+            gdc_launch_dependents()
         if NORM and not EARLY_LOADS:
             # The norm's loads together, before the first layout conversion (a barrier no load
             # moves across): loaded where each was used, w2's followed y1's conversion in the
@@ -435,6 +437,8 @@ def project_kv_kernel(
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = _hidden_tile(a_row, hidden_stride_k, tok_ok, kk, HIDDEN, EVEN_K)
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
+        if SIGNAL_NEXT:
+            gdc_launch_dependents()
         # V is kv's value, bit for bit (quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
         if not (EARLY_LOADS or W_TMA):

@@ -648,6 +648,11 @@ class Blocks(NamedTuple):
     num_warps: int
     # The V heads' pipeline depth; None in the tables: as K's (``num_stages``).
     v_stages: int | None = None
+    # Under a programmatic dependent launch (`programmatic_launch`): the first weight columns
+    # of each head asked of L2 before the program waits for the prior kernel (0: none), and
+    # the next kernel let launch once a program's weight loop is done.
+    l2_before_wait: int = 0
+    signal_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -684,11 +689,12 @@ class ProjectionConfig:
     # by their latency: K's programs, with more of them in flight than V's, end their loop
     # first, and their longer epilogue overlaps V's last loads.
     v_stages: int | None = None
-    # Experiments (off): weight columns of each head asked of L2 before the kernel waits for
-    # the prior one (a programmatic dependent launch), and letting the next kernel launch at
-    # the start of this one.
-    l2_before_wait: int = 0
-    signal_next: bool = False
+    # Where launches are programmatic dependent ones (`programmatic_launch`): the first weight
+    # columns of each head asked of L2 before a program waits for the prior kernel, so that
+    # they stream in while that kernel ends (a power of two, 0: none), and the next kernel let
+    # launch when a program's weight loop is done, so that its launch overlaps this epilogue.
+    l2_before_wait: int | None = None
+    signal_next: bool | None = None
 
     def blocks(
         self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
@@ -708,6 +714,8 @@ class ProjectionConfig:
         tma = measured.tma if self.tma is None else self.tma
         group_m = self.group_m or measured.group_m
         num_warps = self.num_warps or measured.num_warps
+        l2_before_wait = measured.l2_before_wait if self.l2_before_wait is None else self.l2_before_wait
+        signal_next = measured.signal_next if self.signal_next is None else self.signal_next
 
         # A stage holds a hidden tile and the head's weight tile.
         def fits() -> bool:
@@ -724,7 +732,10 @@ class ProjectionConfig:
             v_stages = max(2, -(-stages * measured.v_stages // measured.num_stages))
         else:
             v_stages = stages
-        return Blocks(block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps, v_stages)
+        return Blocks(
+            block_m, block_k, stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, l2_before_wait,
+            signal_next,
+        )  # fmt: skip
 
 
 # ``ProjectionConfig``'s defaults, (most tokens, blocks), from benchmarks/fused_sweep.py
@@ -765,13 +776,17 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # bands 1.28x / 1.65x. T = 129-256 (a later sweep, each beside
 # the large-T row in the same run): blocks of 64 tokens, 4 warps (137 registers, no
 # spills), bands of 8, 3 stages (74 KB of shared memory: room for three programs to an
-# SM, the 320 programs of T = 256 in one wave; 1.253x against 1.720x).
+# SM, the 320 programs of T = 256 in one wave; 1.253x against 1.720x). The last two fields
+# (2026-12-04, fused_sweep.py --before-wait, two processes; docs/performance.md): the next
+# kernel let launch after the weight loop up to T = 256, and from 17 to 128 the first 128
+# weight columns asked of L2 before the wait: T = 32-64 0.98-1.02x against 1.01-1.07x without,
+# back to back; after a kernel that is not a programmatic launch 0.5-1.5 points, none at T = 16.
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
-    (16, Blocks(16, 128, 6, True, True, True, 1, 4, 5)),
-    (32, Blocks(32, 128, 5, False, True, True, 1, 4)),
-    (64, Blocks(64, 64, 9, False, False, True, 1, 4, 7)),
-    (128, Blocks(128, 64, 7, False, False, True, 1, 8, 6)),
-    (256, Blocks(64, 64, 3, False, False, True, 8, 4)),
+    (16, Blocks(16, 128, 6, True, True, True, 1, 4, 5, 0, True)),
+    (32, Blocks(32, 128, 5, False, True, True, 1, 4, None, 128, True)),
+    (64, Blocks(64, 64, 9, False, False, True, 1, 4, 7, 128, True)),
+    (128, Blocks(128, 64, 7, False, False, True, 1, 8, 6, 128, True)),
+    (256, Blocks(64, 64, 3, False, False, True, 8, 4, None, 0, True)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
 
@@ -890,7 +905,10 @@ def projection_launch(
     settled = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
     )
-    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages = settled
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, l2_ahead, signal = settled
+    # Both act through a programmatic dependent launch only (elsewhere a kernel waits for
+    # nothing, and its successors launch when it ends).
+    programmatic = programmatic_launch(hidden.device)
     blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
@@ -905,7 +923,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
         early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        blocks is not None, group_m, config.l2_before_wait, config.signal_next, programmatic_launch(hidden.device),
+        blocks is not None, group_m, l2_ahead if programmatic else 0, signal and programmatic, programmatic,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
