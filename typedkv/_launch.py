@@ -905,10 +905,17 @@ def projection_launch(
     settled = config.blocks(
         num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
     )
-    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, l2_ahead, signal = settled
+    block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, l2_columns, signal = (
+        settled
+    )
     # Both act through a programmatic dependent launch only (elsewhere a kernel waits for
-    # nothing, and its successors launch when it ends).
+    # nothing, and its successors launch when it ends). The L2 requests go a 128-byte line
+    # at a time, a power of two of them a row.
     programmatic = programmatic_launch(hidden.device)
+    if l2_columns and programmatic:
+        l2_columns = triton.next_power_of_2(max(l2_columns, 128 // hidden.element_size()))
+    else:
+        l2_columns = 0
     blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
@@ -923,7 +930,7 @@ def projection_launch(
         _scale_mode(scales[0], k_dst), _scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
         early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        blocks is not None, group_m, l2_ahead if programmatic else 0, signal and programmatic, programmatic,
+        blocks is not None, group_m, l2_columns, signal and programmatic, programmatic,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
