@@ -4,9 +4,8 @@ Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sw
 [--defaults | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default configuration alone,
 for an A/B of two checkouts; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
 ``--early``: the default with the epilogue's loads before the loop or after it; ``--before-wait``: the
-default against the next kernel let launch after the weight loop and weight columns asked of L2 before the wait,
-on and off; with ``--pools``,
-``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
+default, and the next kernel let launch after the weight loop and weight columns asked of L2 before the
+wait, on and off; with ``--pools``, ``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
 consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
@@ -51,9 +50,10 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     if "--before-wait" in sys.argv:
         # The default, then neither, the next kernel let launch after the weight loop, and that with
         # the first 128 or 256 columns of each head's weight rows asked of L2 before the wait for the
-        # prior kernel. 2026-12-04 (two processes, 7 rounds each): at T = 32-128 the last two gained
-        # 0.5-1.0 us a call, at 16 the signal alone; at the start of the kernel, the signal cost
-        # 6-7 us a call (1.28-1.34x torch.mm at T = 1-64), and L2 requests without it 1.5-2 us.
+        # prior kernel. 2026-12-04 (two processes, 7 rounds each): at T = 32-128 the signal with
+        # 128 columns gained 0.6-1.3 us a call, at 16 the signal alone; at the kernel's start the
+        # signal cost 6-7 us a call (1.27-1.34x torch.mm at T = 1-64), and 1024 columns of L2
+        # requests without it 1.3-2.1 us.
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
             for columns, signal in [(0, False), (0, True), (128, True), (256, True)]
