@@ -329,6 +329,13 @@ def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
     return call
 
 
+def as_on_hopper(set_attribute: Callable[[Any, str, Any], object]) -> None:
+    """Launch the fused kernel as on an H200: weight tiles by TMA where they can be, pipelines sized to its
+    227 KB of shared memory. ``set_attribute``: ``setattr``, or a test's ``monkeypatch.setattr``."""
+    set_attribute(_launch, "_tma_device", lambda device: True)
+    set_attribute(_launch, "_shared_memory", lambda device: 232448)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for one .ptx file per launch (created)")
@@ -341,8 +348,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.hopper:
-        _launch._tma_device = lambda device: True  # type: ignore[assignment]
-        _launch._shared_memory = lambda device: 232448  # type: ignore[assignment]
+        as_on_hopper(setattr)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     for name, call in cases().items():

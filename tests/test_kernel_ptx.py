@@ -181,11 +181,10 @@ def test_fused_overlaps_its_neighbours_on_hopper(num_tokens: int, where: str, mo
     pytest.importorskip("triton.backends.nvidia")
     from typedkv import _fused_impl
 
-    monkeypatch.setattr(_launch, "_tma_device", lambda device: True)
-    monkeypatch.setattr(_launch, "_shared_memory", lambda device: 232448)
+    snapshot = _snapshot()
+    snapshot.as_on_hopper(monkeypatch.setattr)
     monkeypatch.setattr(_launch, "programmatic_launch", lambda device: True)
     monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})
-    snapshot = _snapshot()
     pool = None if where == "dense" else snapshot._pool_alloc(num_tokens, where, torch.bfloat16, None)
     ((kernel, _, params, num_warps),) = snapshot.capture(snapshot._fused(num_tokens, pool=pool))
     names = kernel.arg_names
