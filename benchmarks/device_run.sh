@@ -68,6 +68,8 @@
 #   mm_kernels     benchmarks/mm_kernels.py: cuBLAS's kernels for the bench's torch.mm, names and grids ($MM_KERNELS_T)
 #   gap            benchmarks/e2e_gap.py: the end-to-end GEMM + kernel time taken apart ($GAP_T)
 #   chunk          benchmarks/chunk_probe.py: GEMM + kernel in chunks of tokens L2 can hold ($CHUNK_T)
+#   layer_overlap  benchmarks/layer_overlap_probe.py: the GEMM cut by groups of layers, each group's K/V kernel on a
+#                  side stream beside the next group's GEMM ($LAYER_OVERLAP_T; at most $LAYER_OVERLAP_S s, 300)
 #   after_gemm     benchmarks/after_gemm_sweep.py: the K/V kernel's configuration after the materializer's GEMM ($AFTER_GEMM_T)
 #   gluon          benchmarks/gluon_probe.py: the warp-specialised Gluon GEMM, with K's epilogue or not ($GLUON_T)
 #   ws_tests       the warp-specialised fused kernel's GPU tests (tests/test_gpu_fused_ws.py), then typedkv bench --only e2e
@@ -278,6 +280,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nopdl_$round'])
             probe gap e2e_gap.py "${GAP_S:-240}" ${GAP_T:-} ;;
         chunk)
             probe chunk chunk_probe.py "${CHUNK_S:-300}" ${CHUNK_T:-} ;;
+        layer_overlap)
+            probe layer_overlap layer_overlap_probe.py "${LAYER_OVERLAP_S:-300}" ${LAYER_OVERLAP_T:-} ;;
         after_gemm)
             probe after_gemm after_gemm_sweep.py "${AFTER_GEMM_S:-300}" ${AFTER_GEMM_T:-} ;;
         gluon)
