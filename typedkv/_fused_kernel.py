@@ -263,12 +263,12 @@ def project_kv_kernel(
         block, pid = _banded(block, pid, tl.num_programs(0), tl.num_programs(1), GROUP_M)
     layer = pid // (2 * H)
     slot = pid % (2 * H)
+    # This head's first weight row (K heads come first in each layer's 2*H*D rows).
+    head_row = layer * (2 * H * D) + slot * D
     if L2_BEFORE_WAIT > 0:
         # Launched while the prior kernel ends, a program has its first weight tiles on their
         # way before it may load anything that kernel wrote (`_prefetch_head`).
-        _prefetch_head(
-            w_ptr, layer * (2 * H * D) + slot * D, w_stride_n, w_stride_k, D, BLOCK_D, HIDDEN, L2_BEFORE_WAIT
-        )
+        _prefetch_head(w_ptr, head_row, w_stride_n, w_stride_k, D, BLOCK_D, HIDDEN, L2_BEFORE_WAIT)
         if WAIT_PRIOR:
             gdc_wait()
     store_ty: tl.constexpr = hidden_ptr.dtype.element_ty
@@ -280,9 +280,7 @@ def project_kv_kernel(
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     a_row = hidden_ptr + tok.to(tl.int64)[:, None] * hidden_stride_t
-    # This head's first weight row (K heads come first in each layer's 2*H*D
-    # rows), and its address: in int64, since L*2*H*D*hidden may exceed int32.
-    head_row = layer * (2 * H * D) + slot * D
+    # The head's address: in int64, since L*2*H*D*hidden may exceed int32.
     w_head = w_ptr + head_row.to(tl.int64) * w_stride_n
     if HAS_BIAS:
         bias_head = bias_ptr + head_row
