@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from fused_sample import FILL, Guarded, _positions_out_of_range, _same_pools, check_dense
 from test_fused_projection import Draft, H, L, _layers
+from ws_launches import counted_launches, taken_everywhere
 
 import typedkv
 from typedkv import _fused_ws
@@ -155,23 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         print("ws sample skipped: the warp-specialised kernel needs an sm_90 GPU and Triton 3.6's Gluon", flush=True)
         return 0
     typedkv.set_debug(False)  # production: slots past the pool are skipped, not rejected
-    name = torch.cuda.get_device_name()
-    _fused_ws.PROJECTION_WS_FASTER = {name: ((1, math.inf),)}
-    launches: list[int] = []
-    real = _fused_ws._launch_kernel
-
-    def counted(hidden: torch.Tensor, *args: Any) -> None:
-        launches.append(hidden.shape[0])
-        real(hidden, *args)
-
-    _fused_ws._launch_kernel = counted  # type: ignore[assignment]
     start = time.perf_counter()
-    for index, (label, shape) in enumerate(tile_sets().items()):
-        _fused_ws.WS_TILES = ((math.inf, shape),)
-        layouts = POOL_LAYOUTS if index == 0 else POOL_LAYOUTS_AFTER
-        run_dense(shape, launches)
-        run_pools(layouts, launches)
-        print(f"{label}: dense outputs and pools ({', '.join(layouts)}) passed", flush=True)
+    with taken_everywhere(torch.cuda.get_device_name()), counted_launches() as launches:
+        for index, (label, shape) in enumerate(tile_sets().items()):
+            _fused_ws.WS_TILES = ((math.inf, shape),)
+            layouts = POOL_LAYOUTS if index == 0 else POOL_LAYOUTS_AFTER
+            run_dense(shape, launches)
+            run_pools(layouts, launches)
+            print(f"{label}: dense outputs and pools ({', '.join(layouts)}) passed", flush=True)
     print(f"ws sample done in {time.perf_counter() - start:.1f} s", flush=True)
     return 0
 

@@ -181,3 +181,25 @@ def test_the_sanitizer_sample_covers_every_tile_set(capsys: pytest.CaptureFixtur
         pytest.skip("the GPU suite runs it here")
     assert fused_ws_sample.main([]) == 0
     assert "ws sample skipped" in capsys.readouterr().out
+
+
+def test_widened_table_and_counted_launches_are_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/ws_launches.py, with which this kernel's GPU tests, its sanitizer sample and the two-GPU worker make
+    every T take the kernel and count its launches: the table says faster at every T inside the block, each
+    launch goes through and is counted, and both attributes are back after it, also when the block raises."""
+    from ws_launches import counted_launches, taken_everywhere
+
+    launched: list[tuple[int, tuple[Any, ...]]] = []
+    monkeypatch.setattr(_fused_ws, "_launch_kernel", lambda hidden, *args: launched.append((hidden.shape[0], args)))
+    table, launch, cpu = _fused_ws.PROJECTION_WS_FASTER, _fused_ws._launch_kernel, torch.device("cpu")
+    assert not _launch._measured_faster(table, cpu, 1)
+    with taken_everywhere(_launch._device_name(cpu)), counted_launches() as seen:
+        assert all(_launch._measured_faster(_fused_ws.PROJECTION_WS_FASTER, cpu, t) for t in (1, 17, 2**20))
+        _fused_ws._launch_kernel(torch.empty(7, 2), "rest")  # type: ignore[arg-type, call-arg]
+        _fused_ws._launch_kernel(torch.empty(3, 2), "rest")  # type: ignore[arg-type, call-arg]
+    assert seen == [7, 3]
+    assert launched == [(7, ("rest",)), (3, ("rest",))]
+    assert _fused_ws.PROJECTION_WS_FASTER is table and _fused_ws._launch_kernel is launch
+    with pytest.raises(RuntimeError), taken_everywhere("cpu"), counted_launches():
+        raise RuntimeError
+    assert _fused_ws.PROJECTION_WS_FASTER is table and _fused_ws._launch_kernel is launch

@@ -27,6 +27,7 @@ from test_gpu import compiled_variants
 from test_gpu_fused import S, _pool, assert_pool_rows, cpu, cuda_call, cuda_draft
 from test_gpu_integration import capture
 from torch import Tensor
+from ws_launches import counted_launches, taken_everywhere
 
 import typedkv
 from typedkv import _fused_ws, _fused_ws_kernel
@@ -41,23 +42,17 @@ def hopper_gluon() -> None:
 
 
 @pytest.fixture
-def ws_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+def ws_everywhere() -> Iterator[None]:
     """The measured table widened to every T on this device."""
-    monkeypatch.setattr(_fused_ws, "PROJECTION_WS_FASTER", {torch.cuda.get_device_name(): ((1, math.inf),)})
+    with taken_everywhere(torch.cuda.get_device_name()):
+        yield
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def launches() -> Iterator[list[int]]:
     """The token counts of the kernel's launches (dense and into pools), in order."""
-    seen: list[int] = []
-    real = _fused_ws._launch_kernel
-
-    def counted(hidden: Tensor, *args: object) -> None:
-        seen.append(hidden.shape[0])
-        real(hidden, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_fused_ws, "_launch_kernel", counted)
-    yield seen
+    with counted_launches() as seen:
+        yield seen
 
 
 @pytest.mark.usefixtures("ws_everywhere")

@@ -42,16 +42,17 @@ Debug checking is on (`typedkv.set_debug`), as in the test suite. Under
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast, get_args
+from typing import cast, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from ws_launches import counted_launches, taken_everywhere
 
 import typedkv
 from typedkv._materializer import ProjectionPath
@@ -392,22 +393,6 @@ def _paths(text: str) -> tuple[ProjectionPath, ...]:
     return cast("tuple[ProjectionPath, ...]", paths)
 
 
-def count_ws_launches() -> list[int]:
-    """Widen the warp-specialised kernel's measured table to every T on this device; its launches, counted."""
-    from typedkv import _fused_ws
-
-    launches: list[int] = []
-    real = _fused_ws._launch_kernel
-
-    def counted(hidden: Tensor, *args: Any) -> None:
-        launches.append(hidden.shape[0])
-        real(hidden, *args)
-
-    _fused_ws.PROJECTION_WS_FASTER = {torch.cuda.get_device_name(): ((1, math.inf),)}
-    _fused_ws._launch_kernel = counted  # type: ignore[assignment]  # (the same call, counted)
-    return launches
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args, shape = parse_args(argv)
     if args.device == "cuda":
@@ -417,31 +402,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend=args.backend, device_id=device if device.type == "cuda" else None)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     typedkv.set_debug(True)
-    ws_launches = count_ws_launches() if args.ws_everywhere and device.type == "cuda" else []
-    failures = 0
     try:
-        if shape.num_kv_heads % world_size:
-            raise SystemExit(f"--kv-heads {shape.num_kv_heads} is not a multiple of the world size {world_size}")
-        for path in args.paths:
-            for index, case in enumerate(CASES):
-                problems = run_case(case, shape, args.seed + 100 * index, device, path)
-                first, end = head_range(rank, world_size, shape.num_kv_heads)
-                where = f"rank {rank}/{world_size} heads [{first}, {end}) of {shape.num_kv_heads}"
-                verdict = "OK, bit for bit" if not problems else "MISMATCH: " + "; ".join(problems)
-                say(f"{where}: {case.name(shape)}, path {path}: {verdict}")
-                failures += bool(problems)
-        # Every rank exits with the verdict of all ranks.
-        total = torch.tensor([failures], device=device)
-        dist.all_reduce(total)
-        if rank == 0:
-            if args.ws_everywhere:
-                say(f"tp_worker: {len(ws_launches)} launches of the warp-specialised kernel on rank 0")
-            say(f"tp_worker: {int(total.item())} of {len(CASES) * len(args.paths) * world_size} case runs failed")
-        return 1 if total.item() else 0
+        with contextlib.ExitStack() as stack:
+            ws_launches: list[int] = []
+            if args.ws_everywhere and device.type == "cuda":
+                stack.enter_context(taken_everywhere(torch.cuda.get_device_name(device)))
+                ws_launches = stack.enter_context(counted_launches())
+            return run_cases(args, shape, device, ws_launches)
     finally:
         dist.destroy_process_group()
+
+
+def run_cases(args: argparse.Namespace, shape: Shape, device: torch.device, ws_launches: list[int]) -> int:
+    """Every case on every path, on this rank; 1 if any rank's case failed (every rank says the same)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if shape.num_kv_heads % world_size:
+        raise SystemExit(f"--kv-heads {shape.num_kv_heads} is not a multiple of the world size {world_size}")
+    failures = 0
+    for path in args.paths:
+        for index, case in enumerate(CASES):
+            problems = run_case(case, shape, args.seed + 100 * index, device, path)
+            first, end = head_range(rank, world_size, shape.num_kv_heads)
+            where = f"rank {rank}/{world_size} heads [{first}, {end}) of {shape.num_kv_heads}"
+            verdict = "OK, bit for bit" if not problems else "MISMATCH: " + "; ".join(problems)
+            say(f"{where}: {case.name(shape)}, path {path}: {verdict}")
+            failures += bool(problems)
+    # Every rank exits with the verdict of all ranks.
+    total = torch.tensor([failures], device=device)
+    dist.all_reduce(total)
+    if rank == 0:
+        if args.ws_everywhere:
+            say(f"tp_worker: {len(ws_launches)} launches of the warp-specialised kernel on rank 0")
+        say(f"tp_worker: {int(total.item())} of {len(CASES) * len(args.paths) * world_size} case runs failed")
+    return 1 if total.item() else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""The warp-specialised kernel taken at every T, and its launches counted.
+
+`typedkv._fused_ws` runs the fused path from the T its measured table
+(`typedkv._fused_ws.PROJECTION_WS_FASTER`) gives. Its GPU tests
+(tests/test_gpu_fused_ws.py, as fixtures), its sanitizer script
+(tests/fused_ws_sample.py) and the two-GPU worker (tests/tp_worker.py, under
+``torchrun``, where no pytest fixture runs) widen that table so that small calls
+take the kernel, and count the kernel's launches so that a check of this kernel
+cannot pass on another one. Both context managers put the module's attribute back
+on exit. tests/test_fused_ws.py checks them on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from typedkv import _fused_ws
+
+
+@contextlib.contextmanager
+def taken_everywhere(device_name: str) -> Iterator[None]:
+    """The measured table widened to every T on the device named ``device_name`` (``torch.cuda.get_device_name``)."""
+    table = _fused_ws.PROJECTION_WS_FASTER
+    _fused_ws.PROJECTION_WS_FASTER = {device_name: ((1, math.inf),)}
+    try:
+        yield
+    finally:
+        _fused_ws.PROJECTION_WS_FASTER = table
+
+
+@contextlib.contextmanager
+def counted_launches() -> Iterator[list[int]]:
+    """The token counts of the kernel's launches (dense and into pools), in order, while the block runs."""
+    seen: list[int] = []
+    launch = _fused_ws._launch_kernel
+
+    def counted(hidden: Any, *args: Any) -> None:
+        seen.append(hidden.shape[0])
+        launch(hidden, *args)
+
+    _fused_ws._launch_kernel = counted  # type: ignore[assignment]  # (the same call, counted)
+    try:
+        yield seen
+    finally:
+        _fused_ws._launch_kernel = launch
