@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
+from probe_timing import DraftWeights, check_against_whole
 
 import typedkv
 
@@ -47,17 +48,8 @@ def groups_of(num_layers: int, count: int) -> list[tuple[int, int]]:
     return spans
 
 
-class Draft:
-    """The weights and per-T buffers of one draft shape."""
-
-    def __init__(self, layers: int, heads: int, head_dim: int, hidden: int, device: torch.device) -> None:
-        self.L, self.H, self.D, self.hidden = layers, heads, head_dim, hidden
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.dtype, self.device = dtype, device
-        rows = layers * 2 * heads * head_dim
-        self.weight = (torch.randn(rows, hidden, device=device) / hidden**0.5).to(dtype)
-        self.norm = (torch.rand(layers, head_dim, device=device) + 0.5).to(dtype)
-        self.cos_sin = typedkv.cos_sin_cache(4096, head_dim, device=device)
+class Draft(DraftWeights):
+    """The weights (`probe_timing.DraftWeights`) and per-T buffers of one draft shape."""
 
     def calls(self, num_tokens: int, counts: list[int]) -> tuple[Variants, Callable[[str], tuple[torch.Tensor, ...]]]:
         """``(variants, results)``: each variant's calls (one input set), and what a variant leaves behind."""
@@ -147,17 +139,7 @@ def check() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     draft = Draft(5, 2, 64, 128, device)
     variants, results = draft.calls(48, [2, 5])
-    bad = 0
-    for pools in ("", "_pools"):
-        want = results(f"whole{pools}")
-        for name in variants:
-            if name.startswith(("serial", "pipe")) and name.endswith(pools) and (pools or not name.endswith("_pools")):
-                got = results(name)
-                error = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want, strict=True))
-                ok = error <= 4 * torch.finfo(draft.dtype).eps * 8
-                bad += not ok
-                print(f"check {name:<16} max |grouped - whole| {error:.3g} {'ok' if ok else 'FAILED'}", flush=True)
-    return 1 if bad else 0
+    return 1 if check_against_whole(variants, results, ("serial", "pipe"), draft.dtype, "grouped") else 0
 
 
 def against_whole(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+import typedkv
 from typedkv import _bench
 
 Variants = Mapping[str, Sequence[Callable[[], object]]]
@@ -84,3 +85,39 @@ def report(label: str, med: Mapping[str, float], errors: Mapping[str, str] | Non
     for name, us in sorted(med.items(), key=lambda item: item[1]):
         verdict = f"  (err {errors[name]})" if errors is not None else ""
         print(f"   {name:<{width}} {us / mm:.3f}{verdict}", flush=True)
+
+
+def check_against_whole(
+    variants: Mapping[str, object], results: Callable[[str], tuple[torch.Tensor, ...]], prefixes: tuple[str, ...],
+    dtype: torch.dtype, label: str,
+) -> int:  # fmt: skip
+    """The ``--check`` of the probes that cut the materializer's work into parts (chunk_probe.py,
+    layer_overlap_probe.py): each variant named with one of ``prefixes`` against ``whole``, dense
+    and into pools (names ending ``_pools``), through ``results(name)``, which runs a variant and
+    returns its K and V. A part's GEMM may sum in another order: within a few storage ulps.
+    Prints a line a variant; returns the number that failed."""
+    bad = 0
+    for pools in ("", "_pools"):
+        want = results(f"whole{pools}")
+        for name in variants:
+            if name.startswith(prefixes) and name.endswith(pools) and (pools or not name.endswith("_pools")):
+                got = results(name)
+                error = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want, strict=True))
+                ok = error <= 4 * torch.finfo(dtype).eps * 8
+                bad += not ok
+                print(f"check {name:<16} max |{label} - whole| {error:.3g} {'ok' if ok else 'FAILED'}", flush=True)
+    return bad
+
+
+class DraftWeights:
+    """A draft's random weights (its layers' K/V rows ``[L*2*H*D, hidden]``, K norm weights, a cos/sin
+    cache of 4096 positions): bfloat16 on CUDA, float32 on the CPU (the probes' ``--check``)."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, hidden: int, device: torch.device) -> None:
+        self.L, self.H, self.D, self.hidden = layers, heads, head_dim, hidden
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dtype, self.device = dtype, device
+        rows = layers * 2 * heads * head_dim
+        self.weight = (torch.randn(rows, hidden, device=device) / hidden**0.5).to(dtype)
+        self.norm = (torch.rand(layers, head_dim, device=device) + 0.5).to(dtype)
+        self.cos_sin = typedkv.cos_sin_cache(4096, head_dim, device=device)
