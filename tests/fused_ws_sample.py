@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from fused_sample import FILL, Guarded, _positions_out_of_range, _same_pools, check_dense
 from test_fused_projection import Draft, H, L, _layers
-from ws_launches import counted_launches, taken_everywhere
+from ws_launches import counted_launches, runs_here, taken_everywhere
 
 import typedkv
 from typedkv import _fused_ws
@@ -143,11 +143,6 @@ def run_pools(layouts: tuple[str, ...], launches: list[int]) -> None:
             written.append(Written([*_layers(k_pool), *_layers(v_pool)]))
         _same_pools(layout, *written)  # type: ignore[arg-type]  # it reads .tensors alone
         assert launches[before:] == [cache_loc.shape[0]], f"pool {layout}: not the warp-specialised kernel"
-
-
-def runs_here() -> bool:
-    """Whether the warp-specialised kernel runs on this machine (an sm_90 GPU and a Triton whose Gluon it is written for)."""
-    return torch.cuda.is_available() and _fused_ws.available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

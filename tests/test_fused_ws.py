@@ -172,12 +172,13 @@ def test_the_sanitizer_sample_covers_every_tile_set(capsys: pytest.CaptureFixtur
     """tests/fused_ws_sample.py (run under compute-sanitizer by the GPU suite) takes every tile set `WS_TILES`
     launches with; where the kernel cannot run (here) it says so and succeeds, rather than failing to import."""
     import fused_ws_sample
+    import ws_launches
 
     sets = fused_ws_sample.tile_sets()
     assert {shape for _, shape in _fused_ws.WS_TILES} <= set(sets.values())
     assert any(not shape.last_in_mma and shape.block_n == 2 * _fused_ws.HEAD_DIM for shape in sets.values())
     assert len(set(sets.values())) == len(sets)
-    if fused_ws_sample.runs_here():
+    if ws_launches.runs_here():
         pytest.skip("the GPU suite runs it here")
     assert fused_ws_sample.main([]) == 0
     assert "ws sample skipped" in capsys.readouterr().out

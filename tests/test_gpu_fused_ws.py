@@ -27,7 +27,7 @@ from test_gpu import compiled_variants
 from test_gpu_fused import S, _pool, assert_pool_rows, cpu, cuda_call, cuda_draft
 from test_gpu_integration import capture
 from torch import Tensor
-from ws_launches import counted_launches, taken_everywhere
+from ws_launches import counted_launches, runs_here, taken_everywhere
 
 import typedkv
 from typedkv import _fused_ws, _fused_ws_kernel
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.gpu]
 
 @pytest.fixture(autouse=True)
 def hopper_gluon() -> None:
-    if not (_fused_ws.available() and torch.cuda.get_device_capability() == (9, 0)):
+    if not runs_here():
         pytest.skip("the warp-specialised kernel runs on sm_90 with Triton 3.6's Gluon")
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from tp_worker import CASES
-
-from typedkv import _fused_ws
+from ws_launches import runs_here
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "tp_worker.py"
@@ -72,10 +71,7 @@ def test_two_gpu_tensor_parallel() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} CUDA devices")
-@pytest.mark.skipif(
-    not (_fused_ws.available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the warp-specialised kernel runs on sm_90 with Triton 3.6's Gluon",
-)
+@pytest.mark.skipif(not runs_here(), reason="the warp-specialised kernel runs on sm_90 with Triton 3.6's Gluon")
 def test_two_gpu_tensor_parallel_warp_specialised() -> None:
     """The same with heads of 128 and the warp-specialised kernel taken at every T it can run.
 

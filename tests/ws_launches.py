@@ -1,4 +1,4 @@
-"""The warp-specialised kernel taken at every T, and its launches counted.
+"""Where the warp-specialised kernel runs; it taken at every T there, and its launches counted.
 
 `typedkv._fused_ws` runs the fused path from the T its measured table
 (`typedkv._fused_ws.PROJECTION_WS_FASTER`) gives. Its GPU tests
@@ -7,7 +7,8 @@
 ``torchrun``, where no pytest fixture runs) widen that table so that small calls
 take the kernel, and count the kernel's launches so that a check of this kernel
 cannot pass on another one. Both context managers put the module's attribute back
-on exit. tests/test_fused_ws.py checks them on the CPU.
+on exit. tests/test_fused_ws.py checks them on the CPU. `runs_here` is the condition
+all of them (and tests/test_tp.py) skip on.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from typedkv import _fused_ws
+
+
+def runs_here() -> bool:
+    """Whether the kernel can run here: a CUDA device of sm_90 and Triton 3.6's Gluon."""
+    return torch.cuda.is_available() and _fused_ws.available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @contextlib.contextmanager
