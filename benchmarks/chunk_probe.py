@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from probe_timing import DraftWeights, check_against_whole
+from probe_timing import DraftWeights, check_against_whole, outputs_left
 
 import typedkv
 
@@ -84,10 +84,8 @@ class Draft(DraftWeights):
                     variants[f"chunks{size}{tag}"] = [chunked(size, pools)]
 
         def results(name: str) -> tuple[torch.Tensor, ...]:
-            variants[name][0]()
-            if name.endswith("_pools"):
-                return torch.stack(k_layers)[:, cache_loc].clone(), torch.stack(v_layers)[:, cache_loc].clone()
-            return k_out.clone(), v_out.clone()
+            pools = name.endswith("_pools")
+            return outputs_left(variants[name][0], pools, k_out, v_out, k_layers, v_layers, cache_loc)
 
         return variants, results
 

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
-from probe_timing import DraftWeights, check_against_whole
+from probe_timing import DraftWeights, check_against_whole, outputs_left
 
 import typedkv
 
@@ -122,14 +122,8 @@ class Draft(DraftWeights):
                 variants[f"pipe_g{count}{tag}"] = [pipe(spans, pools)]
 
         def results(name: str) -> tuple[torch.Tensor, ...]:
-            for t in (*k_layers, *v_layers, k_out, v_out):
-                t.fill_(float("nan"))
-            variants[name][0]()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if name.endswith("_pools"):
-                return torch.stack(k_layers)[:, cache_loc].clone(), torch.stack(v_layers)[:, cache_loc].clone()
-            return k_out.clone(), v_out.clone()
+            pools = name.endswith("_pools")
+            return outputs_left(variants[name][0], pools, k_out, v_out, k_layers, v_layers, cache_loc)
 
         return variants, results
 

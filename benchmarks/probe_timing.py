@@ -121,3 +121,19 @@ class DraftWeights:
         self.weight = (torch.randn(rows, hidden, device=device) / hidden**0.5).to(dtype)
         self.norm = (torch.rand(layers, head_dim, device=device) + 0.5).to(dtype)
         self.cos_sin = typedkv.cos_sin_cache(4096, head_dim, device=device)
+
+
+def outputs_left(
+    run: Callable[[], object], pools: bool, k_out: torch.Tensor, v_out: torch.Tensor, k_layers: Sequence[torch.Tensor],
+    v_layers: Sequence[torch.Tensor], cache_loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V as ``run`` (one variant's call) leaves them: the pools' rows at ``cache_loc`` (``pools``), else
+    ``k_out`` / ``v_out``; every one NaN before the call, so that a variant that writes nothing shows."""
+    for t in (*k_layers, *v_layers, k_out, v_out):
+        t.fill_(float("nan"))
+    run()
+    if k_out.is_cuda:
+        torch.cuda.synchronize(k_out.device)
+    if pools:
+        return torch.stack(list(k_layers))[:, cache_loc].clone(), torch.stack(list(v_layers))[:, cache_loc].clone()
+    return k_out.clone(), v_out.clone()
