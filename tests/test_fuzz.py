@@ -590,6 +590,41 @@ def _aliased_out(call: Call) -> Blame | None:
     return _put(call, "v_out", call.args["k_out"])
 
 
+def _overlapping_outs(call: Call) -> Blame | None:
+    """v_out one element on from k_out in one buffer: their elements meet."""
+    if call.spec.num_tokens == 0:
+        return None  # no element to share
+    n = math.prod(call.out_shape)
+    flat = _out(call, (n + 1,))
+    call.args["k_out"] = flat[:n].view(call.out_shape)
+    return _put(call, "v_out", flat[1:].view(call.out_shape))
+
+
+def _out_over_kv(call: Call) -> Blame | None:
+    """k_out laid over kv from its first element on (a contiguous ``[L, T, H, D]`` fits in kv's span)."""
+    kv: Tensor = call.args["kv"]
+    if kv.numel() == 0:
+        return None
+    shape = call.out_shape
+    strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+    return _put(call, "k_out", kv.as_strided(shape, strides, kv.storage_offset()))
+
+
+def _overlapping_pools(call: Call) -> Blame | None:
+    """V's pool (its first layer's, per layer) one element on from K's in one buffer: their elements meet."""
+    if call.spec.num_slots == 0 or call.spec.num_layers == 0:
+        return None
+    k_pool, v_pool = call.args["k_pool"], call.args["v_pool"]
+    first = k_pool if call.stacked else k_pool[0]
+    flat = _out(call, (first.numel() + 1,), first.dtype)
+    k_first, v_first = flat[:-1].view(first.shape), flat[1:].view(first.shape)
+    if call.stacked:
+        call.args["k_pool"] = k_first
+        return _put(call, "v_pool", v_first)
+    call.args["k_pool"] = [k_first, *k_pool[1:]]
+    return _put(call, "v_pool", [v_first, *v_pool[1:]])
+
+
 def _resized_out(name: str, *, heads: int = 0, head_dim: int = 1) -> Mutation:
     """``name`` allocated with ``heads`` more heads or ``head_dim`` times the head dim."""
 
@@ -616,6 +651,8 @@ DENSE_MUTATIONS: dict[str, Mutation] = {
     "v_out-strided-rows": _strided_out,
     "k_out-expanded": _expanded_out,
     "v_out-is-k_out": _aliased_out,
+    "v_out-overlaps-k_out": _overlapping_outs,
+    "k_out-over-kv": _out_over_kv,
     "k_out-other-device": lambda c: _put(
         c, "k_out", torch.empty(c.out_shape, dtype=c.spec.kv_dtype, device=c.other_device)
     ),
@@ -650,6 +687,7 @@ POOL_MUTATIONS: dict[str, Mutation] = {
     "k_pool-strided-rows": _pool_strided_rows,
     "v_pool-layer-strides": _v_pool_layer_strides,
     "v_pool-is-k_pool": lambda c: _put(c, "v_pool", c.args["k_pool"]) if c.spec.num_slots > 0 else None,
+    "v_pool-overlaps-k_pool": _overlapping_pools,
     "k_pool-other-device": _pool_other_device,
 }
 

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_api", "_rope_tables", "_mla"),  # the public face
     ("_torch_ops",),  # the torch ops
     ("_impl", "_mla_impl", "_fused_impl"),  # the checked implementation
-    ("_device_tables", "_value_checks"),
+    ("_device_tables", "_value_checks", "_memory"),
     ("_checking",),
     ("_annotations", "_messages"),
     ("_reference", "_launch", "_fused_ws"),

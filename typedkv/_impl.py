@@ -23,6 +23,7 @@ from ._checking import Bound, Signature
 from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
+from ._memory import Footprint
 from ._messages import fmt_dtype
 from ._types import is_fp8
 from ._value_checks import check_positions, check_slots
@@ -87,6 +88,7 @@ class Plan:
     launch: _launch.KernelLaunch | None = None  # built at the first launch, when the outputs exist
     typechecked: bool = False  # debug mode's beartype + jaxtyping pass done for this layout
     geometry: _Geometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
+    footprint: Footprint | None = None  # where its tensors lie around their addresses, worked out at its first call
 
 
 def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Callable[[Bound, Any], Plan]:
@@ -102,6 +104,17 @@ def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Call
 
 
 _DENSE_PLANNER = planner()
+
+
+def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int] | None:
+    """What the call writes apart from what it reads and from each other (`typedkv._memory`), on every call.
+
+    Returns the per-layer written tensors' addresses (K's layers, then V's), or None.
+    """
+    footprint = plan.footprint
+    if footprint is None:
+        footprint = plan.footprint = Footprint(cast(Any, call)._fields, sig.outputs, call)
+    return footprint.check(call)
 
 
 def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:
@@ -138,8 +151,8 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if plan is None:
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
-    if k_out is not None and v_out is not None and _same_memory(k_out, v_out):
-        raise InputError("v_out: expected a tensor apart from k_out, got one sharing its memory")
+    if k_out is not None or v_out is not None:
+        check_memory(sig, plan, call)  # outputs left None are allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -220,7 +233,7 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
     sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
-    addresses = _check_apart(call.k_pool, call.v_pool)
+    addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -384,38 +397,6 @@ def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
 
 def _describe(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
-
-
-def _check_apart(k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor]) -> list[int] | None:
-    """Every layer's K and V pool its own memory: no tensor passed twice (addresses change per call).
-
-    Returns per-layer pools' addresses, K's then V's (`layer_table` keys on them); None for stacked pools.
-    """
-    if isinstance(k_pool, Tensor) or isinstance(v_pool, Tensor):
-        if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor) and _same_memory(k_pool, v_pool):
-            raise InputError("v_pool: expected memory apart from k_pool, got the same tensor")
-        return None
-    addresses = [*map(Tensor.data_ptr, k_pool), *map(Tensor.data_ptr, v_pool)]
-    if len(set(addresses)) == len(addresses):
-        return addresses  # all apart: the usual case, one pass
-    # Some address twice: an error unless the tensors sharing it are empty.
-    seen: dict[int, str] = {}
-    for name, layers in (("k_pool", k_pool), ("v_pool", v_pool)):
-        for i, t in enumerate(layers):
-            if not t.numel():
-                continue
-            if t.data_ptr() in seen:
-                raise InputError(
-                    f"{name}[{i}]: expected memory of its own, got the same memory as {seen[t.data_ptr()]}"
-                )
-            seen[t.data_ptr()] = f"{name}[{i}]"
-    return addresses
-
-
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    # The same first element: one buffer passed twice. K and V as two halves of
-    # one allocation (an engine's usual pool) start apart and pass.
-    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
 @dataclass

@@ -19,7 +19,7 @@ from ._checking import Bound
 from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
-from ._impl import Implementation, Plan, check_scales, debug_pass, planner
+from ._impl import Implementation, Plan, check_memory, check_scales, debug_pass, planner
 from ._messages import fmt_dtype
 from ._value_checks import check_positions, check_slots
 
@@ -79,6 +79,8 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     if plan is None:
         plan = dense_layout(call)
     ckv, out = call.ckv, call.out
+    if out is not None:
+        check_memory(sig, plan, call)  # an output left None is allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -134,7 +136,7 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    addresses = None if isinstance(kv_pool, Tensor) else _check_apart(kv_pool)
+    addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
         check_positions(call.positions, call.cos_sin_cache.shape[0])
@@ -235,20 +237,6 @@ def _pool_layout(call: PoolCall) -> None:
 
 _DENSE_PLANNER = planner()
 _POOL_PLANNER = planner(lambda call, bound: _pool_layout(call))
-
-
-def _check_apart(layers: Sequence[Tensor]) -> list[int]:
-    """Every layer's pool its own memory: no tensor passed twice. Returns their addresses."""
-    addresses = list(map(Tensor.data_ptr, layers))
-    if len(set(addresses)) == len(addresses):
-        return addresses  # all apart: the usual case, one pass
-    seen: dict[int, int] = {}
-    for i, t in enumerate(layers):
-        if t.numel():
-            j = seen.setdefault(t.data_ptr(), i)
-            if j != i:
-                raise InputError(f"kv_pool[{i}]: expected memory of its own, got the same memory as kv_pool[{j}]")
-    return addresses
 
 
 DENSE = Implementation(DenseCall, check_dense, materialize_mla_kv)
