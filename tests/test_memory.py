@@ -273,3 +273,47 @@ def test_mla_outputs_over_ckv_are_rejected(call: Callable[[dict[str, Any], Tenso
     with pytest.raises(typedkv.InputError, match=message):
         call(a, out)
     assert torch.equal(memory, before)
+
+
+HIDDEN = 32
+
+
+def _materializer(path: str) -> typedkv.KVMaterializer:
+    torch.manual_seed(2)
+    m = typedkv.KVMaterializer(
+        torch.randn(L, 2 * H * D, HIDDEN) / HIDDEN**0.5,
+        torch.rand(L, D) + 0.5,
+        1e-6,
+        typedkv.cos_sin_cache(P, D),
+        num_kv_heads=H,
+    )
+    m.projection_path = path  # type: ignore[assignment]
+    return m
+
+
+@pytest.mark.parametrize("path", ["fused", "gemm"])
+def test_materializer_outputs_over_hidden(path: str) -> None:
+    """Where one kernel reads hidden while it writes (the fused path, on a device with the kernel), outputs over
+    hidden are rejected before anything is written; GEMM + kernel has read hidden before the outputs are written,
+    and gets the answer computed from hidden's values."""
+    m = _materializer(path)
+    n = L * T * H * D
+    memory = torch.randn(n + T * HIDDEN)
+    hidden = memory[n - HIDDEN :][: T * HIDDEN].view(T, HIDDEN)  # its first row is k_out's last
+    positions = torch.randperm(P)[:T]
+    k_ref, _ = m(hidden.clone(), positions)
+    k_out = memory[:n].view(L, T, H, D)
+    before = memory.clone()
+    takes_fused = path == "fused" and typedkv._launch.use_kernel(hidden.device)
+    if takes_fused:
+        with pytest.raises(typedkv.InputError, match=r"^k_out: expected memory apart from hidden"):
+            m(hidden, positions, k_out=k_out)
+        assert torch.equal(memory, before)
+        k_out = torch.empty(L, T, H, D)
+    k, _ = m(hidden, positions, k_out=k_out)
+    assert torch.equal(k, k_ref)
+    # An eager layout seen before is checked again at its new addresses.
+    if takes_fused:
+        m(hidden.clone(), positions, k_out=torch.empty(L, T, H, D))
+        with pytest.raises(typedkv.InputError, match=r"^k_out: expected memory apart from hidden"):
+            m(hidden, positions, k_out=memory[:n].view(L, T, H, D))

@@ -38,6 +38,7 @@ from ._fused_impl import (
 from ._impl import ROTARY_RULE, DenseCall, Plan, PoolCall, check_pool_kinds, dense_layout, pool_layout
 from ._impl import materialize_kv as materialize_kv_planned
 from ._impl import materialize_kv_into_pool as materialize_kv_into_pool_planned
+from ._memory import Footprint
 from ._messages import or_list
 from ._projection import (
     LAYOUTS_KEPT,
@@ -110,6 +111,9 @@ class _Kept(NamedTuple):
     stand_in: Tensor | None
     launches: Launches  # (`typedkv._fused_impl.project_kv`, `project_kv_split`)
     way: _Way
+    # hidden and the tensors the call writes, where a kernel reads the one while writing the others
+    # (the fused kernel, V's GEMM; GEMM + kernel has read hidden before): None when it writes none.
+    hidden_apart: Footprint | None
 
 
 @static_jaxtyping("L KV H D hidden")
@@ -367,9 +371,17 @@ class KVMaterializer(nn.Module):
         # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
         kv = self._gemm(hidden, state) if way == "gemm" else self._stand_in(hidden, kept)
         call = type(call)(kv, *call[1:])
+        written = call[-2:] if isinstance(call, DenseCall) else call[6:8]  # k_out, v_out or k_pool, v_pool
         if kept is None:
             # The op's production check, as the public function runs it.
-            kept = self._plans.keep(layout, _Kept(path.layout(call), None if way == "gemm" else kv, Launches(), way))
+            plan = path.layout(call)
+            apart = None
+            if way != "gemm" and any(w is not None for w in written):
+                names = ("k_out", "v_out") if isinstance(call, DenseCall) else ("k_pool", "v_pool")
+                apart = Footprint(("hidden", *names), frozenset(names), (hidden, *written), each_other=False)
+            kept = self._plans.keep(layout, _Kept(plan, None if way == "gemm" else kv, Launches(), way, apart))
+        if kept.hidden_apart is not None:
+            kept.hidden_apart.check((hidden, *written))
         if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         if way == "split":

@@ -93,11 +93,15 @@ class Footprint:
     (a tensor, or a sequence of per-layer tensors of one layout); ``call``: a
     call of the layout (its tensors' shapes and strides, never their addresses).
     Tensors that are None, empty or numbers in this layout take no part.
+    ``each_other``: whether written tensors are compared with each other too (False
+    where the op's own `Footprint` does that).
     """
 
-    __slots__ = ("_apart", "_layered", "_read_spans", "_read_tensors", "reads", "writes")
+    __slots__ = ("_apart", "_each_other", "_layered", "_read_spans", "_read_tensors", "reads", "writes")
 
-    def __init__(self, fields: Sequence[str], written: frozenset[str], call: Sequence[Any]) -> None:
+    def __init__(
+        self, fields: Sequence[str], written: frozenset[str], call: Sequence[Any], *, each_other: bool = True
+    ) -> None:
         self.reads: list[tuple[int, str, int, int]] = []
         self.writes: list[tuple[int, str, int, int, bool]] = []
         for i, (name, value) in enumerate(zip(fields, call, strict=True)):
@@ -115,6 +119,7 @@ class Footprint:
         self._read_tensors = operator.itemgetter(*at, *at[-1:]) if at else None
         self._read_spans = [(lo, hi) for _, _, lo, hi in self.reads]
         self._layered = any(layers for *_, layers in self.writes)
+        self._each_other = each_other
         # Sets of addresses (read tensors', then written ones') found apart.
         self._apart: set[tuple[int, ...]] = set()
 
@@ -153,7 +158,7 @@ class Footprint:
                 if any(start < address + hi and address + lo < end for start, end in spans):
                     self._raise_read_overlap(call)
             at += count
-        if len(written) > 1:
+        if self._each_other and len(written) > 1:
             _apart_from_each_other(self._written(call))
 
     def _written(self, call: Sequence[Any]) -> list[tuple[str, Tensor, int]]:
