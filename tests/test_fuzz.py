@@ -538,6 +538,8 @@ COMMON_MUTATIONS: dict[str, Mutation] = {
     "eps-2d": lambda c: _put(c, "eps", torch.full((c.spec.num_layers, 1), 1e-6, device=c.device)),
     "eps-str": lambda c: _put(c, "eps", "1e-6"),
     "eps-bool": lambda c: _put(c, "eps", True),
+    "eps-nan": lambda c: _put(c, "eps", float("nan")),
+    "eps-negative-layer": lambda c: _put(c, "eps", [1e-6] * (c.spec.num_layers - 1) + [-1e-6]),
     "eps-none": lambda c: _put(c, "eps", None),
     "cos_sin_cache-odd-rotary-dim": lambda c: _put(c, "cos_sin_cache", c.args["cos_sin_cache"][:, :-1]),
     "cos_sin_cache-wider-than-head": lambda c: _put(
@@ -684,6 +686,7 @@ POOL_MUTATIONS: dict[str, Mutation] = {
     ),
     "v_scale-2d": lambda c: _put(c, "v_scale", torch.ones(c.spec.num_layers, 1, device=c.device)),
     "k_scale-str": lambda c: _put(c, "k_scale", "0.5"),
+    "v_scale-zero": lambda c: _put(c, "v_scale", 0.0) if c.args["k_pool"][0].dtype in FP8 else None,
     "k_pool-strided-rows": _pool_strided_rows,
     "v_pool-layer-strides": _v_pool_layer_strides,
     "v_pool-is-k_pool": lambda c: _put(c, "v_pool", c.args["k_pool"]) if c.spec.num_slots > 0 else None,

@@ -27,6 +27,13 @@ L, T, H, D, P, S = 3, 4, 2, 16, 16, 16
 DTYPE = torch.float32
 
 
+@pytest.fixture(autouse=True, params=["debug", "production"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """Every test in both modes (the suite's own fixture turns debug mode on first)."""
+    typedkv.set_debug(request.param == "debug")
+    return str(request.param)
+
+
 def _inputs() -> dict[str, Any]:
     torch.manual_seed(0)
     return {

@@ -26,7 +26,7 @@ from ._errors import InputError
 from ._memory import Footprint
 from ._messages import fmt_dtype
 from ._types import is_fp8
-from ._value_checks import check_positions, check_slots
+from ._value_checks import check_eps, check_layer_values, check_positions, check_scale, check_slots
 
 ROTARY_RULE = (
     "R % 2 == 0 and 2 <= R <= D",
@@ -117,6 +117,16 @@ def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int]
     return footprint.check(call)
 
 
+def check_values(eps: object, scales: Mapping[str, object], positions: Tensor, cos_sin_cache: Tensor) -> None:
+    """Debug mode's value checks of every op (one device sync each): eps and scale tensors, positions."""
+    if isinstance(eps, Tensor):
+        check_layer_values("eps", eps, zero_ok=True)
+    for name, scale in scales.items():
+        if isinstance(scale, Tensor):
+            check_layer_values(name, scale, zero_ok=False)
+    check_positions(positions, cos_sin_cache.shape[0])
+
+
 def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:
     # The annotations' verdict depends on the layout only: one full beartype +
     # jaxtyping pass per layout; the value checks run on every call.
@@ -151,11 +161,13 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if plan is None:
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
+    if call.k_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
+        check_eps(call.eps)
     if k_out is not None or v_out is not None:
         check_memory(sig, plan, call)  # outputs left None are allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_positions(call.positions, call.cos_sin_cache.shape[0])
+        check_values(call.eps if call.k_norm_weight is not None else None, {}, call.positions, call.cos_sin_cache)
     if k_out is None or v_out is None:
         dims = plan.bound.dims
         shape = (dims["L"], dims["T"], dims["H"], dims["D"])
@@ -233,10 +245,19 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
     sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
+    if call.k_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
+        check_eps(call.eps)
+    check_scale("k_scale", call.k_scale)
+    check_scale("v_scale", call.v_scale)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_positions(call.positions, call.cos_sin_cache.shape[0])
+        check_values(
+            call.eps if call.k_norm_weight is not None else None,
+            {"k_scale": call.k_scale, "v_scale": call.v_scale},
+            call.positions,
+            call.cos_sin_cache,
+        )
     if plan.empty:
         return plan, None, addresses
     geometry = plan.geometry

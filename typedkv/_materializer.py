@@ -224,7 +224,7 @@ class KVMaterializer(nn.Module):
         check_layer_counts(
             {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, _STACKED_DIMS
         )
-        layer_eps = eps_of_layers(eps, cos_sin_cache)
+        layer_eps = eps_of_layers(eps, cos_sin_cache, k_norm_weight)
         bound = _WEIGHTS.check((k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style))
         check_layer_dtypes(
             {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias}, "kv_weight", "kv_bias"

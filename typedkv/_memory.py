@@ -97,15 +97,18 @@ class Footprint:
     where the op's own `Footprint` does that).
     """
 
-    __slots__ = ("_apart", "_each_other", "_layered", "_read_spans", "_read_tensors", "reads", "writes")
+    __slots__ = ("_apart", "_each_other", "_layered", "_lists", "_read_spans", "_read_tensors", "reads", "writes")
 
     def __init__(
         self, fields: Sequence[str], written: frozenset[str], call: Sequence[Any], *, each_other: bool = True
     ) -> None:
         self.reads: list[tuple[int, str, int, int]] = []
         self.writes: list[tuple[int, str, int, int, bool]] = []
+        self._lists: list[int] = []  # written sequences of per-layer tensors, empty ones too
         for i, (name, value) in enumerate(zip(fields, call, strict=True)):
             layers = isinstance(value, (list, tuple))
+            if layers and name in written:
+                self._lists.append(i)
             first = value[0] if layers and value else value
             if not isinstance(first, Tensor) or first.numel() == 0:
                 continue
@@ -146,7 +149,10 @@ class Footprint:
             if len(self._apart) >= _APART_KEPT:
                 self._apart.clear()
             self._apart.add(key)
-        return written if self._layered else None
+        if self._layered:
+            return written
+        # Per-layer tensors with no element take no part, but their addresses are still the caller's to read.
+        return [t.data_ptr() for i in self._lists for t in call[i]] if self._lists else None
 
     def _compare(self, call: Sequence[Any], reads: list[int], written: list[int]) -> None:
         """`check`'s comparisons, for addresses not found apart before."""

@@ -19,9 +19,9 @@ from ._checking import Bound
 from ._config import debug_enabled
 from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
-from ._impl import Implementation, Plan, check_memory, check_scales, debug_pass, planner
+from ._impl import Implementation, Plan, check_memory, check_scales, check_values, debug_pass, planner
 from ._messages import fmt_dtype
-from ._value_checks import check_positions, check_slots
+from ._value_checks import check_eps, check_scale, check_slots
 
 ROTARY_RULE = ("R % 2 == 0 and 2 <= R", "cos_sin_cache", "the rotary dim R must be even and at least 2")
 """``Signature`` rule of the MLA ops (``R <= C+R`` is ckv's shape: ``C >= 0``)."""
@@ -79,11 +79,13 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     if plan is None:
         plan = dense_layout(call)
     ckv, out = call.ckv, call.out
+    if call.kv_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
+        check_eps(call.eps)
     if out is not None:
         check_memory(sig, plan, call)  # an output left None is allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_positions(call.positions, call.cos_sin_cache.shape[0])
+        check_values(call.eps if call.kv_norm_weight is not None else None, {}, call.positions, call.cos_sin_cache)
     dims = plan.bound.dims
     if out is None:
         out = ckv.new_empty((dims["L"], dims["T"], dims["C"] + dims["R"]))  # ckv's dtype and device
@@ -136,10 +138,18 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
+    if call.kv_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
+        check_eps(call.eps)
+    check_scale("kv_scale", call.kv_scale)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_positions(call.positions, call.cos_sin_cache.shape[0])
+        check_values(
+            call.eps if call.kv_norm_weight is not None else None,
+            {"kv_scale": call.kv_scale},
+            call.positions,
+            call.cos_sin_cache,
+        )
     if plan.empty:
         return
     dims = plan.bound.dims

@@ -149,7 +149,7 @@ class MLAKVMaterializer(nn.Module):
             {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps},
             _STACKED_DIMS,
         )
-        layer_eps = eps_of_layers(eps, cos_sin_cache)
+        layer_eps = eps_of_layers(eps, cos_sin_cache, kv_norm_weight)
         bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
         check_layer_dtypes(
             {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias},

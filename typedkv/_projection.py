@@ -19,6 +19,7 @@ from torch import Tensor
 from ._checking import check_numbers
 from ._errors import InputError
 from ._messages import fmt_dtype
+from ._value_checks import check_eps
 
 # A materializer's calls come in a few layouts (T buckets, pools); past this many its plans are
 # dropped and each layout is checked again (`typedkv._checking.CheckedLayouts`).
@@ -122,11 +123,19 @@ def _layer_count(value: object, stacked_dims: int) -> int | None:
     return None
 
 
-def eps_of_layers(eps: object, cos_sin_cache: object) -> object:
-    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is."""
+def eps_of_layers(eps: object, cos_sin_cache: object, norm_weight: object) -> object:
+    """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is.
+
+    Numbers out of range (NaN, negative) are rejected here when there is a norm (``norm_weight``; else
+    eps is unused); a tensor's values in debug mode, at each call.
+    """
     if not isinstance(eps, (list, tuple)):
+        if isinstance(eps, (float, int)) and norm_weight is not None:
+            check_eps(eps)
         return eps
     check_numbers("eps", eps)
+    if norm_weight is not None:
+        check_eps(eps)
     device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
     return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
 

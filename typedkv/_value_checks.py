@@ -1,6 +1,10 @@
-"""Debug mode's value checks: what needs the tensors' values, and so a device sync."""
+"""Value checks: Python numbers on every call (no sync); in debug mode, what needs the tensors' values,
+and so a device sync."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -42,3 +46,47 @@ def check_slots(cache_loc: Tensor, num_slots: int) -> None:
             f"cache_loc: expected distinct slots, got slot {slot} for tokens {tokens}: "
             "two tokens written to one slot race"
         )
+
+
+def check_eps(eps: float | Sequence[float] | Tensor) -> None:
+    """Every call: an eps given as Python numbers finite and >= 0 (a tensor's values: `check_layer_values`).
+
+    A NaN or infinite eps makes every K NaN or zero; a negative one, NaN where a row's mean square is smaller.
+    """
+    if type(eps) is float:
+        if not 0.0 <= eps < math.inf:  # False for NaN too
+            _out_of_range("eps", eps, zero_ok=True)
+    elif isinstance(eps, (list, tuple)):
+        for i, value in enumerate(eps):
+            if not 0.0 <= value < math.inf:
+                _out_of_range(f"eps[{i}]", value, zero_ok=True)
+    elif isinstance(eps, int) and eps < 0:
+        _out_of_range("eps", eps, zero_ok=True)
+
+
+def check_scale(name: str, scale: float | Tensor | None) -> None:
+    """Every call: an FP8 scale given as a Python number finite and > 0 (the pool stores ``x / scale``)."""
+    if scale is not None and not isinstance(scale, Tensor) and not 0.0 < scale < math.inf:
+        _out_of_range(name, scale, zero_ok=False)
+
+
+def check_layer_values(name: str, values: Tensor, *, zero_ok: bool) -> None:
+    """Debug mode: a per-layer eps (``zero_ok``) or scale tensor finite and >= 0 (> 0). One device sync."""
+    if values.numel() == 0:
+        return
+    bad = ~torch.isfinite(values) | ((values < 0) if zero_ok else (values <= 0))
+    if bad.any():
+        layer = int(bad.nonzero()[0, 0])
+        _out_of_range(name, float(values[layer]), zero_ok=zero_ok, layer=layer)
+
+
+def _out_of_range(name: str, value: float, *, zero_ok: bool, layer: int | None = None) -> None:
+    bound = ">= 0" if zero_ok else "> 0"
+    expected = f"a finite number {bound}" if layer is None else f"finite values {bound}"
+    at = "" if layer is None else f" at layer {layer}"
+    why = (
+        "RMSNorm divides by sqrt(mean square + eps): a model's eps is small and positive (1e-6, 1e-5)"
+        if zero_ok
+        else "the pool stores x / scale: a scale is positive and finite"
+    )
+    raise InputError(f"{name}: expected {expected}, got {value!r}{at}: {why}")
