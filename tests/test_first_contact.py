@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -116,6 +118,22 @@ def test_cos_sin_cache_is_standard_rope() -> None:
             assert math.isclose(cache[p, j].item(), math.cos(angle), abs_tol=1e-6)
             assert math.isclose(cache[p, 3 + j].item(), math.sin(angle), abs_tol=1e-6)
     assert typedkv.cos_sin_cache(4, 8, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"base": math.inf}, "base: expected a positive float, got inf"),
+        ({"base": math.nan}, "base: expected a positive float, got nan"),
+        ({"dtype": torch.int32}, "dtype: expected float32, bfloat16, float16 or float64, got torch.int32"),
+        ({"dtype": torch.float8_e4m3fn}, "dtype: expected float32, bfloat16, float16 or float64, got"),
+    ],
+    ids=["base-inf", "base-nan", "int32", "fp8"],
+)
+def test_cos_sin_cache_refuses_what_the_ops_cannot_use(kwargs: dict[str, Any], message: str) -> None:
+    """An integer table would hold cos and sin truncated to -1, 0 and 1; an infinite base, no rotation."""
+    with pytest.raises(typedkv.InputError, match="^" + re.escape(message)):
+        typedkv.cos_sin_cache(4, 8, **kwargs)
 
 
 def test_cos_sin_cache_from_hf_tables() -> None:

@@ -9,6 +9,7 @@ Face rotary embeddings give two tables instead, ``cos`` and ``sin``, each
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,13 +17,16 @@ from torch import Tensor
 
 from ._checking import Signature
 from ._errors import InputError
-from ._messages import type_name
+from ._messages import fmt_dtype, or_list, type_name
 from ._types import static_jaxtyping
 
 if TYPE_CHECKING:
     from jaxtyping import Float as ParamFloat
 else:
     from ._types import ParamFloat
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the ops take (ParamFloat)
 
 
 def cos_sin_cache(
@@ -49,7 +53,7 @@ def cos_sin_cache(
     base : float
         RoPE's base (``rope_theta``).
     dtype : torch.dtype
-        The cache's dtype (any float dtype; float32 keeps the table exact to float32).
+        The cache's dtype: float32 (exact to float32), bfloat16, float16 or float64.
     device : torch.device or str, optional
         Where to build it.
 
@@ -60,15 +64,19 @@ def cos_sin_cache(
     Raises
     ------
     InputError
-        For a count that is not a positive int (``rotary_dim`` also even), or a base that is not positive.
+        For a count that is not a positive int (``rotary_dim`` also even), a base that is not a positive
+        finite number, or a dtype the ops do not take.
     """
     for name, value in (("max_position", max_position), ("rotary_dim", rotary_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name}: expected a positive int, got {value!r} ({type_name(value)})")
     if rotary_dim % 2:
         raise InputError(f"rotary_dim: expected an even number (dims rotate in pairs), got {rotary_dim}")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
         raise InputError(f"base: expected a positive float, got {base!r}")
+    if dtype not in _CACHE_DTYPES:
+        # An integer cache would hold cos and sin truncated to -1, 0 and 1, which the ops refuse anyway.
+        raise InputError(f"dtype: expected {or_list([fmt_dtype(d) for d in _CACHE_DTYPES])}, got {dtype!r}")
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
     angles = torch.outer(torch.arange(max_position, dtype=torch.float32, device=device), inv_freq)
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
