@@ -26,7 +26,7 @@ from ._errors import InputError
 from ._memory import Footprint
 from ._messages import fmt_dtype
 from ._types import is_fp8
-from ._value_checks import check_eps, check_layer_values, check_positions, check_scale, check_slots
+from ._value_checks import check_eps, check_layer_values, check_positions, check_scale_numbers, check_slots
 
 ROTARY_RULE = (
     "R % 2 == 0 and 2 <= R <= D",
@@ -76,6 +76,11 @@ class PoolCall(NamedTuple):
     def scales(self) -> tuple[float | Tensor | None, float | Tensor | None]:
         """K's and V's FP8 scales, in that order (as every kernel and the reference take them)."""
         return self.k_scale, self.v_scale
+
+    @property
+    def named_scales(self) -> dict[str, float | Tensor | None]:
+        """The FP8 scales by argument name, for the checks' messages."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
 @dataclass
@@ -247,17 +252,12 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
         plan = pool_layout(call)
     if call.k_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
         check_eps(call.eps)
-    check_scale("k_scale", call.k_scale)
-    check_scale("v_scale", call.v_scale)
+    scales = call.named_scales
+    check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(
-            call.eps if call.k_norm_weight is not None else None,
-            {"k_scale": call.k_scale, "v_scale": call.v_scale},
-            call.positions,
-            call.cos_sin_cache,
-        )
+        check_values(call.eps if call.k_norm_weight is not None else None, scales, call.positions, call.cos_sin_cache)
     if plan.empty:
         return plan, None, addresses
     geometry = plan.geometry
@@ -387,7 +387,7 @@ def _pool_layout(call: PoolCall, bound: Bound) -> None:
                     f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
                     f"{tuple(layer.stride())}: per-layer pools must share one layout"
                 )
-    check_scales(dtype, {"k_scale": call.k_scale, "v_scale": call.v_scale})
+    check_scales(dtype, call.named_scales)
 
 
 def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:

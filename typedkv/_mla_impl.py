@@ -21,7 +21,7 @@ from ._device_tables import layer_eps, layer_table
 from ._errors import InputError
 from ._impl import Implementation, Plan, check_memory, check_scales, check_values, debug_pass, planner
 from ._messages import fmt_dtype
-from ._value_checks import check_eps, check_scale, check_slots
+from ._value_checks import check_eps, check_scale_numbers, check_slots
 
 ROTARY_RULE = ("R % 2 == 0 and 2 <= R", "cos_sin_cache", "the rotary dim R must be even and at least 2")
 """``Signature`` rule of the MLA ops (``R <= C+R`` is ckv's shape: ``C >= 0``)."""
@@ -140,16 +140,12 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     ckv, kv_pool = call.ckv, call.kv_pool
     if call.kv_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
         check_eps(call.eps)
-    check_scale("kv_scale", call.kv_scale)
+    scales = {"kv_scale": call.kv_scale}
+    check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(
-            call.eps if call.kv_norm_weight is not None else None,
-            {"kv_scale": call.kv_scale},
-            call.positions,
-            call.cos_sin_cache,
-        )
+        check_values(call.eps if call.kv_norm_weight is not None else None, scales, call.positions, call.cos_sin_cache)
     if plan.empty:
         return
     dims = plan.bound.dims

@@ -4,7 +4,7 @@ and so a device sync."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -64,10 +64,11 @@ def check_eps(eps: float | Sequence[float] | Tensor) -> None:
         _out_of_range("eps", eps, zero_ok=True)
 
 
-def check_scale(name: str, scale: float | Tensor | None) -> None:
-    """Every call: an FP8 scale given as a Python number finite and > 0 (the pool stores ``x / scale``)."""
-    if scale is not None and not isinstance(scale, Tensor) and not 0.0 < scale < math.inf:
-        _out_of_range(name, scale, zero_ok=False)
+def check_scale_numbers(scales: Mapping[str, float | Tensor | None]) -> None:
+    """Every call: FP8 scales given as Python numbers finite and > 0 (the pool stores ``x / scale``)."""
+    for name, scale in scales.items():
+        if scale is not None and not isinstance(scale, Tensor) and not 0.0 < scale < math.inf:
+            _out_of_range(name, scale, zero_ok=False)
 
 
 def check_layer_values(name: str, values: Tensor, *, zero_ok: bool) -> None:
