@@ -371,7 +371,7 @@ class KVMaterializer(nn.Module):
         # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
         kv = self._gemm(hidden, state) if way == "gemm" else self._stand_in(hidden, kept)
         call = type(call)(kv, *call[1:])
-        written = call[-2:] if isinstance(call, DenseCall) else call[6:8]  # k_out, v_out or k_pool, v_pool
+        written = (call.k_out, call.v_out) if isinstance(call, DenseCall) else (call.k_pool, call.v_pool)
         if kept is None:
             # The op's production check, as the public function runs it.
             plan = path.layout(call)

@@ -28,9 +28,8 @@ from torch import Tensor
 
 from ._errors import InputError
 
-_SEARCH_MOST = (
-    4096  # index combinations tried by `shares_element` before it answers "shared" (never reached in practice)
-)
+# Index combinations `shares_element` tries before it answers "shared" (never reached in practice).
+_SEARCH_MOST = 4096
 
 
 def span(tensor: Tensor) -> tuple[int, int]:
@@ -97,7 +96,7 @@ class Footprint:
     where the op's own `Footprint` does that).
     """
 
-    __slots__ = ("_apart", "_each_other", "_layered", "_lists", "_read_spans", "_read_tensors", "reads", "writes")
+    __slots__ = ("_apart", "_each_other", "_layered", "_lists", "_read_tensors", "reads", "writes")
 
     def __init__(
         self, fields: Sequence[str], written: frozenset[str], call: Sequence[Any], *, each_other: bool = True
@@ -120,7 +119,6 @@ class Footprint:
         # itemgetter of one index returns the item itself: a repeated index keeps results tuples.
         at = [i for i, _, _, _ in self.reads]
         self._read_tensors = operator.itemgetter(*at, *at[-1:]) if at else None
-        self._read_spans = [(lo, hi) for _, _, lo, hi in self.reads]
         self._layered = any(layers for *_, layers in self.writes)
         self._each_other = each_other
         # Sets of addresses (read tensors', then written ones') found apart.
@@ -155,15 +153,21 @@ class Footprint:
         return [t.data_ptr() for i in self._lists for t in call[i]] if self._lists else None
 
     def _compare(self, call: Sequence[Any], reads: list[int], written: list[int]) -> None:
-        """`check`'s comparisons, for addresses not found apart before."""
-        spans = [(a + lo, a + hi) for a, (lo, hi) in zip(reads, self._read_spans, strict=True)]
-        at = 0
-        for i, _, lo, hi, layers in self.writes:
-            count = len(call[i]) if layers else 1
-            for address in written[at : at + count]:
-                if any(start < address + hi and address + lo < end for start, end in spans):
-                    self._raise_read_overlap(call)
-            at += count
+        """`check`'s comparisons, for addresses not found apart before: the first read tensor (in field
+        order) whose span meets a written one's is named with it."""
+        for address, (_, name, lo, hi) in zip(reads, self.reads, strict=True):
+            start, end = address + lo, address + hi
+            at = 0
+            for i, field, w_lo, w_hi, layers in self.writes:
+                count = len(call[i]) if layers else 1
+                for layer, w in enumerate(written[at : at + count]):
+                    if start < w + w_hi and w + w_lo < end:
+                        label = f"{field}[{layer}]" if layers else field
+                        raise InputError(
+                            f"{label}: expected memory apart from {name}, got memory shared with it: the call "
+                            f"would overwrite {name} while it still reads it; write into a tensor of its own"
+                        )
+                at += count
         if self._each_other and len(written) > 1:
             _apart_from_each_other(self._written(call))
 
@@ -178,24 +182,13 @@ class Footprint:
                 written.append((name, value, value.data_ptr()))
         return written
 
-    def _raise_read_overlap(self, call: Sequence[Any]) -> None:
-        """A read tensor (in field order) and the first written one whose spans meet: raise, naming both."""
-        for i, name, lo, hi in self.reads:
-            read_address = call[i].data_ptr()
-            for label, tensor, address in self._written(call):
-                start, end = address + span(tensor)[0], address + span(tensor)[1]
-                if start < read_address + hi and read_address + lo < end:
-                    raise InputError(
-                        f"{label}: expected memory apart from {name}, got memory shared with it: the call would "
-                        f"overwrite {name} while it still reads it; write into a tensor of its own"
-                    )
 
-
-_APART_KEPT = 64  # sets of addresses kept as found apart, per layout
+_APART_KEPT = 16  # sets of addresses kept as found apart, per layout (a decode loop reuses a few)
 
 
 def _apart_from_each_other(written: list[tuple[str, Tensor, int]]) -> None:
-    """No two written tensors share an element (compared in address order: only neighbouring spans can meet)."""
+    """No two written tensors share an element. In the order their spans start, each is compared with those
+    that start before its span ends."""
     ordered = sorted(written, key=lambda w: w[2] + span(w[1])[0])
     for j, (name, tensor, address) in enumerate(ordered):
         end = address + span(tensor)[1]
