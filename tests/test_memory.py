@@ -121,7 +121,7 @@ def test_interleaved_halves_of_a_combined_cache_share_no_element() -> None:
 def test_dense_outputs_over_kv_are_rejected_before_anything_is_written() -> None:
     a = _inputs()
     k_ref, v_ref = _dense(a)
-    # kv, then room for the outputs: k_out starts inside kv's last token.
+    # kv, then room for the outputs: this k_out starts one head before kv's end.
     buffer = torch.randn(a["kv"].numel() + 2 * L * T * H * D, dtype=DTYPE)
     kv = buffer[: a["kv"].numel()].view(T, L, 2 * H * D)
     kv.copy_(a["kv"])
@@ -130,7 +130,7 @@ def test_dense_outputs_over_kv_are_rejected_before_anything_is_written() -> None
     with pytest.raises(typedkv.InputError, match=r"^k_out: expected memory apart from kv, got memory shared with it"):
         _dense({**a, "kv": kv}, k_out=k_out)
     assert torch.equal(buffer, before)
-    # The same outputs one token further on lie apart: accepted, and right.
+    # Outputs that start right after kv's last element lie apart: accepted, and right.
     k_out = buffer[a["kv"].numel() :][: L * T * H * D].view(L, T, H, D)
     k, v = _dense({**a, "kv": kv}, k_out=k_out)
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
