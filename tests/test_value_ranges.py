@@ -65,10 +65,11 @@ def test_eps_numbers_out_of_range(eps: Any) -> None:
     with pytest.raises(typedkv.InputError, match=rf"^{name}: expected a finite number >= 0, got "):
         _dense(args, k_out=out[0], v_out=out[1])
     assert not out.any()
-    with pytest.raises(typedkv.InputError, match=rf"^{name}: expected a finite number >= 0"):
-        typedkv.KVMaterializer(
-            torch.randn(L, 2 * H * D, 8), args["k_norm_weight"], eps, args["cos_sin_cache"], num_kv_heads=H
-        )
+    for norm_weight in (args["k_norm_weight"], list(args["k_norm_weight"])):  # stacked, or one per layer
+        with pytest.raises(typedkv.InputError, match=rf"^{name}: expected a finite number >= 0"):
+            typedkv.KVMaterializer(
+                torch.randn(L, 2 * H * D, 8), norm_weight, eps, args["cos_sin_cache"], num_kv_heads=H
+            )
 
 
 @pytest.mark.parametrize("eps", [0.0, 0, 1e-5, [0.0, 1e-6]], ids=str)

@@ -122,9 +122,13 @@ def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int]
     return footprint.check(call)
 
 
-def check_values(eps: object, scales: Mapping[str, object], positions: Tensor, cos_sin_cache: Tensor) -> None:
-    """Debug mode's value checks of every op (one device sync each): eps and scale tensors, positions."""
-    if isinstance(eps, Tensor):
+def check_values(
+    eps: object, norm_weight: Tensor | None, scales: Mapping[str, object], positions: Tensor, cos_sin_cache: Tensor
+) -> None:
+    """Debug mode's value checks of every op (one device sync each): eps and scale tensors, positions.
+
+    eps as `check_eps` takes it: not checked without a norm weight."""
+    if isinstance(eps, Tensor) and norm_weight is not None:
         check_layer_values("eps", eps, zero_ok=True)
     for name, scale in scales.items():
         if isinstance(scale, Tensor):
@@ -166,13 +170,12 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if plan is None:
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
-    if call.k_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
-        check_eps(call.eps)
+    check_eps(call.eps, call.k_norm_weight)
     if k_out is not None or v_out is not None:
         check_memory(sig, plan, call)  # outputs left None are allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(call.eps if call.k_norm_weight is not None else None, {}, call.positions, call.cos_sin_cache)
+        check_values(call.eps, call.k_norm_weight, {}, call.positions, call.cos_sin_cache)
     if k_out is None or v_out is None:
         dims = plan.bound.dims
         shape = (dims["L"], dims["T"], dims["H"], dims["D"])
@@ -250,14 +253,13 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
     sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
-    if call.k_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
-        check_eps(call.eps)
+    check_eps(call.eps, call.k_norm_weight)
     scales = call.named_scales
     check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(call.eps if call.k_norm_weight is not None else None, scales, call.positions, call.cos_sin_cache)
+        check_values(call.eps, call.k_norm_weight, scales, call.positions, call.cos_sin_cache)
     if plan.empty:
         return plan, None, addresses
     geometry = plan.geometry

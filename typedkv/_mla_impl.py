@@ -79,13 +79,12 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     if plan is None:
         plan = dense_layout(call)
     ckv, out = call.ckv, call.out
-    if call.kv_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
-        check_eps(call.eps)
+    check_eps(call.eps, call.kv_norm_weight)
     if out is not None:
         check_memory(sig, plan, call)  # an output left None is allocated below: apart from everything
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(call.eps if call.kv_norm_weight is not None else None, {}, call.positions, call.cos_sin_cache)
+        check_values(call.eps, call.kv_norm_weight, {}, call.positions, call.cos_sin_cache)
     dims = plan.bound.dims
     if out is None:
         out = ckv.new_empty((dims["L"], dims["T"], dims["C"] + dims["R"]))  # ckv's dtype and device
@@ -138,14 +137,13 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    if call.kv_norm_weight is not None:  # eps is unused without a norm (a RoPE-only draft)
-        check_eps(call.eps)
+    check_eps(call.eps, call.kv_norm_weight)
     scales = {"kv_scale": call.kv_scale}
     check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
-        check_values(call.eps if call.kv_norm_weight is not None else None, scales, call.positions, call.cos_sin_cache)
+        check_values(call.eps, call.kv_norm_weight, scales, call.positions, call.cos_sin_cache)
     if plan.empty:
         return
     dims = plan.bound.dims

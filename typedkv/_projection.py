@@ -126,16 +126,14 @@ def _layer_count(value: object, stacked_dims: int) -> int | None:
 def eps_of_layers(eps: object, cos_sin_cache: object, norm_weight: object) -> object:
     """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is.
 
-    Numbers out of range (NaN, negative) are rejected here when there is a norm (``norm_weight``; else
-    eps is unused); a tensor's values in debug mode, at each call.
+    Numbers out of range (NaN, negative) are rejected here, as at each call (`check_eps`: not without
+    ``norm_weight``); a tensor's values in debug mode, at each call.
     """
     if not isinstance(eps, (list, tuple)):
-        if isinstance(eps, (float, int)) and norm_weight is not None:
-            check_eps(eps)
+        check_eps(eps, norm_weight)
         return eps
     check_numbers("eps", eps)
-    if norm_weight is not None:
-        check_eps(eps)
+    check_eps(eps, norm_weight)
     device = cos_sin_cache.device if isinstance(cos_sin_cache, Tensor) else None
     return torch.tensor([float(x) for x in eps], dtype=torch.float32, device=device)
 

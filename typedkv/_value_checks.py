@@ -4,7 +4,7 @@ and so a device sync."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -48,11 +48,14 @@ def check_slots(cache_loc: Tensor, num_slots: int) -> None:
         )
 
 
-def check_eps(eps: float | Sequence[float] | Tensor) -> None:
+def check_eps(eps: object, norm_weight: object) -> None:
     """Every call: an eps given as Python numbers finite and >= 0 (a tensor's values: `check_layer_values`).
 
     A NaN or infinite eps makes every K NaN or zero; a negative one, NaN where a row's mean square is smaller.
+    Without a norm weight (a RoPE-only draft) nothing reads eps: it is not checked.
     """
+    if norm_weight is None:
+        return
     if type(eps) is float:
         if not 0.0 <= eps < math.inf:  # False for NaN too
             _out_of_range("eps", eps, zero_ok=True)
