@@ -3,6 +3,7 @@ the paired timing of the end-to-end section: its rounds' order and how its ratio
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,17 @@ def test_end_to_end_rows_from_the_rounds() -> None:
     assert set(row["ratio_range"]) == set(row["ratio"])
     table = _bench_e2e.e2e_table(result)
     assert "range over the rounds" in table and "1.100-1.500" in table
+
+
+def test_only_picks_cases_on_the_cpu_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``typedkv bench --only TEXT`` runs the cases whose name holds TEXT on a CPU machine as well, and an
+    ``--only`` that names no case is an error that lists the cases, not an empty table."""
+    monkeypatch.setattr(_bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_bench, "CPU_TOKENS", (16,))
+    monkeypatch.setattr(_bench, "plot", lambda result, path: False)
+    assert _bench.main(tmp_path, quick=True, compare=False, only="pool") == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["L2 H2 D64 pool"]
+    (tmp_path / "bench.json").unlink()
+    assert _bench.main(tmp_path, quick=True, compare=False, only="HND") == 2
+    assert not (tmp_path / "bench.json").exists()

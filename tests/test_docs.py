@@ -373,3 +373,14 @@ def test_readme_lists_every_nox_session() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [s for s in sessions if not re.search(rf"^- `nox -s {s}`", readme, re.MULTILINE)]
     assert not missing, f"README.md lists no `nox -s` line for: {missing}"
+
+
+def test_reliability_page_counts_the_fuzz_misuses() -> None:
+    """docs/reliability.md says how many kinds of misuse the fuzz suite mixes in: the number it has."""
+    import test_fuzz
+
+    page = (DOCS / "reliability.md").read_text()
+    said = re.findall(r"(\d+) kinds of misuse", page)
+    assert said == [str(len(test_fuzz.MUTATIONS))], (
+        f"the page says {said}, tests/test_fuzz.py has {len(test_fuzz.MUTATIONS)}"
+    )

@@ -17,12 +17,15 @@ rounding typedkv adds (see `k_tolerance`). The cases sglang's worker refuses
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import inspect
 import os
 import subprocess
 import sys
 import time
+import traceback
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -38,6 +41,7 @@ from torch import Tensor
 
 import typedkv
 from typedkv._bench_e2e import Draft, e2e_table, load_sglang, run_e2e
+from typedkv.integrations import sglang as adapter
 from typedkv.integrations.sglang import FusedKVMaterializeHelper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -515,16 +519,21 @@ def test_hnd_pool_and_layer_offsets() -> None:
 # --------------------------------------------------------------------------- what typedkv refuses, by name
 
 
-def _refused(change: Any, message: str, *, pool: Any = None) -> None:
+def _attempt(change: Any, *, pool: Any = None) -> None:
+    """Build the helper from layers ``change`` edits; with a pool, write one token into it."""
     rotary = Rotary(128, 64)
     layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=rotary)
     change(layers)
+    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
+    if pool is not None:
+        hidden = torch.zeros(1, 64, dtype=torch.float16, device=DEVICE)
+        index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        helper.materialize_into_pool(hidden, index, index, pool)
+
+
+def _refused(change: Any, message: str, *, pool: Any = None) -> None:
     with pytest.raises(typedkv.InputError) as caught:
-        helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
-        if pool is not None:
-            hidden = torch.zeros(1, 64, dtype=torch.float16, device=DEVICE)
-            index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-            helper.materialize_into_pool(hidden, index, index, pool)
+        _attempt(change, pool=pool)
     assert str(caught.value) == message
 
 
@@ -597,6 +606,22 @@ REFUSALS = {
         _set("self_attn", SimpleNamespace(num_kv_heads=8, head_dim=128)),
         "layers[2].self_attn.rotary_emb: expected sglang's attribute, got SimpleNamespace without it",
     ),
+    "other kv_size": (
+        _set("self_attn.kv_size", 512),
+        "layers[2].self_attn.kv_size: expected num_kv_heads * head_dim = 1024, got 512",
+    ),
+    "projection without K/V rows": (
+        _set("self_attn.qkv_proj.weight", torch.zeros(2048, 64, dtype=torch.float16)),
+        "layers[2].self_attn.qkv_proj.weight: expected at least q_size + 2*kv_size = 3072 rows, got shape (2048, 64)",
+    ),
+    "norm of another width": (
+        _set("self_attn.k_norm", SimpleNamespace(weight=torch.ones(64, dtype=torch.float16), variance_epsilon=1e-6)),
+        "layers[2].self_attn.k_norm.weight: expected shape (128,) (head_dim), got shape (64,)",
+    ),
+    "a scale per channel": (
+        _set("self_attn.attn.k_scale", torch.ones(2)),
+        "layers[2].self_attn.attn.k_scale: expected one per-tensor scale, got shape (2,)",
+    ),
 }
 
 
@@ -633,8 +658,14 @@ POOL_REFUSALS = {
     ),
     "quantized KV cache": (
         _pool(is_quantized_kv_cache=True, quant_method=Fp8LinearMethod()),
-        "token_to_kv_pool.quant_method: expected an unquantized KV cache, got Fp8LinearMethod: quantized KV caches "
-        "store through their own recipe; use materialize() with the pool's set_kv_buffer",
+        "token_to_kv_pool.is_quantized_kv_cache: expected False (an unquantized KV cache), got True (quant_method "
+        "Fp8LinearMethod): quantized KV caches store through their own recipe; use materialize() with the pool's "
+        "set_kv_buffer",
+    ),
+    "quantized KV cache without a quant_method": (
+        _pool(is_quantized_kv_cache=True),
+        "token_to_kv_pool.is_quantized_kv_cache: expected False (an unquantized KV cache), got True: quantized KV "
+        "caches store through their own recipe; use materialize() with the pool's set_kv_buffer",
     ),
     "vectorized_5d": (
         _pool(kv_cache_layout="vectorized_5d"),
@@ -664,21 +695,92 @@ def test_pools_typedkv_cannot_write_are_named(case: str) -> None:
     _refused(lambda layers: None, message, pool=pool)
 
 
-def test_token_counts_must_agree() -> None:
-    rotary = Rotary(128, 64)
+def _helper(rotary: Any = None, **kwargs: Any) -> FusedKVMaterializeHelper:
+    rotary = Rotary(128, 64) if rotary is None else rotary
     layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=rotary)
-    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
+    return FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE, **kwargs)
+
+
+def _positions_of_another_count() -> None:
     hidden = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
-    two = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    three = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(
-        typedkv.InputError, match=r"^positions: expected T=3 positions \(one per token of ctx_hidden\), got 2$"
-    ):
-        helper.materialize(hidden, two, lambda i, k, v: None)
-    with pytest.raises(
-        typedkv.InputError, match=r"^cache_loc: expected T=3 slots \(one per token of ctx_hidden\), got 2$"
-    ):
-        helper.materialize_into_pool(hidden, three, two, make_pool(4, torch.float16))
+    _helper().materialize(hidden, torch.zeros(2, dtype=torch.int64, device=DEVICE), lambda i, k, v: None)
+
+
+def _slots_of_another_count() -> None:
+    hidden = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    three, two = (torch.zeros(n, dtype=torch.int64, device=DEVICE) for n in (3, 2))
+    _helper().materialize_into_pool(hidden, three, two, make_pool(4, torch.float16))
+
+
+def _no_layers() -> None:
+    FusedKVMaterializeHelper([], Rotary(128, 64), NUM_KV_HEADS, HEAD_DIM, DEVICE)
+
+
+def _rotary_without_a_table() -> None:
+    _helper(SimpleNamespace(rotary_dim=128, is_neox_style=True, cos_sin_cache=None))
+
+
+def _table_that_cannot_grow() -> None:
+    # A rotary module without sglang's `_ensure_cos_sin_cache_length`, asked for more positions than it has.
+    fixed = SimpleNamespace(rotary_dim=128, is_neox_style=True, cos_sin_cache=_table(64, 128, DEVICE))
+    _helper(fixed, max_position_hint=100)
+
+
+CALL_REFUSALS: dict[str, tuple[Callable[[], None], str]] = {
+    "positions of another count": (
+        _positions_of_another_count,
+        "positions: expected T=3 positions (one per token of ctx_hidden), got 2",
+    ),
+    "slots of another count": (
+        _slots_of_another_count,
+        "cache_loc: expected T=3 slots (one per token of ctx_hidden), got 2",
+    ),
+    "no layers": (_no_layers, "layers: expected at least one draft layer, got none"),
+    "rotary without a table": (
+        _rotary_without_a_table,
+        "rotary_emb.cos_sin_cache: expected a tensor [P, rotary_dim], got NoneType",
+    ),
+    "table that cannot grow": (
+        _table_that_cannot_grow,
+        "rotary_emb.cos_sin_cache: expected at least 100 positions (max_position_hint or the largest position), "
+        "got 64: extend the rotary table",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CALL_REFUSALS))
+def test_calls_and_rotary_tables_it_cannot_serve_are_named(case: str) -> None:
+    call, message = CALL_REFUSALS[case]
+    with pytest.raises(typedkv.InputError) as caught:
+        call()
+    assert str(caught.value) == message
+
+
+def test_every_refusal_of_the_adapter_is_tested() -> None:
+    """Each ``raise typedkv.InputError`` in the adapter is reached by one of this file's refusal cases (its
+    messages name sglang's attributes, so they are listed here rather than in docs/errors.md)."""
+    path = adapter.__file__
+    sites = {
+        node.lineno
+        for node in ast.walk(ast.parse(Path(path).read_text()))
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and "InputError" in ast.unparse(node.exc.func)
+    }
+    assert sites, "found no `raise typedkv.InputError(` in the adapter"
+    attempts = [
+        *(functools.partial(_attempt, change) for change, _ in REFUSALS.values()),
+        *(functools.partial(_attempt, lambda layers: None, pool=pool) for pool, _ in POOL_REFUSALS.values()),
+        *(call for call, _ in CALL_REFUSALS.values()),
+    ]
+    reached = set()
+    for attempt in attempts:
+        with pytest.raises(typedkv.InputError) as caught:
+            attempt()
+        lines = [
+            line for frame, line in traceback.walk_tb(caught.value.__traceback__) if frame.f_code.co_filename == path
+        ]
+        reached.add(lines[-1])
+    missing = sorted(sites - reached)
+    assert not missing, f"adapter refusals no case here reaches: lines {missing} of {path}"
 
 
 def test_importing_the_adapter_needs_no_sglang() -> None:
@@ -692,6 +794,7 @@ class NoSglang:
             raise ImportError("sglang must not be imported")
 
 sys.meta_path.insert(0, NoSglang())
+from typedkv.integrations import sglang as adapter
 from typedkv.integrations.sglang import FusedKVMaterializeHelper
 print(FusedKVMaterializeHelper.__name__)
 """

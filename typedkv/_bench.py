@@ -772,18 +772,24 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     """Run the benchmark for the best available device; print the table, write JSON and PNG.
 
-    ``only``: run the GPU cases whose name contains this text (all when empty); the
+    ``only``: run the cases whose name contains this text (all when empty); on a GPU, the
     end-to-end section (`typedkv._bench_e2e`) runs when it is empty or ``"e2e"``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    cases = [c for c in (GPU_CASES if gpu else CPU_CASES) if only in c.name]
+    if not cases and not (gpu and only == "e2e"):
+        names = ", ".join(c.name for c in (GPU_CASES if gpu else CPU_CASES))
+        print(f"--only {only!r} names no case on this machine; its cases: {names}", file=sys.stderr)
+        return 2
+    if gpu:
         meta["device"] = torch.cuda.get_device_name()
         tokens = GPU_TOKENS[:3] if quick else GPU_TOKENS
-        result = run_gpu(tokens, [c for c in GPU_CASES if only in c.name], compare)
+        result = run_gpu(tokens, cases, compare)
     else:
         meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
-        result = run_cpu(CPU_TOKENS, CPU_CASES)
+        result = run_cpu(CPU_TOKENS, cases)
     if torch.cuda.is_available() and only in ("", "e2e"):
         from ._bench_e2e import e2e_table, section
 

@@ -360,10 +360,11 @@ class FusedKVMaterializeHelper:
                 "use materialize() with the pool's set_kv_buffer"
             )
         if getattr(pool, "is_quantized_kv_cache", False):
+            method = getattr(pool, "quant_method", None)
+            how = f" (quant_method {type(method).__name__})" if method is not None else ""
             raise typedkv.InputError(
-                f"token_to_kv_pool.quant_method: expected an unquantized KV cache, got "
-                f"{type(getattr(pool, 'quant_method', None)).__name__}: quantized KV caches store through "
-                "their own recipe; use materialize() with the pool's set_kv_buffer"
+                f"token_to_kv_pool.is_quantized_kv_cache: expected False (an unquantized KV cache), got True{how}: "
+                "quantized KV caches store through their own recipe; use materialize() with the pool's set_kv_buffer"
             )
         layout_name = getattr(pool, "kv_cache_layout", "nhd")
         if layout_name not in _POOL_LAYOUTS:
