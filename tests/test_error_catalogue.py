@@ -98,6 +98,12 @@ def parse(text: str) -> tuple[str, list[Entry]]:
         assert heading.group(2), f"catalogue entry {heading.group(1)!r} has no {{ #id }} anchor"
         entry = Entry(heading.group(2), heading.group(1), heading.start(), body, templates)
         for j, block in enumerate(blocks):
+            if block.group(2) == "Misuse":
+                after = blocks[j + 1].group(2) if j + 1 < len(blocks) else None
+                assert after == "InputError", (
+                    f"catalogue entry {heading.group(2)!r}: a Misuse block with no InputError block after it "
+                    "is never run; add the message it raises"
+                )
             if block.group(2) != "InputError":
                 continue
             before = blocks[j - 1] if j else None

@@ -585,6 +585,35 @@ def _expanded_out(call: Call) -> Blame | None:
     return _put(call, "k_out", _out(call, (num_layers, 1, heads, head_dim)).expand(call.out_shape))
 
 
+def _folded(call: Call, like: Tensor) -> Tensor | None:
+    """A tensor of ``like``'s shape and dtype whose dim -2 has dim -3's stride: element ``(.., i + 1, j)`` is
+    element ``(.., i, j + 1)`` (heads folded onto tokens or slots, or a page's slots onto its heads). None when
+    those dims cannot fold (size 1)."""
+    shape = tuple(like.shape)
+    if len(shape) < 3 or shape[-2] < 2 or shape[-3] < 2 or 0 in shape:
+        return None
+    strides = [0] * len(shape)
+    strides[-1], strides[-2], strides[-3] = 1, shape[-1], shape[-1]
+    for i in range(len(shape) - 4, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1] + shape[-1] * shape[-2]
+    extent = sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1
+    return _out(call, (extent,), like.dtype).as_strided(shape, strides)
+
+
+def _folded_out(call: Call) -> Blame | None:
+    folded = _folded(call, torch.empty(call.out_shape, device="meta"))
+    return None if folded is None else _put(call, "k_out", folded)
+
+
+def _folded_pool(call: Call) -> Blame | None:
+    """V's pool (its first layer, per layer) with elements at one address."""
+    v_pool = call.args["v_pool"]
+    folded = _folded(call, v_pool if call.stacked else v_pool[0])
+    if folded is None:
+        return None
+    return _put(call, "v_pool", folded if call.stacked else [folded, *v_pool[1:]])
+
+
 def _aliased_out(call: Call) -> Blame | None:
     if call.spec.num_tokens == 0:
         return None  # no element to share
@@ -652,6 +681,7 @@ DENSE_MUTATIONS: dict[str, Mutation] = {
     "k_out-list": lambda c: _put(c, "k_out", list(_out(c, c.out_shape))),
     "v_out-strided-rows": _strided_out,
     "k_out-expanded": _expanded_out,
+    "k_out-folded": _folded_out,
     "v_out-is-k_out": _aliased_out,
     "v_out-overlaps-k_out": _overlapping_outs,
     "k_out-over-kv": _out_over_kv,
@@ -691,6 +721,7 @@ POOL_MUTATIONS: dict[str, Mutation] = {
     "v_pool-layer-strides": _v_pool_layer_strides,
     "v_pool-is-k_pool": lambda c: _put(c, "v_pool", c.args["k_pool"]) if c.spec.num_slots > 0 else None,
     "v_pool-overlaps-k_pool": _overlapping_pools,
+    "v_pool-folded": _folded_pool,
     "k_pool-other-device": _pool_other_device,
 }
 

@@ -26,9 +26,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_api", "_rope_tables", "_mla"),  # the public face
     ("_torch_ops",),  # the torch ops
     ("_impl", "_mla_impl", "_fused_impl"),  # the checked implementation
-    ("_device_tables", "_value_checks", "_memory"),
+    ("_device_tables", "_value_checks"),
     ("_checking",),
-    ("_annotations", "_messages"),
+    ("_annotations", "_messages", "_memory"),
     ("_reference", "_launch", "_fused_ws"),
     ("_kernel", "_mla_kernel", "_fused_kernel", "_fused_ws_kernel"),
     ("_epilogue",),  # the jit pieces the kernels share

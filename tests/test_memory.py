@@ -110,6 +110,68 @@ def test_shares_element_agrees_with_the_elements_themselves(same_layout: bool) -
         assert exact  # some pairs interleaved without sharing an element were told apart
 
 
+def test_overlaps_itself_agrees_with_the_elements_themselves() -> None:
+    """Exact on random strides (0 and strides that fold one dim onto another among them)."""
+    rng = random.Random(11)
+    buffer = torch.zeros(4096)
+    folded = 0
+    for _ in range(2000):
+        dims = rng.randint(1, 4)
+        shape = tuple(rng.randint(1, 5) for _ in range(dims))
+        strides = tuple(rng.choice((0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 30)) for _ in range(dims))
+        view = buffer.as_strided(shape, strides)
+        offsets = torch.zeros(shape, dtype=torch.int64)
+        for dim, stride in enumerate(strides):
+            offsets = offsets + torch.arange(shape[dim]).reshape([-1 if d == dim else 1 for d in range(dims)]) * stride
+        overlap = offsets.unique().numel() < offsets.numel()
+        assert _memory.overlaps_itself(view) == overlap, (shape, strides)
+        folded += overlap and 0 not in strides
+    assert folded  # overlaps without a stride of 0 were among them
+
+
+def _folded(shape: tuple[int, ...], dtype: torch.dtype = DTYPE) -> Tensor:
+    """A view of ``shape`` whose heads overlap: head 1 of slot ``s`` is head 0 of slot ``s + 1`` (slot stride D)."""
+    d = shape[-1]
+    strides = [0] * len(shape)
+    strides[-1], strides[-2], strides[-3] = 1, d, d
+    for i in range(len(shape) - 4, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1] + d
+    buffer = torch.randn(strides[0] * shape[0] + shape[-3] * d + d, dtype=dtype)
+    return buffer.as_strided(shape, strides)
+
+
+def test_outputs_whose_elements_overlap_are_rejected_before_anything_is_written() -> None:
+    a = _inputs()
+    k_out, v_out = _folded((L, T, H, D)), torch.randn(L, T, H, D)
+    assert _memory.overlaps_itself(k_out) and 0 not in k_out.stride()
+    before = k_out.clone(), v_out.clone()
+    with pytest.raises(
+        typedkv.InputError,
+        match=r"^k_out: expected memory of its own for every element, got strides \(\d+, 16, 16, 1\) "
+        r"\(two elements at one address\): writes to it would collide$",
+    ):
+        _dense(a, k_out, v_out)
+    assert torch.equal(k_out, before[0]) and torch.equal(v_out, before[1])
+
+
+def test_pools_whose_elements_overlap_are_rejected_before_anything_is_written() -> None:
+    a = _inputs()
+    cache_loc = torch.randperm(S)[:T]
+    k_pool, v_pool = _folded((L, S, H, D)), torch.randn(L, S, H, D)
+    before = k_pool.clone(), v_pool.clone()
+    with pytest.raises(
+        typedkv.InputError, match=r"^k_pool: .*\(two elements at one address\): writes to it would collide$"
+    ):
+        _pool(a, cache_loc, k_pool, v_pool)
+    assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
+    k_layers, v_layers = [torch.randn(S, H, D) for _ in range(L)], [torch.randn(S, H, D) for _ in range(L)]
+    v_layers[1] = _folded((S, H, D))
+    before_layers = [t.clone() for t in k_layers + v_layers]
+    with pytest.raises(typedkv.InputError, match=r"^v_pool\[1\]: .*\(two elements at one address\)"):
+        _pool(a, cache_loc, k_layers, v_layers)
+    assert all(torch.equal(t, b) for t, b in zip(k_layers + v_layers, before_layers, strict=True))
+
+
 def test_interleaved_halves_of_a_combined_cache_share_no_element() -> None:
     cache = torch.zeros(4, 2, 8, H, D)  # [N, 2, B, H, D]: K and V interleaved page by page
     assert not _memory.shares_element(cache[:, 0], cache[:, 1])

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_param, runtime_hint, symbolic
 from ._errors import InputError
+from ._memory import overlaps_itself
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
 from ._types import is_fp8
 
@@ -688,14 +689,12 @@ class Signature:
                     else f": pass {label}.contiguous()"
                 )
             )
-        if (
-            name in self._outputs
-            and value.numel() > 1
-            and any(st == 0 and n > 1 for st, n in zip(value.stride(), shape, strict=True))
-        ):
+        if name in self._outputs and value.numel() > 1 and overlaps_itself(value):
+            expanded = any(st == 0 and n > 1 for st, n in zip(value.stride(), shape, strict=True))
+            how = "an expanded view" if expanded else "two elements at one address"
             raise InputError(
                 f"{label}: expected memory of its own for every element, got strides {tuple(value.stride())} "
-                "(an expanded view): writes to it would collide"
+                f"({how}): writes to it would collide"
             )
 
     # ----------------------------------------------------------------------- debug

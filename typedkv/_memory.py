@@ -72,6 +72,26 @@ def shares_element(a: Tensor, b: Tensor) -> bool:
     return _reaches(abs(delta) // item, dims, tried)
 
 
+def overlaps_itself(tensor: Tensor) -> bool:
+    """Whether two of ``tensor``'s elements lie at one address (a stride of 0, or strides that fold one
+    dim onto another, as ``as_strided`` can make).
+
+    Two elements coincide when a nonzero index difference ``j`` has ``sum(j * stride) == 0``. Taking
+    the dims largest stride first, the first nonzero ``j`` can be taken positive (else negate them all),
+    and it must be made up by the dims after it: `_reaches`.
+    """
+    dims = sorted(((st, n - 1) for n, st in zip(tensor.shape, tensor.stride(), strict=True) if n > 1), reverse=True)
+    if any(st == 0 for st, _ in dims):
+        return True
+    tried = [0]
+    for k, (stride, most) in enumerate(dims):
+        rest = dims[k + 1 :]
+        reach = sum(m * s for s, m in rest)  # an ordinary layout's smaller dims never reach its stride
+        if any(_reaches(j * stride, rest, tried) for j in range(1, min(most, reach // stride) + 1)):
+            return True
+    return False
+
+
 def _reaches(delta: int, dims: list[tuple[int, int]], tried: list[int]) -> bool:
     tried[0] += 1
     if tried[0] > _SEARCH_MOST:
