@@ -197,7 +197,7 @@ def test_end_to_end_rows_from_the_rounds() -> None:
 def test_only_picks_cases_on_the_cpu_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``typedkv bench --only TEXT`` runs the cases whose name holds TEXT on a CPU machine as well, and an
     ``--only`` that names no case is an error that lists the cases, not an empty table."""
-    monkeypatch.setattr(_bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(_bench, "CPU_TOKENS", (16,))
     monkeypatch.setattr(_bench, "plot", lambda result, path: False)
     assert _bench.main(tmp_path, quick=True, compare=False, only="pool") == 0

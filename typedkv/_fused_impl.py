@@ -135,10 +135,19 @@ def project_kv(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.launchable(
-            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
-            head_dim=dims["D"], neox=call.rope_style == "neox",
-        ) and _fused_ws.faster(hidden.device, hidden.shape[0])  # fmt: skip
+        launches.warp_specialised = (
+            _fused_ws.launchable(
+                hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
+                head_dim=dims["D"], neox=call.rope_style == "neox",
+            )
+            and _fused_ws.faster(hidden.device, hidden.shape[0])
+            # Offsets past int32: the pointer kernel's WIDE variant takes the call.
+            and not _launch.projection_wide(
+                hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
+                (dense_strides(k_out)[3], dense_strides(v_out)[3]), (None, None), num_layers=dims["L"],
+                num_kv_heads=dims["H"],
+            )
+        )  # fmt: skip
     if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight, k_out, v_out):
         _fused_ws.launch(
             hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
@@ -220,10 +229,19 @@ def project_kv_into_pool(
     dims = plan.bound.dims
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     if launches.warp_specialised is None:
-        launches.warp_specialised = _fused_ws.launchable_pool(
-            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
-            head_dim=dims["D"], neox=call.rope_style == "neox",
-        ) and _fused_ws.faster(hidden.device, hidden.shape[0])  # fmt: skip
+        launches.warp_specialised = (
+            _fused_ws.launchable_pool(
+                hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
+                head_dim=dims["D"], neox=call.rope_style == "neox",
+            )
+            and _fused_ws.faster(hidden.device, hidden.shape[0])
+            # Offsets past int32: the pointer kernel's WIDE variant takes the call.
+            and not _launch.projection_wide(
+                hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
+                (geometry.strides(plan.bound, "k_pool", k_dst)[3], geometry.strides(plan.bound, "v_pool", v_dst)[3]),
+                scales, num_layers=dims["L"], num_kv_heads=dims["H"],
+            )
+        )  # fmt: skip
     if launches.warp_specialised and _fused_ws.aligned(hidden, kv_weight):
         destinations = (
             k_dst,

@@ -252,6 +252,7 @@ def project_kv_kernel(
     L2_BEFORE_WAIT: tl.constexpr,  # the head's first weight columns asked of L2 before WAIT_PRIOR's wait (0: none)
     SIGNAL_NEXT: tl.constexpr,  # after the weight loop, let the next kernel launch (griddepcontrol.launch_dependents)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
+    WIDE: tl.constexpr,  # some index * stride of this layout passes int32 (`typedkv._launch.wide_offsets`)
 ):
     if WAIT_PRIOR and L2_BEFORE_WAIT == 0:
         gdc_wait()  # before any load: hidden may be the prior kernel's output
@@ -277,6 +278,17 @@ def project_kv_kernel(
     EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
 
     tok = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:
+        # As in `typedkv._kernel`: every index * stride below in int64.
+        wide = tl.full([], 0, tl.int64)
+        layer += wide
+        tok += wide
+        hidden_stride_k += wide
+        w_stride_k += wide
+        k_stride_h += wide
+        v_stride_h += wide
+        weight_stride_d += wide
+        cos_sin_stride_r += wide
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     a_row = hidden_ptr + tok.to(tl.int64)[:, None] * hidden_stride_t

@@ -326,6 +326,7 @@ def materialize_kv_kernel(
     FULL_ROW: tl.constexpr,
     V_FIRST: tl.constexpr,  # K and V in one program: V's loads issued before K's stores (else after them)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
+    WIDE: tl.constexpr,  # some index * stride of this layout passes int32 (`typedkv._launch.wide_offsets`)
 ):
     if WAIT_PRIOR:
         gdc_wait()  # before any load: what the kernel reads may be the prior kernel's output
@@ -339,6 +340,16 @@ def materialize_kv_kernel(
         block = pid % tl.cdiv(num_tokens, BLOCK_T)
         layer = pid // tl.cdiv(num_tokens, BLOCK_T)
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    if WIDE:
+        # Every index * stride below then multiplies in int64: the layer's and the token's
+        # indices, and the strides that multiply a head's or a dim's (a constant 1 stays exact).
+        wide = tl.full([], 0, tl.int64)
+        layer += wide
+        tok += wide
+        k_stride_h += wide
+        v_stride_h += wide
+        weight_stride_d += wide
+        cos_sin_stride_r += wide
     head = tl.arange(0, BLOCK_H)
     tok_ok = tok < num_tokens
     head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]

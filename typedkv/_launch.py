@@ -189,6 +189,10 @@ def launch_params(
     num_warps = config.num_warps or num_warps
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(k_dst.dtype)
     destinations, layer_vec = _kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
+    wide = wide_offsets(
+        (num_layers, kv.stride(1)), (num_kv_heads, k_strides[3]), (num_kv_heads, v_strides[3]),
+        *_input_extents(num_layers, k_norm_weight, eps, cos_sin_cache, positions, slots, scales),
+    )  # fmt: skip
     params = (
         kv, kv.stride(0), kv.stride(1),
         *_input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
@@ -200,7 +204,7 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        one_tile_k, config.v_first and not split, programmatic_launch(kv.device),
+        one_tile_k, config.v_first and not split, programmatic_launch(kv.device), wide,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
 
@@ -521,6 +525,10 @@ def mla_launch(
         _table_mode(layer_offsets, table_multiple), _scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
         layer_vec,
         block_t, block_c, block_half, INTERPRETED, num_layers, programmatic_launch(ckv.device),
+        wide_offsets(
+            (num_layers, ckv.stride(1)),
+            *_input_extents(num_layers, kv_norm_weight, eps, cos_sin_cache, positions, slots, (kv_scale,)),
+        ),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
     return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)
@@ -562,6 +570,61 @@ def _input_params(
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions, positions.stride(0),
         slots, slots.stride(0) if slots is not None else 0,
+    )  # fmt: skip
+
+
+# The kernels multiply a layer's, a token's, a head's and a dim's index by a stride in int32 (the
+# fastest code) unless their WIDE constexpr is set; the rows of kv, hidden, pools and outputs and
+# their layers' starts are int64 always. The room leaves space for the in-row offsets added to a
+# product before it meets a 64-bit pointer.
+_INT32_ROOM = 2**31 - 2**20
+
+
+def wide_offsets(*extents: tuple[int, int]) -> bool:
+    """Whether a launch needs its kernel's WIDE: some ``(count, stride)``'s last index times its stride passes
+    int32 (a layer-major kv's layer stride, a head-major pool's head stride, a column of a large tensor as
+    ``positions``, ...)."""
+    return any((count - 1) * abs(stride) >= _INT32_ROOM for count, stride in extents)
+
+
+def _input_extents(
+    num_layers: int,
+    norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    scales: tuple[Scale, ...],
+) -> tuple[tuple[int, int], ...]:
+    """The ``(count, stride)`` products a kernel forms over `_input_params`' tensors and the FP8 scales."""
+    extents = [(cos_sin_cache.shape[1], cos_sin_cache.stride(1)), (positions.shape[0], positions.stride(0))]
+    if norm_weight is not None:
+        extents += [(num_layers, norm_weight.stride(0)), (norm_weight.shape[1], norm_weight.stride(1))]
+    if slots is not None:
+        extents.append((slots.shape[0], slots.stride(0)))
+    extents += [(num_layers, t.stride(0)) for t in (eps, *scales) if isinstance(t, torch.Tensor)]
+    return tuple(extents)
+
+
+def projection_wide(
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None,
+    head_strides: tuple[int, int],
+    scales: tuple[Scale, Scale],
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+) -> bool:
+    """`wide_offsets` of a fused projection's launch: ``head_strides`` are K's and V's destinations' head strides."""
+    return wide_offsets(
+        (hidden.shape[1], hidden.stride(1)), (hidden.shape[1], kv_weight.stride(1)),
+        *((num_kv_heads, stride) for stride in head_strides),
+        *_input_extents(num_layers, k_norm_weight, eps, cos_sin_cache, positions, slots, scales),
     )  # fmt: skip
 
 
@@ -931,6 +994,10 @@ def projection_launch(
         layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
         early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
         blocks is not None, group_m, l2_columns, signal and programmatic, programmatic,
+        projection_wide(
+            hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, slots, (k_strides[3], v_strides[3]),
+            scales, num_layers=num_layers, num_kv_heads=num_kv_heads,
+        ),
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
     return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)

@@ -118,6 +118,7 @@ def materialize_mla_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
+    WIDE: tl.constexpr,  # some index * stride of this layout passes int32 (`typedkv._launch.wide_offsets`)
 ):
     if WAIT_PRIOR:
         gdc_wait()  # before any load: what the kernel reads may be the prior kernel's output
@@ -126,6 +127,13 @@ def materialize_mla_kv_kernel(
     pid = tl.program_id(0)
     layer = pid % NUM_LAYERS
     tok = (pid // NUM_LAYERS) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if WIDE:
+        # As in `typedkv._kernel`: every index * stride below in int64.
+        wide = tl.full([], 0, tl.int64)
+        layer += wide
+        tok += wide
+        weight_stride_c += wide
+        cos_sin_stride_r += wide
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     src = ckv_ptr + tok.to(tl.int64) * ckv_stride_t + layer * ckv_stride_l
