@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -386,3 +386,53 @@ def test_materializer_outputs_over_hidden(path: str) -> None:
         m(hidden.clone(), positions, k_out=torch.empty(L, T, H, D))
         with pytest.raises(typedkv.InputError, match=r"^k_out: expected memory apart from hidden"):
             m(hidden, positions, k_out=memory[:n].view(L, T, H, D))
+
+
+@pytest.mark.parametrize("path", ["fused", "gemm"])
+@pytest.mark.parametrize("buffer", ["kv_weight", "kv_bias"])
+def test_materializer_outputs_over_its_weights(path: str, buffer: str) -> None:
+    """Outputs or pools over the materializer's own weight or bias would overwrite what this call's projection
+    reads, and every later call's: rejected on every path, before anything is written."""
+    torch.manual_seed(3)
+    # The buffer lies at the start of memory large enough for an output or a pool laid over it.
+    memory = torch.randn(L * max(T, S) * H * D + L * 2 * H * D * HIDDEN)
+    weight = torch.randn(L, 2 * H * D, HIDDEN) / HIDDEN**0.5
+    bias = torch.randn(L, 2 * H * D)
+    if buffer == "kv_weight":
+        weight = memory[: weight.numel()].view_as(weight).copy_(weight)
+    else:
+        bias = memory[: bias.numel()].view_as(bias).copy_(bias)
+    m = typedkv.KVMaterializer(
+        weight, torch.rand(L, D) + 0.5, 1e-6, typedkv.cos_sin_cache(P, D), num_kv_heads=H, kv_bias=bias
+    )
+    assert getattr(m, buffer).data_ptr() == memory.data_ptr()  # kept as given, not copied
+    m.projection_path = path  # type: ignore[assignment]
+    hidden, positions = torch.randn(T, HIDDEN), torch.randperm(P)[:T]
+    k_ref, v_ref = m(hidden, positions)
+    weights = m.kv_weight.clone(), cast(Tensor, m.kv_bias).clone()
+    k_out, v_out = memory[: L * T * H * D].view(L, T, H, D), torch.empty(L, T, H, D)
+    with pytest.raises(typedkv.InputError, match=rf"^k_out: expected memory apart from {buffer}, got memory shared"):
+        m(hidden, positions, k_out=k_out, v_out=v_out)
+    k_pool, v_pool = torch.zeros(L, S, H, D), memory[: L * S * H * D].view(L, S, H, D)
+    with pytest.raises(typedkv.InputError, match=rf"^v_pool: expected memory apart from {buffer}, got memory shared"):
+        m.into_pool(hidden, positions, torch.randperm(S)[:T], k_pool, v_pool)
+    assert torch.equal(m.kv_weight, weights[0]) and torch.equal(cast(Tensor, m.kv_bias), weights[1])
+    assert not k_pool.any()
+    k, v = m(hidden, positions)  # the weights are intact: the same answer as before
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_mla_materializer_output_over_its_weight() -> None:
+    torch.manual_seed(4)
+    latent, rope = 16, 8
+    m = typedkv.MLAKVMaterializer(
+        torch.randn(L, latent + rope, HIDDEN) / HIDDEN**0.5, torch.rand(L, latent) + 0.5, 1e-6,
+        typedkv.cos_sin_cache(P, rope), rope_style="neox",
+    )  # fmt: skip
+    hidden, positions = torch.randn(T, HIDDEN), torch.randperm(P)[:T]
+    weight = m.kv_a_weight.clone()
+    out = m.kv_a_weight.view(-1)[: L * T * (latent + rope)].view(L, T, latent + rope)
+    with pytest.raises(typedkv.InputError, match=r"^out: expected memory apart from kv_a_weight, got memory shared"):
+        m(hidden, positions, out=out)
+    assert torch.equal(m.kv_a_weight, weight)
+    m(hidden, positions, out=torch.empty(L, T, latent + rope))

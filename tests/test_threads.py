@@ -32,6 +32,7 @@ two threads in the layer-table cache that the free-running test can only hit by 
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import threading
@@ -206,6 +207,84 @@ def test_threads(mode: str) -> None:
 def test_threads_cuda(mode: str) -> None:
     assert typedkv.debug_enabled() == (mode == "debug")
     _check_threads(torch.device("cuda"), GPU_THREADS, GPU_CALLS, GPU_LAYOUTS)
+
+
+# --------------------------------------------------------------------------- one materializer, shared
+
+
+def _materializers(device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(5)
+    hidden_size, layers, heads, dim = 48, 2, 2, 16
+    kv = typedkv.KVMaterializer(
+        torch.randn(layers, 2 * heads * dim, hidden_size, device=device) / 8, torch.rand(layers, dim, device=device),
+        1e-6, typedkv.cos_sin_cache(64, dim, device=device), num_kv_heads=heads,
+    )  # fmt: skip
+    mla = typedkv.MLAKVMaterializer(
+        torch.randn(layers, 24, hidden_size, device=device) / 8, torch.rand(layers, 16, device=device), 1e-6,
+        typedkv.cos_sin_cache(64, 8, device=device), rope_style="neox",
+    )  # fmt: skip
+    return {"kv": kv, "mla": mla}
+
+
+def _shared_calls(m: Any, device: torch.device, thread: int, calls: int) -> list[list[Tensor]]:
+    """``calls`` calls of ``m`` with this thread's own hidden states, at a few T (the workspace regrows)."""
+    gen = torch.Generator().manual_seed(thread)
+    out = []
+    for call in range(calls):
+        tokens = (3, 17, 40)[(thread + call) % 3]
+        hidden = torch.randn(tokens, 48, generator=gen).to(device)
+        positions = torch.randint(0, 64, (tokens,), generator=gen).to(device)
+        result = m(hidden, positions)
+        out.append([t.clone() for t in (result if isinstance(result, tuple) else (result,))])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kv", "mla"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_materializer_called_from_threads(kind: str, device: str) -> None:
+    """One materializer called from several threads at once: each call gives what it gives alone. The GEMM's
+    workspace is per thread (`typedkv._projection.Workspace`): shared, one thread's GEMM overwrote the rows
+    another's kernel had yet to read (318 of 320 calls wrong, seen on the CPU)."""
+    m = _materializers(torch.device(device))[kind]
+    threads, calls = (4, 6) if _launch.INTERPRETED else (8, 30)
+    alone = [_shared_calls(m, torch.device(device), i, calls) for i in range(threads)]
+    results: list[list[list[Tensor]]] = [[] for _ in range(threads)]
+    barrier = threading.Barrier(threads)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        results[i] = _shared_calls(m, torch.device(device), i, calls)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _assert_same(results, alone)
+
+
+def test_a_copied_materializer_has_its_own_workspace() -> None:
+    """copy.deepcopy (and pickling) of a materializer: the copy computes alike, into rows of its own."""
+    for m in _materializers(torch.device("cpu")).values():
+        hidden, positions = torch.randn(5, 48), torch.arange(5)
+        first = m(hidden, positions)
+        twin = copy.deepcopy(m)
+        assert twin._workspace is None
+        again = twin(hidden, positions)
+        for a, b in zip(
+            first if isinstance(first, tuple) else (first,),
+            again if isinstance(again, tuple) else (again,),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+        assert twin._workspace is not None and twin._workspace.data_ptr() != m._workspace.data_ptr()
 
 
 # --------------------------------------------------------------------------- the layer-table cache

@@ -231,6 +231,11 @@ class CheckedLayouts(Generic[_P]):
     def __len__(self) -> int:
         return len(self._plans)
 
+    def __reduce__(self) -> tuple[type[CheckedLayouts[Any]], tuple[int]]:
+        # A copy (copy.deepcopy, pickling) starts empty and checks each layout again: a plan's guards
+        # and launches cannot be copied, and a copy's tensors lie at addresses of their own.
+        return CheckedLayouts, (self._most,)
+
     def values(self) -> list[_P]:
         """The plans kept."""
         return list(self._plans.values())

@@ -111,9 +111,10 @@ class _Kept(NamedTuple):
     stand_in: Tensor | None
     launches: Launches  # (`typedkv._fused_impl.project_kv`, `project_kv_split`)
     way: _Way
-    # hidden and the tensors the call writes, where a kernel reads the one while writing the others
-    # (the fused kernel, V's GEMM; GEMM + kernel has read hidden before): None when it writes none.
-    hidden_apart: Footprint | None
+    # What the call reads of the materializer (hidden where a kernel reads it while writing: the fused
+    # kernel, V's GEMM; GEMM + kernel has read it before) against the tensors it writes: None when it
+    # writes none of the caller's. The weights are read by every later call too.
+    apart: Footprint | None
 
 
 @static_jaxtyping("L KV H D hidden")
@@ -376,12 +377,15 @@ class KVMaterializer(nn.Module):
             # The op's production check, as the public function runs it.
             plan = path.layout(call)
             apart = None
-            if way != "gemm" and any(w is not None for w in written):
+            if any(w is not None for w in written):
                 names = ("k_out", "v_out") if isinstance(call, DenseCall) else ("k_pool", "v_pool")
-                apart = Footprint(("hidden", *names), frozenset(names), (hidden, *written), each_other=False)
+                apart = Footprint(
+                    ("hidden", "kv_weight", "kv_bias", *names), frozenset(names),
+                    (None if way == "gemm" else hidden, weight, bias, *written), each_other=False,
+                )  # fmt: skip
             kept = self._plans.keep(layout, _Kept(plan, None if way == "gemm" else kv, Launches(), way, apart))
-        if kept.hidden_apart is not None:
-            kept.hidden_apart.check((hidden, *written))
+        if kept.apart is not None:
+            kept.apart.check((hidden, weight, bias, *written))
         if way == "fused":
             return path.project(call, hidden, weight, bias, kept.plan, kept.launches)
         if way == "split":

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import _projection as projection
 from ._checking import Bound, CheckedLayouts, Signature
+from ._memory import Footprint
 from ._mla import DENSE_OPS, POOL_OPS
 from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
 from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
@@ -261,13 +262,24 @@ class MLAKVMaterializer(nn.Module):
             ckv = F.linear(hidden, state[0], state[1]).view(hidden.shape[0], self.num_layers, width)
             return path.traced(type(call)(ckv, *call[1:]))
         layout = (*call, state[0], state[1])
-        plan = self._plans.get(layout)
-        if plan is None:
+        kept = self._plans.get(layout)
+        if kept is None:
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             _PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
+        written = call.out if isinstance(call, DenseCall) else call.kv_pool
         call = type(call)(self._gemm(hidden, state), *call[1:])
-        if plan is None:
-            plan = self._plans.keep(layout, path.layout(call))
+        if kept is None:
+            name = "out" if isinstance(call, DenseCall) else "kv_pool"
+            # The weights, read by this call's GEMM and every later call's, against what it writes.
+            apart = None
+            if written is not None:
+                apart = Footprint(
+                    ("kv_a_weight", "kv_a_bias", name), frozenset((name,)), (*state[:2], written), each_other=False
+                )
+            kept = self._plans.keep(layout, (path.layout(call), apart))
+        plan, apart = kept
+        if apart is not None:
+            apart.check((*state[:2], written))
         # Right after the GEMM: a plain launch (`typedkv._launch.KernelLaunch`).
         return path.planned(call, plan, True)
 

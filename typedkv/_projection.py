@@ -11,6 +11,7 @@ eager workspace (`Workspace.rows`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -27,10 +28,25 @@ LAYOUTS_KEPT = 256
 
 
 class Workspace:
-    """The GEMM's output rows, kept between eager calls."""
+    """The GEMM's output rows, kept between eager calls: one buffer per thread.
+
+    A materializer called from several threads would otherwise have one thread's
+    GEMM overwrite the rows another's kernel has yet to read (on the CPU, or on a
+    GPU stream the threads share); with its own rows, each thread's GEMM and kernel
+    pair up whatever the interleaving.
+    """
 
     def __init__(self) -> None:
-        self.buffer: Tensor | None = None
+        self._local = threading.local()
+
+    def __reduce__(self) -> tuple[type[Workspace], tuple[()]]:
+        # A copy of a module (copy.deepcopy, pickling) starts with no rows of its own.
+        return Workspace, ()
+
+    @property
+    def buffer(self) -> Tensor | None:
+        """This thread's rows (None before its first eager call)."""
+        return getattr(self._local, "buffer", None)
 
     def rows(self, num_tokens: int, weight: Tensor) -> Tensor:
         """``[num_tokens, weight rows]`` for the GEMM: the eager workspace (grown first if too small), or a capture's own.
@@ -43,7 +59,7 @@ class Workspace:
         """
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        buffer = self.buffer
+        buffer = getattr(self._local, "buffer", None)
         if (
             buffer is None
             or buffer.shape[0] < num_tokens
@@ -54,7 +70,7 @@ class Workspace:
             # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
             with torch.inference_mode(False):
                 buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-            self.buffer = buffer
+            self._local.buffer = buffer
         return buffer[:num_tokens]
 
 
