@@ -358,15 +358,50 @@ def test_repeated_calls_reuse_the_checked_layout() -> None:
     assert len(m._plans) == 2  # one dense layout, one pool layout
 
 
+_REPLACED: dict[str, tuple[str, Callable[[], Tensor], str]] = {
+    "weight rows": (
+        "kv_weight", lambda: torch.randn(L * ROWS + 2, HIDDEN),
+        "kv_weight: expected shape (L*2*H*D=192, hidden=24), got (194, 24): the size must be L*2*H*D = 3*2*2*16 = 192",
+    ),
+    "weight width": (
+        "kv_weight", lambda: torch.randn(L * ROWS, HIDDEN + 1),
+        "kv_weight: expected shape (L*2*H*D=192, hidden=24), got (192, 25): hidden=24 comes from hidden_size",
+    ),
+    "bias of one": (
+        "kv_bias", lambda: torch.randn(1),
+        "kv_bias: expected shape (L*2*H*D=192), got (1,): the size must be L*2*H*D = 3*2*2*16 = 192",
+    ),
+    "bias dtype": (
+        "kv_bias", lambda: torch.randn(L * ROWS, dtype=torch.float64),
+        "kv_bias: expected dtype float32 on cpu (kv_weight's dtype and device), got dtype float64 on cpu: "
+        "convert it where it is made, kv_bias.to(kv_weight.dtype)",
+    ),
+    "norm width": (
+        "k_norm_weight", lambda: torch.ones(L, D + 2),
+        "k_norm_weight: expected shape (L=3, D=16), got (3, 18): D=16 comes from head_dim",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.production
-def test_a_replaced_weight_is_checked_again() -> None:
-    """The weights' layouts are part of a kept plan's key: a buffer replaced by one of another shape is checked."""
-    m = _stacked_materializer(make_layers())
+@pytest.mark.parametrize("path", ["gemm", "fused"])
+@pytest.mark.parametrize("case", list(_REPLACED))
+def test_a_replaced_buffer_is_checked_again(case: str, path: str) -> None:
+    """The buffers' layouts are part of a kept plan's key: one replaced by another shape or dtype is refused by
+    name at the next call (before: a RuntimeError from the GEMM, a bias broadcast to every row, or the fused
+    kernel reading past a one-element bias), and nothing is written."""
+    name, make, message = _REPLACED[case]
+    layers = make_layers()
+    m = _stacked_materializer(layers)
+    m.projection_path = path  # type: ignore[assignment]
     hidden, positions = make_call(5)
     m(hidden, positions)
-    m.k_norm_weight = torch.ones(L, D + 2)
-    with pytest.raises(typedkv.InputError, match="expected shape"):  # D is read from k_norm_weight
-        m(hidden, positions)
+    setattr(m, name, make())
+    k_out, v_out = torch.zeros(L, 5, H, D), torch.zeros(L, 5, H, D)
+    with pytest.raises(typedkv.InputError) as caught:
+        m(hidden, positions, k_out, v_out)
+    assert str(caught.value) == message
+    assert not k_out.any() and not v_out.any()
 
 
 @pytest.mark.production

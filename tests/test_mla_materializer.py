@@ -86,12 +86,24 @@ def test_repeated_calls_reuse_the_checked_layout() -> None:
 
 
 @pytest.mark.production
-def test_a_replaced_weight_is_checked_again() -> None:
-    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj")
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("kv_norm_weight", torch.ones(L, C + 2), "kv_norm_weight: expected shape (L=3, C=32), got (3, 34): C=32 comes from kv_lora_rank"),
+        ("kv_a_bias", torch.ones(1, dtype=torch.float16), "kv_a_bias: expected shape (L*(C+R)=144), got (1,): the size must be L*(C+R) = 3*(32+16) = 144"),
+        ("kv_a_weight", torch.ones(L * (C + R) + 2, HIDDEN, dtype=torch.float16), "kv_a_weight: expected shape (L*(C+R)=144, hidden=24), got (146, 24): the size must be L*(C+R) = 3*(32+16) = 144"),
+    ],
+)  # fmt: skip
+def test_a_replaced_buffer_is_checked_again(name: str, value: Tensor, message: str) -> None:
+    """A buffer replaced after construction is refused by name (before: a bias of one broadcast to every row)."""
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj", kv_a_bias=BIAS)
     m(HIDDEN_STATES, POSITIONS)
-    m.kv_norm_weight = torch.ones(L, C + 2)
-    with pytest.raises(typedkv.InputError, match="C\\+R"):
-        m(HIDDEN_STATES, POSITIONS)
+    setattr(m, name, value)
+    out = torch.zeros(L, T, C + R, dtype=torch.float16)
+    with pytest.raises(typedkv.InputError) as caught:
+        m(HIDDEN_STATES, POSITIONS, out)
+    assert str(caught.value) == message
+    assert not out.any()
 
 
 @pytest.mark.production

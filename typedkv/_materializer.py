@@ -50,7 +50,7 @@ from ._projection import (
     split_gemm,
     stacked,
 )
-from ._types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
+from ._types import HND, KV_WIDTH, NHD, Derived, KVLayout, RopeStyle, static_jaxtyping
 
 if TYPE_CHECKING:
     # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
@@ -77,6 +77,8 @@ def _weights(
     """
 
 
+_ROWS = Derived("ROWS = L*2*H*D")
+
 _WEIGHTS = Signature(
     _weights,
     scalar_dims={"H": "num_kv_heads"},
@@ -84,6 +86,30 @@ _WEIGHTS = Signature(
     sequence_len={"k_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
     rules=(ROTARY_RULE,),
 )
+
+
+def _buffers(
+    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    kv_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _ROWS],
+    kv_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _ROWS],
+    eps: float | ParamFloat[Tensor, " L"],
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+) -> None:
+    """The buffers a materializer keeps, as its constructor checked them (the weight rows of all layers stacked)."""
+
+
+_BUFFERS = Signature(
+    _buffers,
+    scalar_dims={"L": "num_layers", "H": "num_kv_heads", "D": "head_dim", "hidden": "hidden_size"},
+    device_of="kv_weight",
+    same_dtype={"kv_bias": "kv_weight"},
+    rules=(ROTARY_RULE,),
+)
+"""A buffer replaced after construction (``m.kv_bias = ...``) is checked against the others at a call's new layout."""
 
 
 ProjectionPath = Literal["auto", "fused", "gemm"]
@@ -168,7 +194,10 @@ class KVMaterializer(nn.Module):
     strides and devices) is checked in full once; later calls of that layout go
     straight to the GEMM and the launch, with the checks that depend on values
     (outputs or pools sharing memory; debug mode's) still run on every call.
-    Replacing a weight buffer with one of another layout is checked again.
+    A buffer replaced after construction (``kv_weight``, ``kv_bias``,
+    ``k_norm_weight``, ``eps``, ``cos_sin_cache``) is checked against the others
+    at the next eager call: one of another shape or dtype is an `InputError`
+    naming it.
 
     ``projection_path`` picks how a call computes the projection: ``"gemm"``
     (the GEMM above, then the K/V kernel), ``"fused"`` (one Triton kernel that
@@ -247,6 +276,7 @@ class KVMaterializer(nn.Module):
             self.register_buffer("eps", layer_eps.detach(), persistent=False)
         else:
             self.eps = cast(float, layer_eps)
+        self._dims = (self.num_layers, num_kv_heads, self.head_dim, self.hidden_size)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
         self._plans: CheckedLayouts[_Kept] = CheckedLayouts(LAYOUTS_KEPT)
@@ -364,6 +394,8 @@ class KVMaterializer(nn.Module):
         layout = (self._path, *call, weight, bias)
         kept = self._plans.get(layout)
         if kept is None:
+            # The layout includes the buffers: one replaced since construction is checked here.
+            _BUFFERS.check((state[2], state[4], weight, bias, state[3], *self._dims))
             way = self._way(call, state)
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)

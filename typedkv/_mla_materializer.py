@@ -25,7 +25,7 @@ from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layo
 from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
 from ._mla_impl import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool_planned
 from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, stacked
-from ._types import MLA_WIDTH, RopeStyle, static_jaxtyping
+from ._types import MLA_WIDTH, Derived, RopeStyle, static_jaxtyping
 
 _State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
 """``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
@@ -61,6 +61,33 @@ _WEIGHTS = Signature(
     sequence_len={"kv_norm_weight": "L", "kv_a_weight": "L", "kv_a_bias": "L"},
     rules=(ROTARY_RULE,),
 )
+
+
+_ROWS = Derived("ROWS = L*(C+R)")
+
+
+def _buffers(
+    kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
+    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    kv_a_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _ROWS],
+    kv_a_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _ROWS],
+    eps: float | ParamFloat[Tensor, " L"],
+    num_layers: int,
+    kv_lora_rank: int,
+    rotary_dim: int,
+    hidden_size: int,
+) -> None:
+    """The buffers a materializer keeps, as its constructor checked them (the kv_a rows of all layers stacked)."""
+
+
+_BUFFERS = Signature(
+    _buffers,
+    scalar_dims={"L": "num_layers", "C": "kv_lora_rank", "R": "rotary_dim", "hidden": "hidden_size"},
+    device_of="kv_a_weight",
+    same_dtype={"kv_a_bias": "kv_a_weight"},
+    rules=(ROTARY_RULE,),
+)
+"""A buffer replaced after construction is checked against the others at a call's new layout (as `KVMaterializer`'s)."""
 
 
 def _projection(
@@ -174,6 +201,7 @@ class MLAKVMaterializer(nn.Module):
             self.register_buffer("eps", layer_eps.detach(), persistent=False)
         else:
             self.eps = cast(float, layer_eps)
+        self._dims = (self.num_layers, self.kv_lora_rank, self.rotary_dim, self.hidden_size)
         self._rows = Workspace()
         self._plans: CheckedLayouts[Any] = CheckedLayouts(projection.LAYOUTS_KEPT)
 
@@ -264,6 +292,8 @@ class MLAKVMaterializer(nn.Module):
         layout = (*call, state[0], state[1])
         kept = self._plans.get(layout)
         if kept is None:
+            # The layout includes the buffers: one replaced since construction is checked here.
+            _BUFFERS.check((state[2], state[4], state[0], state[1], state[3], *self._dims))
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             _PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
         written = call.out if isinstance(call, DenseCall) else call.kv_pool
