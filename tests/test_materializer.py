@@ -437,3 +437,34 @@ def test_example_draft_model_runs_and_agrees(capsys: pytest.CaptureFixture[str])
     main: Callable[[list[str]], None] = _load_example().main
     main([])
     assert "fused and unfused agree" in capsys.readouterr().out
+
+
+def test_a_cast_keeps_the_rope_table_and_eps() -> None:
+    """``.to(torch.bfloat16)`` / ``.half()`` of a draft model cast the weights, not the RoPE table or eps: the cast
+    materializer gives what one built from bfloat16 weights with the float32 table gives (before: the table
+    rounded to bfloat16, K a few ulps off)."""
+    layers = make_layers()
+    eps = torch.tensor([1e-6, 1e-5, 1e-6])
+    for half in (False, True):
+        m = typedkv.KVMaterializer(
+            torch.stack(layers.kv_weight), torch.stack(layers.k_norm_weight), eps, layers.cos_sin_cache, num_kv_heads=H
+        )
+        assert (m.half() if half else m.to(torch.bfloat16)) is m
+        dtype = m.kv_weight.dtype
+        assert dtype in (torch.bfloat16, torch.float16) and m.k_norm_weight is not None
+        assert m.k_norm_weight.dtype == dtype and m.cos_sin_cache.dtype == torch.float32
+        assert isinstance(m.eps, Tensor) and m.eps.dtype == torch.float32
+        built = typedkv.KVMaterializer(
+            torch.stack(layers.kv_weight).to(dtype), torch.stack(layers.k_norm_weight).to(dtype), eps,
+            layers.cos_sin_cache, num_kv_heads=H,
+        )  # fmt: skip
+        hidden, positions = make_call(5, dtype)
+        for got, want in zip(m(hidden, positions), built(hidden, positions), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_mla_cast_keeps_the_rope_table() -> None:
+    m = typedkv.MLAKVMaterializer(
+        torch.randn(2, 24, HIDDEN), torch.rand(2, 16), 1e-6, typedkv.cos_sin_cache(P, 8), rope_style="neox"
+    ).to(torch.bfloat16)
+    assert m.kv_a_weight.dtype == torch.bfloat16 and m.cos_sin_cache.dtype == torch.float32

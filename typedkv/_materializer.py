@@ -46,6 +46,7 @@ from ._projection import (
     check_layer_counts,
     check_layer_dtypes,
     eps_of_layers,
+    keep_dtypes,
     project,
     split_gemm,
     stacked,
@@ -197,7 +198,14 @@ class KVMaterializer(nn.Module):
     A buffer replaced after construction (``kv_weight``, ``kv_bias``,
     ``k_norm_weight``, ``eps``, ``cos_sin_cache``) is checked against the others
     at the next eager call: one of another shape or dtype is an `InputError`
-    naming it.
+    naming it. The buffers are the constructor's tensors where they were stacked
+    and contiguous, else copies (per-layer lists are always copied): weights
+    loaded into the model afterwards reach the materializer only through its
+    buffers. Casting the module (``.to(torch.bfloat16)``, ``.half()``) casts the
+    weights, bias and norm weight; ``cos_sin_cache`` and ``eps`` keep the dtype
+    they were built with and move with the module (a RoPE table rounded to
+    bfloat16 moves K by a few ulps). The buffers are not persistent: a
+    ``state_dict`` holds none of them.
 
     ``projection_path`` picks how a call computes the projection: ``"gemm"``
     (the GEMM above, then the K/V kernel), ``"fused"`` (one Triton kernel that
@@ -280,6 +288,11 @@ class KVMaterializer(nn.Module):
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
         self._plans: CheckedLayouts[_Kept] = CheckedLayouts(LAYOUTS_KEPT)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        # The RoPE table and eps keep the dtype they were built with through the module's casts (`keep_dtypes`).
+        cast_all = super()._apply  # nn.Module's, untyped
+        return keep_dtypes(self, lambda: cast_all(fn, recurse), ("cos_sin_cache", "eps"))  # type: ignore[no-untyped-call]
 
     @property
     def projection_path(self) -> ProjectionPath:

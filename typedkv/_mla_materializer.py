@@ -24,7 +24,7 @@ from ._mla import DENSE_OPS, POOL_OPS
 from ._mla_impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
 from ._mla_impl import materialize_mla_kv as materialize_mla_kv_planned
 from ._mla_impl import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool_planned
-from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, stacked
+from ._projection import Workspace, check_layer_counts, check_layer_dtypes, eps_of_layers, keep_dtypes, stacked
 from ._types import MLA_WIDTH, Derived, RopeStyle, static_jaxtyping
 
 _State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
@@ -149,6 +149,10 @@ class MLAKVMaterializer(nn.Module):
     device. A call captured in a CUDA graph writes into rows of its own,
     allocated from the graph's memory pool. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.
+
+    As with `typedkv.KVMaterializer`: a buffer replaced after construction is
+    checked at the next eager call; casting the module keeps ``cos_sin_cache``
+    and ``eps`` in the dtype they were built with; the buffers are not persistent.
     """
 
     kv_a_weight: Tensor
@@ -204,6 +208,11 @@ class MLAKVMaterializer(nn.Module):
         self._dims = (self.num_layers, self.kv_lora_rank, self.rotary_dim, self.hidden_size)
         self._rows = Workspace()
         self._plans: CheckedLayouts[Any] = CheckedLayouts(projection.LAYOUTS_KEPT)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        # The RoPE table and eps keep the dtype they were built with through the module's casts (`keep_dtypes`).
+        cast_all = super()._apply  # nn.Module's, untyped
+        return keep_dtypes(self, lambda: cast_all(fn, recurse), ("cos_sin_cache", "eps"))  # type: ignore[no-untyped-call]
 
     @static_jaxtyping("T")
     def forward(

@@ -12,7 +12,7 @@ eager workspace (`Workspace.rows`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -181,3 +181,21 @@ def stacked(value: Tensor | Sequence[Tensor]) -> Tensor:
 
 def _stacked_dtype(value: Tensor | Sequence[Tensor]) -> torch.dtype:
     return value.dtype if isinstance(value, Tensor) else value[0].dtype
+
+
+def keep_dtypes(module: torch.nn.Module, apply: Callable[[], torch.nn.Module], names: Sequence[str]) -> torch.nn.Module:
+    """``module._apply(fn)`` (``apply``), the buffers ``names`` moved with it but never cast.
+
+    ``.to(torch.bfloat16)`` or ``.half()`` of a draft model casts every floating-point
+    buffer; a RoPE table or an eps rounded to bfloat16 would move K by a few ulps from
+    the table the materializer was built with. Those keep their dtype: each is taken
+    from before the cast, moved to the device the cast put it on.
+    """
+    buffers = module._buffers
+    before = {name: tensor for name in names if (tensor := buffers.get(name)) is not None}
+    result = apply()
+    for name, tensor in before.items():
+        after = buffers[name]
+        if after is not None and after.dtype != tensor.dtype:
+            buffers[name] = tensor.to(device=after.device)
+    return result
