@@ -333,9 +333,21 @@ def test_misuse_rejected_while_tracing() -> None:
     def materializer() -> object:
         return m(torch.randn(3, 24), torch.tensor([0, 1]))
 
+    def eps_list() -> object:
+        # A per-layer eps list becomes a tensor in the traced call: its numbers are checked before (NaN K before).
+        eps = [1e-6] * (L - 1) + [float("nan")]
+        return typedkv.materialize_kv(x.kv, x.k_norm_weight, eps, x.cos_sin_cache, x.positions, num_kv_heads=H)
+
+    def mla_eps_list() -> object:
+        ckv = torch.randn(x.positions.shape[0], L, 24)
+        weight = torch.rand(L, 16)
+        return typedkv.materialize_mla_kv(
+            ckv, weight, [-1.0] * L, typedkv.cos_sin_cache(8, 8), x.positions, rope_style="neox"
+        )
+
     # Compiled, the materializer's GEMM output reaches the op's check as kv, whose T the message names.
     seen_as_kv = {"T=3 comes from hidden": "T=3 comes from kv"}
-    for call in (dense, pool, mixed_layout, materializer):
+    for call in (dense, pool, mixed_layout, materializer, eps_list, mla_eps_list):
         message = _eager_message(call)
         for eager, traced in seen_as_kv.items():
             message = message.replace(eager, traced)

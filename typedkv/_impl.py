@@ -170,7 +170,7 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     if plan is None:
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
-    check_eps(call.eps, call.k_norm_weight)
+    check_numbers(call)
     if k_out is not None or v_out is not None:
         check_memory(sig, plan, call)  # outputs left None are allocated below: apart from everything
     if debug_enabled():
@@ -253,9 +253,8 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, _Geometry
     sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
-    check_eps(call.eps, call.k_norm_weight)
+    check_numbers(call)
     scales = call.named_scales
-    check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
@@ -434,6 +433,10 @@ class Implementation:
     call: Callable[..., Any]
     check: Callable[[Any], Bound]
     run: Callable[[Any], Any]
+    # Every call's check of the numbers it was given (eps, FP8 scales): run by the op on the call, and on the
+    # call a torch.compile trace makes, before a per-layer eps list becomes a tensor whose values only debug
+    # mode reads.
+    numbers: Callable[[Any], None] = lambda call: None
 
     def declare(self, fn: Callable[..., Any], **relations: Any) -> Signature:
         """Read ``fn``'s annotations into the `Signature` its calls are checked with (``relations`` as there)."""
@@ -441,5 +444,12 @@ class Implementation:
         return self.signature
 
 
-DENSE = Implementation(DenseCall, check_dense, materialize_kv)
-POOL = Implementation(PoolCall, check_pool, materialize_kv_into_pool)
+def check_numbers(call: DenseCall | PoolCall) -> None:
+    """Every call: eps (with a norm weight) and, into pools, the FP8 scales given as numbers in range."""
+    check_eps(call.eps, call.k_norm_weight)
+    if isinstance(call, PoolCall):
+        check_scale_numbers(call.named_scales)
+
+
+DENSE = Implementation(DenseCall, check_dense, materialize_kv, check_numbers)
+POOL = Implementation(PoolCall, check_pool, materialize_kv_into_pool, check_numbers)

@@ -79,7 +79,7 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     if plan is None:
         plan = dense_layout(call)
     ckv, out = call.ckv, call.out
-    check_eps(call.eps, call.kv_norm_weight)
+    check_numbers(call)
     if out is not None:
         check_memory(sig, plan, call)  # an output left None is allocated below: apart from everything
     if debug_enabled():
@@ -137,9 +137,8 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    check_eps(call.eps, call.kv_norm_weight)
+    check_numbers(call)
     scales = {"kv_scale": call.kv_scale}
-    check_scale_numbers(scales)
     addresses = check_memory(sig, plan, call)
     if debug_enabled():
         debug_pass(sig, plan, call)
@@ -243,5 +242,12 @@ _DENSE_PLANNER = planner()
 _POOL_PLANNER = planner(lambda call, bound: _pool_layout(call))
 
 
-DENSE = Implementation(DenseCall, check_dense, materialize_mla_kv)
-POOL = Implementation(PoolCall, check_pool, materialize_mla_kv_into_pool)
+def check_numbers(call: DenseCall | PoolCall) -> None:
+    """Every call: eps (with a norm weight) and, into a pool, the FP8 scale given as numbers in range."""
+    check_eps(call.eps, call.kv_norm_weight)
+    if isinstance(call, PoolCall):
+        check_scale_numbers({"kv_scale": call.kv_scale})
+
+
+DENSE = Implementation(DenseCall, check_dense, materialize_mla_kv, check_numbers)
+POOL = Implementation(PoolCall, check_pool, materialize_mla_kv_into_pool, check_numbers)

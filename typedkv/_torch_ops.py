@@ -163,6 +163,8 @@ class TorchOps:
         if any(listed) and not all(listed) and self._check_kinds is not None:
             # No op takes a stacked pool beside a list: the eager message, raised here (plain Python, traceable).
             self._check_kinds(*(arguments[i] for i in self._pools))
+        # The numbers' ranges with the eager messages, while they are numbers (a per-layer eps list is a tensor below).
+        self._implementation.numbers(self._implementation.call(*arguments))
         values = [v for i, a in enumerate(self._args) for v in a.flatten(arguments[i], arguments[0])]
         self.ops[int(any(listed))](*values)
         if not self._returns:
