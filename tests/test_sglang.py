@@ -622,6 +622,29 @@ REFUSALS = {
         _set("self_attn.attn.k_scale", torch.ones(2)),
         "layers[2].self_attn.attn.k_scale: expected one per-tensor scale, got shape (2,)",
     ),
+    **{
+        f"{attr} {name}": (
+            _set(f"self_attn.attn.{attr}", value),
+            f"layers[2].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
+            f"[1.18e-38, 3.4e+38], got {got}: the FP8 pool stores {attr[0].upper()} / {attr}",
+        )
+        for attr, name, value, got in (
+            ("k_scale", "zero", 0.0, "0.0"),
+            ("v_scale", "negative", -1.0, "-1.0"),
+            ("k_scale", "nan", float("nan"), "nan"),
+            ("v_scale", "inf", float("inf"), "inf"),
+            ("k_scale", "below float32's normals", 1e-39, "1e-39"),
+            ("v_scale", "beyond float32", 1e39, "1e+39"),
+            ("k_scale", "nan tensor", torch.tensor(float("nan")), "nan"),
+            ("v_scale", "zero tensor of one element", torch.zeros(1), "0.0"),
+            ("k_scale", "float64 tensor below float32", torch.tensor(1e-300, dtype=torch.float64), "1e-300"),
+            ("v_scale", "negative integer tensor", torch.tensor([-2]), "-2.0"),
+        )
+    },
+    "a scale that is not a number": (
+        _set("self_attn.attn.k_scale", "0.5"),
+        "layers[2].self_attn.attn.k_scale: expected None, a number or a one-element tensor, got str",
+    ),
 }
 
 
@@ -629,6 +652,20 @@ REFUSALS = {
 def test_what_typedkv_cannot_serve_is_named(case: str) -> None:
     change, message = REFUSALS[case]
     _refused(change, message)
+
+
+def test_scales_at_float32s_bounds_are_served() -> None:
+    """The smallest normal and the largest float32 scale, as numbers or tensors, are kept exactly."""
+    rotary = Rotary(128, 64)
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=rotary)
+    f32 = torch.finfo(torch.float32)
+    scales = [f32.tiny, torch.tensor(f32.max), torch.tensor([f32.tiny], dtype=torch.float64), 2, None]
+    for layer, scale in zip(layers, scales, strict=True):
+        layer.self_attn.attn.k_scale = layer.self_attn.attn.v_scale = scale
+    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
+    want = torch.tensor([f32.tiny, f32.max, f32.tiny, 2.0, 1.0], dtype=torch.float32, device=DEVICE)
+    for got in (helper._k_scale, helper._v_scale):
+        assert got is not None and got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_unquantized_method_is_served() -> None:

@@ -16,6 +16,7 @@ where sglang's worker already catches errors and falls back to its per-layer pat
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = ["FusedKVMaterializeHelper"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_F32 = torch.finfo(torch.float32)
 # sglang's pool layouts typedkv writes: token rows [S, H, D], or pages [N, H, B, D] (SGLANG_USE_HND_KVCACHE).
 _POOL_LAYOUTS: dict[str, typedkv.KVLayout] = {"nhd": "NHD", "hnd": "HND"}
 
@@ -72,8 +74,10 @@ class FusedKVMaterializeHelper:
         quantized projection (``quant_method`` other than sglang's unquantized
         one, or a weight that is not float16/bfloat16/float32), a bias that
         cannot be sliced like the weight, a Gemma-style or biased K norm, a value
-        scale (``self_attn.v_scale``), or a layer whose heads, head dim or RoPE
-        differ from the others'.
+        scale (``self_attn.v_scale``), a layer whose heads, head dim or RoPE
+        differ from the others', or an FP8 scale (``attn.k_scale`` /
+        ``attn.v_scale``) that is not a positive number in float32's normal
+        range (tensor scales are read with one device sync, here).
 
     Notes
     -----
@@ -426,26 +430,49 @@ def _layer_id(i: int, layer: Any) -> int:
 def _layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | None, Tensor | None]:
     """Each layer's FP8 ``attn.k_scale`` / ``attn.v_scale`` as ``[L]`` float32 on the device; None when none has one.
 
-    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Tensor scales
-    are gathered on the device (no sync).
+    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Every scale
+    is checked here, once: production calls never read the values, and a zero, negative, NaN or
+    infinite scale would silently saturate, flip or NaN the pool. Reading tensor scales costs one
+    device sync, at construction only.
     """
-    out: list[Tensor | None] = []
+    read: dict[str, list[float | Tensor] | None] = {}
     for attr in ("k_scale", "v_scale"):
         scales = [getattr(getattr(layer.self_attn, "attn", None), attr, None) for layer in layers]
         if all(s is None for s in scales):
+            read[attr] = None
+            continue
+        values: list[float | Tensor] = []
+        for i, s in enumerate(scales):
+            where = f"layers[{i}].self_attn.attn.{attr}"
+            if s is None:
+                values.append(1.0)
+            elif isinstance(s, Tensor):
+                if s.numel() != 1:
+                    raise typedkv.InputError(f"{where}: expected one per-tensor scale, got shape {tuple(s.shape)}")
+                # float64 holds every float scale exactly, so the check below sees the value as given.
+                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float64))
+            elif isinstance(s, numbers.Real):
+                values.append(float(s))
+            else:
+                raise typedkv.InputError(
+                    f"{where}: expected None, a number or a one-element tensor, got {type(s).__name__}"
+                )
+        read[attr] = values
+    tensors = [v for values in read.values() if values is not None for v in values if isinstance(v, Tensor)]
+    fetched = iter(torch.stack(tensors).tolist() if tensors else [])  # the one sync
+    out: list[Tensor | None] = []
+    for attr, given in read.items():
+        if given is None:
             out.append(None)
             continue
-        values = []
-        for i, s in enumerate(scales):
-            if s is None:
-                s = 1.0
-            if isinstance(s, Tensor):
-                if s.numel() != 1:
-                    raise typedkv.InputError(
-                        f"layers[{i}].self_attn.attn.{attr}: expected one per-tensor scale, got shape {tuple(s.shape)}"
-                    )
-                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float32))
-            else:
-                values.append(torch.tensor(float(s), dtype=torch.float32, device=device))
-        out.append(torch.stack(values))
+        floats = [next(fetched) if isinstance(v, Tensor) else v for v in given]
+        for i, value in enumerate(floats):
+            # The kernel stores x / scale in float32: the scale and its reciprocal must be finite there
+            # (NaN fails both comparisons).
+            if not _F32.tiny <= value <= _F32.max:
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
+                    f"[{_F32.tiny:.3g}, {_F32.max:.3g}], got {value!r}: the FP8 pool stores {attr[0].upper()} / {attr}"
+                )
+        out.append(torch.tensor(floats, dtype=torch.float32, device=device))
     return out[0], out[1]
