@@ -803,7 +803,7 @@ def test_every_refusal_of_the_adapter_is_tested() -> None:
         if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and "InputError" in ast.unparse(node.exc.func)
     }
     assert sites, "found no `raise typedkv.InputError(` in the adapter"
-    attempts = [
+    attempts: list[Callable[[], None]] = [
         *(functools.partial(_attempt, change) for change, _ in REFUSALS.values()),
         *(functools.partial(_attempt, lambda layers: None, pool=pool) for pool, _ in POOL_REFUSALS.values()),
         *(call for call, _ in CALL_REFUSALS.values()),
