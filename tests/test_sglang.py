@@ -618,6 +618,16 @@ REFUSALS = {
         _set("self_attn.k_norm", SimpleNamespace(weight=torch.ones(64, dtype=torch.float16), variance_epsilon=1e-6)),
         "layers[2].self_attn.k_norm.weight: expected shape (128,) (head_dim), got shape (64,)",
     ),
+    "a layer's weight in another dtype": (
+        _set("self_attn.qkv_proj.weight", torch.zeros(3072, 64, dtype=torch.bfloat16)),
+        "layers[2].self_attn.qkv_proj.weight: expected dtype torch.float16 (layer 0's), got torch.bfloat16: "
+        "the fused path projects every draft layer in one GEMM",
+    ),
+    "a layer's norm in another dtype": (
+        _set("self_attn.k_norm.weight", torch.ones(128, dtype=torch.float32)),
+        "layers[2].self_attn.k_norm.weight: expected dtype torch.float16 (layer 0's), got torch.float32: "
+        "the fused path stacks every draft layer's K norm",
+    ),
     "a scale per channel": (
         _set("self_attn.attn.k_scale", torch.ones(2)),
         "layers[2].self_attn.attn.k_scale: expected one per-tensor scale, got shape (2,)",

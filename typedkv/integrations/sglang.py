@@ -74,8 +74,8 @@ class FusedKVMaterializeHelper:
         quantized projection (``quant_method`` other than sglang's unquantized
         one, or a weight that is not float16/bfloat16/float32), a bias that
         cannot be sliced like the weight, a Gemma-style or biased K norm, a value
-        scale (``self_attn.v_scale``), a layer whose heads, head dim or RoPE
-        differ from the others', or an FP8 scale (``attn.k_scale`` /
+        scale (``self_attn.v_scale``), a layer whose heads, head dim, RoPE or
+        weight dtypes differ from the others', or an FP8 scale (``attn.k_scale`` /
         ``attn.v_scale``) that is not a positive number in float32's normal
         range (tensor scales are read with one device sync, here).
 
@@ -118,6 +118,18 @@ class FusedKVMaterializeHelper:
             biases.append(bias)
             norms.append(norm)
             eps.append(layer_eps)
+        # Stacking layers of mixed dtypes would promote them all (to float32) without a word. (Each bias
+        # has its own weight's dtype, checked per layer.)
+        for attr, tensors, why in (
+            ("qkv_proj.weight", weights, "projects every draft layer in one GEMM"),
+            ("k_norm.weight", norms, "stacks every draft layer's K norm"),
+        ):
+            for i, tensor in enumerate(tensors):
+                if tensor.dtype != tensors[0].dtype:
+                    raise typedkv.InputError(
+                        f"layers[{i}].self_attn.{attr}: expected dtype {tensors[0].dtype} (layer 0's), "
+                        f"got {tensor.dtype}: the fused path {why}"
+                    )
         for i, bias in enumerate(biases):
             if (bias is None) != (biases[0] is None):
                 want, got = ("None", "a bias") if biases[0] is None else ("a bias", "None")
