@@ -618,6 +618,23 @@ REFUSALS = {
         _set("self_attn.k_norm", SimpleNamespace(weight=torch.ones(64, dtype=torch.float16), variance_epsilon=1e-6)),
         "layers[2].self_attn.k_norm.weight: expected shape (128,) (head_dim), got shape (64,)",
     ),
+    "head_dim not a number": (
+        _set("self_attn.head_dim", None),
+        "layers[2].self_attn.head_dim: expected an integer, got None",
+    ),
+    "layer_id not a number": (
+        _set("self_attn.attn.layer_id", "x"),
+        "layers[2].self_attn.attn.layer_id: expected an integer, got 'x'",
+    ),
+    "eps not a number": (
+        _set("self_attn.k_norm.variance_epsilon", None),
+        "layers[2].self_attn.k_norm.variance_epsilon: expected a number, got None",
+    ),
+    "eps nan": (
+        _set("self_attn.k_norm.variance_epsilon", float("nan")),
+        "layers[2].self_attn.k_norm.variance_epsilon: expected a finite number >= 0, got nan: "
+        "RMSNorm divides by sqrt(mean square + eps)",
+    ),
     "a layer's weight in another dtype": (
         _set("self_attn.qkv_proj.weight", torch.zeros(3072, 64, dtype=torch.bfloat16)),
         "layers[2].self_attn.qkv_proj.weight: expected dtype torch.float16 (layer 0's), got torch.bfloat16: "
@@ -773,7 +790,30 @@ def _table_that_cannot_grow() -> None:
     _helper(fixed, max_position_hint=100)
 
 
+def _bogus_device() -> None:
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=Rotary(128, 64))
+    FusedKVMaterializeHelper(layers, layers[0].self_attn.rotary_emb, NUM_KV_HEADS, HEAD_DIM, "bogus")
+
+
+def _heads_not_a_number() -> None:
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=Rotary(128, 64))
+    heads: Any = "eight"
+    FusedKVMaterializeHelper(layers, layers[0].self_attn.rotary_emb, heads, HEAD_DIM, DEVICE)
+
+
+def _float_positions() -> None:
+    hidden = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    _helper().materialize(hidden, torch.tensor([0.0, 1.5, 2.9], device=DEVICE), lambda i, k, v: None)
+
+
 CALL_REFUSALS: dict[str, tuple[Callable[[], None], str]] = {
+    "bogus device": (_bogus_device, "device: expected a torch.device or a device string ('cuda:0'), got 'bogus'"),
+    "num_kv_heads not a number": (_heads_not_a_number, "num_kv_heads: expected an integer, got 'eight'"),
+    "float positions": (
+        _float_positions,
+        "positions: expected an integer tensor, got dtype torch.float32: positions index the RoPE table; "
+        "a cast would truncate them",
+    ),
     "positions of another count": (
         _positions_of_another_count,
         "positions: expected T=3 positions (one per token of ctx_hidden), got 2",
@@ -801,6 +841,24 @@ def test_calls_and_rotary_tables_it_cannot_serve_are_named(case: str) -> None:
     with pytest.raises(typedkv.InputError) as caught:
         call()
     assert str(caught.value) == message
+
+
+# A misuse of materialize_into_pool's tensors: (ctx_hidden, positions) -> the misused pair, and the message's start.
+POOL_CALL_MISUSES: dict[str, tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], str]] = {
+    "float positions": (lambda h, p: (h, p.float()), "positions: expected an integer tensor, got dtype torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_CALL_MISUSES))
+def test_a_refused_call_writes_nothing_into_the_pool(case: str) -> None:
+    misuse, message = POOL_CALL_MISUSES[case]
+    hidden = torch.ones(3, 64, dtype=torch.float16, device=DEVICE)
+    positions, cache_loc = torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE)
+    pool = make_pool(4, torch.float16)
+    with pytest.raises(typedkv.InputError) as caught:
+        _helper().materialize_into_pool(*misuse(hidden, positions), cache_loc, pool)
+    assert str(caught.value).startswith(message)
+    assert not any(buffer.any() for buffer in (*pool.k_buffer, *pool.v_buffer))
 
 
 def test_every_refusal_of_the_adapter_is_tested() -> None:
