@@ -806,7 +806,23 @@ def _float_positions() -> None:
     _helper().materialize(hidden, torch.tensor([0.0, 1.5, 2.9], device=DEVICE), lambda i, k, v: None)
 
 
+def _materialize_hidden(ctx_hidden: Any) -> Callable[[], None]:
+    return lambda: _helper().materialize(ctx_hidden, torch.arange(3, device=DEVICE), lambda i, k, v: None)
+
+
 CALL_REFUSALS: dict[str, tuple[Callable[[], None], str]] = {
+    "ctx_hidden of another width": (
+        _materialize_hidden(torch.zeros(3, 65, dtype=torch.float16, device=DEVICE)),
+        "ctx_hidden: expected shape (T, hidden=64) (qkv_proj.weight's columns), got (3, 65)",
+    ),
+    "3-dim ctx_hidden": (
+        _materialize_hidden(torch.zeros(1, 3, 64, dtype=torch.float16, device=DEVICE)),
+        "ctx_hidden: expected a 2-dim tensor [T, hidden], got shape (1, 3, 64)",
+    ),
+    "ctx_hidden not a tensor": (
+        _materialize_hidden([[0.0] * 64] * 3),
+        "ctx_hidden: expected a 2-dim tensor [T, hidden], got list",
+    ),
     "bogus device": (_bogus_device, "device: expected a torch.device or a device string ('cuda:0'), got 'bogus'"),
     "num_kv_heads not a number": (_heads_not_a_number, "num_kv_heads: expected an integer, got 'eight'"),
     "float positions": (
@@ -846,6 +862,8 @@ def test_calls_and_rotary_tables_it_cannot_serve_are_named(case: str) -> None:
 # A misuse of materialize_into_pool's tensors: (ctx_hidden, positions) -> the misused pair, and the message's start.
 POOL_CALL_MISUSES: dict[str, tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], str]] = {
     "float positions": (lambda h, p: (h, p.float()), "positions: expected an integer tensor, got dtype torch.float32"),
+    "ctx_hidden of another width": (lambda h, p: (h[:, :-1], p), "ctx_hidden: expected shape (T, hidden=64)"),
+    "3-dim ctx_hidden": (lambda h, p: (h[None], p), "ctx_hidden: expected a 2-dim tensor [T, hidden]"),
 }
 
 

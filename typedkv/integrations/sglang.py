@@ -188,7 +188,7 @@ class FusedKVMaterializeHelper:
             For ``ctx_hidden`` other than ``[T, hidden]``, positions of a
             non-integer dtype or a count other than ``T``, or any shape misuse.
         """
-        if ctx_hidden.shape[0] == 0:
+        if isinstance(ctx_hidden, Tensor) and ctx_hidden.ndim > 0 and ctx_hidden.shape[0] == 0:
             return  # before any argument handling, as sglang's helper
         ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
         if self.max_position_hint is None:
@@ -341,6 +341,16 @@ class FusedKVMaterializeHelper:
 
     def _call_inputs(self, ctx_hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """sglang's argument handling: positions flattened, both on the device, hidden in the weights' dtype."""
+        # Checked here, not left to typedkv's call, whose messages would name its own arguments (hidden).
+        if not isinstance(ctx_hidden, Tensor) or ctx_hidden.ndim != 2:
+            got = f"shape {tuple(ctx_hidden.shape)}" if isinstance(ctx_hidden, Tensor) else type(ctx_hidden).__name__
+            raise typedkv.InputError(f"ctx_hidden: expected a 2-dim tensor [T, hidden], got {got}")
+        hidden = self._kv_weight.shape[-1]
+        if ctx_hidden.shape[1] != hidden:
+            raise typedkv.InputError(
+                f"ctx_hidden: expected shape (T, hidden={hidden}) (qkv_proj.weight's columns), "
+                f"got {tuple(ctx_hidden.shape)}"
+            )
         if not isinstance(positions, Tensor) or not _is_integer(positions.dtype):
             got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
             # sglang's helper casts them to int64; a float position would be truncated without a word.
