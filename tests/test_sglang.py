@@ -618,9 +618,59 @@ REFUSALS = {
         _set("self_attn.k_norm", SimpleNamespace(weight=torch.ones(64, dtype=torch.float16), variance_epsilon=1e-6)),
         "layers[2].self_attn.k_norm.weight: expected shape (128,) (head_dim), got shape (64,)",
     ),
+    "head_dim not a number": (
+        _set("self_attn.head_dim", None),
+        "layers[2].self_attn.head_dim: expected an integer, got None",
+    ),
+    "layer_id not a number": (
+        _set("self_attn.attn.layer_id", "x"),
+        "layers[2].self_attn.attn.layer_id: expected an integer, got 'x'",
+    ),
+    "eps not a number": (
+        _set("self_attn.k_norm.variance_epsilon", None),
+        "layers[2].self_attn.k_norm.variance_epsilon: expected a number, got None",
+    ),
+    "eps nan": (
+        _set("self_attn.k_norm.variance_epsilon", float("nan")),
+        "layers[2].self_attn.k_norm.variance_epsilon: expected a finite number >= 0, got nan: "
+        "RMSNorm divides by sqrt(mean square + eps)",
+    ),
+    "a layer's weight in another dtype": (
+        _set("self_attn.qkv_proj.weight", torch.zeros(3072, 64, dtype=torch.bfloat16)),
+        "layers[2].self_attn.qkv_proj.weight: expected dtype torch.float16 (layer 0's), got torch.bfloat16: "
+        "the fused path projects every draft layer in one GEMM",
+    ),
+    "a layer's norm in another dtype": (
+        _set("self_attn.k_norm.weight", torch.ones(128, dtype=torch.float32)),
+        "layers[2].self_attn.k_norm.weight: expected dtype torch.float16 (layer 0's), got torch.float32: "
+        "the fused path stacks every draft layer's K norm",
+    ),
     "a scale per channel": (
         _set("self_attn.attn.k_scale", torch.ones(2)),
         "layers[2].self_attn.attn.k_scale: expected one per-tensor scale, got shape (2,)",
+    ),
+    **{
+        f"{attr} {name}": (
+            _set(f"self_attn.attn.{attr}", value),
+            f"layers[2].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
+            f"[1.18e-38, 3.4e+38], got {got}: the FP8 pool stores {attr[0].upper()} / {attr}",
+        )
+        for attr, name, value, got in (
+            ("k_scale", "zero", 0.0, "0.0"),
+            ("v_scale", "negative", -1.0, "-1.0"),
+            ("k_scale", "nan", float("nan"), "nan"),
+            ("v_scale", "inf", float("inf"), "inf"),
+            ("k_scale", "below float32's normals", 1e-39, "1e-39"),
+            ("v_scale", "beyond float32", 1e39, "1e+39"),
+            ("k_scale", "nan tensor", torch.tensor(float("nan")), "nan"),
+            ("v_scale", "zero tensor of one element", torch.zeros(1), "0.0"),
+            ("k_scale", "float64 tensor below float32", torch.tensor(1e-300, dtype=torch.float64), "1e-300"),
+            ("v_scale", "negative integer tensor", torch.tensor([-2]), "-2.0"),
+        )
+    },
+    "a scale that is not a number": (
+        _set("self_attn.attn.k_scale", "0.5"),
+        "layers[2].self_attn.attn.k_scale: expected None, a number or a one-element tensor, got str",
     ),
 }
 
@@ -629,6 +679,20 @@ REFUSALS = {
 def test_what_typedkv_cannot_serve_is_named(case: str) -> None:
     change, message = REFUSALS[case]
     _refused(change, message)
+
+
+def test_scales_at_float32s_bounds_are_served() -> None:
+    """The smallest normal and the largest float32 scale, as numbers or tensors, are kept exactly."""
+    rotary = Rotary(128, 64)
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=rotary)
+    f32 = torch.finfo(torch.float32)
+    scales = [f32.tiny, torch.tensor(f32.max), torch.tensor([f32.tiny], dtype=torch.float64), 2, None]
+    for layer, scale in zip(layers, scales, strict=True):
+        layer.self_attn.attn.k_scale = layer.self_attn.attn.v_scale = scale
+    helper = FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, DEVICE)
+    want = torch.tensor([f32.tiny, f32.max, f32.tiny, 2.0, 1.0], dtype=torch.float32, device=DEVICE)
+    for got in (helper._k_scale, helper._v_scale):
+        assert got is not None and got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_unquantized_method_is_served() -> None:
@@ -726,7 +790,46 @@ def _table_that_cannot_grow() -> None:
     _helper(fixed, max_position_hint=100)
 
 
+def _bogus_device() -> None:
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=Rotary(128, 64))
+    FusedKVMaterializeHelper(layers, layers[0].self_attn.rotary_emb, NUM_KV_HEADS, HEAD_DIM, "bogus")
+
+
+def _heads_not_a_number() -> None:
+    layers = make_layers(SMALL_SHAPE, dtype=torch.float16, rotary=Rotary(128, 64))
+    heads: Any = "eight"
+    FusedKVMaterializeHelper(layers, layers[0].self_attn.rotary_emb, heads, HEAD_DIM, DEVICE)
+
+
+def _float_positions() -> None:
+    hidden = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    _helper().materialize(hidden, torch.tensor([0.0, 1.5, 2.9], device=DEVICE), lambda i, k, v: None)
+
+
+def _materialize_hidden(ctx_hidden: Any) -> Callable[[], None]:
+    return lambda: _helper().materialize(ctx_hidden, torch.arange(3, device=DEVICE), lambda i, k, v: None)
+
+
 CALL_REFUSALS: dict[str, tuple[Callable[[], None], str]] = {
+    "ctx_hidden of another width": (
+        _materialize_hidden(torch.zeros(3, 65, dtype=torch.float16, device=DEVICE)),
+        "ctx_hidden: expected shape (T, hidden=64) (qkv_proj.weight's columns), got (3, 65)",
+    ),
+    "3-dim ctx_hidden": (
+        _materialize_hidden(torch.zeros(1, 3, 64, dtype=torch.float16, device=DEVICE)),
+        "ctx_hidden: expected a 2-dim tensor [T, hidden], got shape (1, 3, 64)",
+    ),
+    "ctx_hidden not a tensor": (
+        _materialize_hidden([[0.0] * 64] * 3),
+        "ctx_hidden: expected a 2-dim tensor [T, hidden], got list",
+    ),
+    "bogus device": (_bogus_device, "device: expected a torch.device or a device string ('cuda:0'), got 'bogus'"),
+    "num_kv_heads not a number": (_heads_not_a_number, "num_kv_heads: expected an integer, got 'eight'"),
+    "float positions": (
+        _float_positions,
+        "positions: expected an integer tensor, got dtype torch.float32: positions index the RoPE table; "
+        "a cast would truncate them",
+    ),
     "positions of another count": (
         _positions_of_another_count,
         "positions: expected T=3 positions (one per token of ctx_hidden), got 2",
@@ -754,6 +857,26 @@ def test_calls_and_rotary_tables_it_cannot_serve_are_named(case: str) -> None:
     with pytest.raises(typedkv.InputError) as caught:
         call()
     assert str(caught.value) == message
+
+
+# A misuse of materialize_into_pool's tensors: (ctx_hidden, positions) -> the misused pair, and the message's start.
+POOL_CALL_MISUSES: dict[str, tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], str]] = {
+    "float positions": (lambda h, p: (h, p.float()), "positions: expected an integer tensor, got dtype torch.float32"),
+    "ctx_hidden of another width": (lambda h, p: (h[:, :-1], p), "ctx_hidden: expected shape (T, hidden=64)"),
+    "3-dim ctx_hidden": (lambda h, p: (h[None], p), "ctx_hidden: expected a 2-dim tensor [T, hidden]"),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_CALL_MISUSES))
+def test_a_refused_call_writes_nothing_into_the_pool(case: str) -> None:
+    misuse, message = POOL_CALL_MISUSES[case]
+    hidden = torch.ones(3, 64, dtype=torch.float16, device=DEVICE)
+    positions, cache_loc = torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE)
+    pool = make_pool(4, torch.float16)
+    with pytest.raises(typedkv.InputError) as caught:
+        _helper().materialize_into_pool(*misuse(hidden, positions), cache_loc, pool)
+    assert str(caught.value).startswith(message)
+    assert not any(buffer.any() for buffer in (*pool.k_buffer, *pool.v_buffer))
 
 
 def test_every_refusal_of_the_adapter_is_tested() -> None:

@@ -16,6 +16,8 @@ where sglang's worker already catches errors and falls back to its per-layer pat
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = ["FusedKVMaterializeHelper"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_F32 = torch.finfo(torch.float32)
 # sglang's pool layouts typedkv writes: token rows [S, H, D], or pages [N, H, B, D] (SGLANG_USE_HND_KVCACHE).
 _POOL_LAYOUTS: dict[str, typedkv.KVLayout] = {"nhd": "NHD", "hnd": "HND"}
 
@@ -72,8 +75,11 @@ class FusedKVMaterializeHelper:
         quantized projection (``quant_method`` other than sglang's unquantized
         one, or a weight that is not float16/bfloat16/float32), a bias that
         cannot be sliced like the weight, a Gemma-style or biased K norm, a value
-        scale (``self_attn.v_scale``), or a layer whose heads, head dim or RoPE
-        differ from the others'.
+        scale (``self_attn.v_scale``), a layer whose heads, head dim, RoPE or
+        weight dtypes differ from the others', an attribute that is not a
+        number, an eps that is negative or not finite, or an FP8 scale (``attn.k_scale`` /
+        ``attn.v_scale``) that is not a positive number in float32's normal
+        range (tensor scales are read with one device sync, here).
 
     Notes
     -----
@@ -94,15 +100,22 @@ class FusedKVMaterializeHelper:
     ) -> None:
         if len(layers) == 0:
             raise typedkv.InputError("layers: expected at least one draft layer, got none")
-        self.num_kv_heads = int(num_kv_heads)
-        self.head_dim = int(head_dim)
+        self.num_kv_heads = _integer(num_kv_heads, "num_kv_heads")
+        self.head_dim = _integer(head_dim, "head_dim")
         self.n_layers = len(layers)
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise typedkv.InputError(
+                f"device: expected a torch.device or a device string ('cuda:0'), got {device!r}"
+            ) from None
         self.rotary_emb = rotary_emb
-        self.rotary_dim = int(getattr(rotary_emb, "rotary_dim", self.head_dim))
+        self.rotary_dim = _integer(getattr(rotary_emb, "rotary_dim", self.head_dim), "rotary_emb.rotary_dim")
         self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
         # sglang's convention: a hint of n positions means positions up to n - 1.
-        self.max_position_hint = None if max_position_hint is None else max(int(max_position_hint) - 1, 0)
+        self.max_position_hint = (
+            None if max_position_hint is None else max(_integer(max_position_hint, "max_position_hint") - 1, 0)
+        )
         self._layers = list(layers)
         weights: list[Tensor] = []
         biases: list[Tensor | None] = []
@@ -114,6 +127,18 @@ class FusedKVMaterializeHelper:
             biases.append(bias)
             norms.append(norm)
             eps.append(layer_eps)
+        # Stacking layers of mixed dtypes would promote them all (to float32) without a word. (Each bias
+        # has its own weight's dtype, checked per layer.)
+        for attr, tensors, why in (
+            ("qkv_proj.weight", weights, "projects every draft layer in one GEMM"),
+            ("k_norm.weight", norms, "stacks every draft layer's K norm"),
+        ):
+            for i, tensor in enumerate(tensors):
+                if tensor.dtype != tensors[0].dtype:
+                    raise typedkv.InputError(
+                        f"layers[{i}].self_attn.{attr}: expected dtype {tensors[0].dtype} (layer 0's), "
+                        f"got {tensor.dtype}: the fused path {why}"
+                    )
         for i, bias in enumerate(biases):
             if (bias is None) != (biases[0] is None):
                 want, got = ("None", "a bias") if biases[0] is None else ("a bias", "None")
@@ -160,9 +185,10 @@ class FusedKVMaterializeHelper:
         Raises
         ------
         typedkv.InputError
-            For a positions count other than ``T``, or any shape misuse.
+            For ``ctx_hidden`` other than ``[T, hidden]``, positions of a
+            non-integer dtype or a count other than ``T``, or any shape misuse.
         """
-        if ctx_hidden.shape[0] == 0:
+        if isinstance(ctx_hidden, Tensor) and ctx_hidden.ndim > 0 and ctx_hidden.shape[0] == 0:
             return  # before any argument handling, as sglang's helper
         ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
         if self.max_position_hint is None:
@@ -208,7 +234,8 @@ class FusedKVMaterializeHelper:
             For a pool without those attributes, a quantized (FP4/MXFP8) or
             other-layout pool, a pool dtype other than the weights' or
             float8_e4m3fn/float8_e5m2, a layer id outside the pool, a
-            ``cache_loc`` count other than ``T``, or any shape misuse.
+            ``cache_loc`` count other than ``T``, or any misuse `materialize`
+            refuses.
         """
         k_pool, v_pool, layout, fp8 = self._pool_of(token_to_kv_pool)
         ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
@@ -234,14 +261,17 @@ class FusedKVMaterializeHelper:
         name = f"layers[{i}].self_attn"
         attn = _attribute(layer, "self_attn", f"layers[{i}]")
         for attr, want in (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)):
-            value = int(_attribute(attn, attr, name))
+            value = _integer(_attribute(attn, attr, name), f"{name}.{attr}")
             if value != want:
                 raise typedkv.InputError(
                     f"{name}.{attr}: expected {want} (the helper's {attr}), got {value}: "
                     "the fused path needs every draft layer alike"
                 )
         rotary = _attribute(attn, "rotary_emb", name)
-        rope = (int(getattr(rotary, "rotary_dim", self.head_dim)), bool(getattr(rotary, "is_neox_style", True)))
+        rope = (
+            _integer(getattr(rotary, "rotary_dim", self.head_dim), f"{name}.rotary_emb.rotary_dim"),
+            bool(getattr(rotary, "is_neox_style", True)),
+        )
         if rope != (self.rotary_dim, self.is_neox_style):
             raise typedkv.InputError(
                 f"{name}.rotary_emb: expected rotary_dim={self.rotary_dim}, is_neox_style={self.is_neox_style} "
@@ -268,7 +298,8 @@ class FusedKVMaterializeHelper:
                 f"{name}.qkv_proj.weight: expected a 2-dim float16, bfloat16 or float32 tensor, got {got}: "
                 "a quantized projection takes the per-layer path"
             )
-        q_size, kv_size = int(_attribute(attn, "q_size", name)), int(_attribute(attn, "kv_size", name))
+        q_size = _integer(_attribute(attn, "q_size", name), f"{name}.q_size")
+        kv_size = _integer(_attribute(attn, "kv_size", name), f"{name}.kv_size")
         if kv_size != self.num_kv_heads * self.head_dim:
             raise typedkv.InputError(
                 f"{name}.kv_size: expected num_kv_heads * head_dim = {self.num_kv_heads * self.head_dim}, got {kv_size}"
@@ -299,11 +330,34 @@ class FusedKVMaterializeHelper:
         if not isinstance(norm_weight, Tensor) or norm_weight.shape != (self.head_dim,):
             got = f"shape {tuple(norm_weight.shape)}" if isinstance(norm_weight, Tensor) else repr(norm_weight)
             raise typedkv.InputError(f"{name}.k_norm.weight: expected shape ({self.head_dim},) (head_dim), got {got}")
-        eps = float(_attribute(norm, "variance_epsilon", f"{name}.k_norm"))
+        where = f"{name}.k_norm.variance_epsilon"
+        eps = _number(_attribute(norm, "variance_epsilon", f"{name}.k_norm"), where)
+        if not 0.0 <= eps < math.inf:
+            # typedkv would refuse it too, but as eps[i]: name the attribute sglang's user knows.
+            raise typedkv.InputError(
+                f"{where}: expected a finite number >= 0, got {eps!r}: RMSNorm divides by sqrt(mean square + eps)"
+            )
         return weight.detach()[rows], bias, norm_weight.detach(), eps
 
     def _call_inputs(self, ctx_hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """sglang's argument handling: positions flattened, both on the device, hidden in the weights' dtype."""
+        # Checked here, not left to typedkv's call, whose messages would name its own arguments (hidden).
+        if not isinstance(ctx_hidden, Tensor) or ctx_hidden.ndim != 2:
+            got = f"shape {tuple(ctx_hidden.shape)}" if isinstance(ctx_hidden, Tensor) else type(ctx_hidden).__name__
+            raise typedkv.InputError(f"ctx_hidden: expected a 2-dim tensor [T, hidden], got {got}")
+        hidden = self._kv_weight.shape[-1]
+        if ctx_hidden.shape[1] != hidden:
+            raise typedkv.InputError(
+                f"ctx_hidden: expected shape (T, hidden={hidden}) (qkv_proj.weight's columns), "
+                f"got {tuple(ctx_hidden.shape)}"
+            )
+        if not isinstance(positions, Tensor) or not _is_integer(positions.dtype):
+            got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
+            # sglang's helper casts them to int64; a float position would be truncated without a word.
+            raise typedkv.InputError(
+                f"positions: expected an integer tensor, got {got}: positions index the RoPE table; "
+                "a cast would truncate them"
+            )
         if positions.ndim != 1:
             positions = positions.reshape(-1)
         if positions.numel() != ctx_hidden.shape[0]:
@@ -420,32 +474,84 @@ def _attribute(obj: Any, attr: str, where: str) -> Any:
 
 def _layer_id(i: int, layer: Any) -> int:
     radix = _attribute(layer.self_attn, "attn", f"layers[{i}].self_attn")
-    return int(_attribute(radix, "layer_id", f"layers[{i}].self_attn.attn"))
+    return _integer(
+        _attribute(radix, "layer_id", f"layers[{i}].self_attn.attn"), f"layers[{i}].self_attn.attn.layer_id"
+    )
+
+
+def _integer(value: Any, where: str) -> int:
+    """``int(value)``, as sglang's helper reads its integers; what ``int`` cannot convert is an InputError."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise typedkv.InputError(f"{where}: expected an integer, got {_short(value)}") from None
+
+
+def _number(value: Any, where: str) -> float:
+    """``float(value)``, as sglang's helper reads eps; what ``float`` cannot convert is an InputError."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise typedkv.InputError(f"{where}: expected a number, got {_short(value)}") from None
+
+
+def _short(value: Any) -> str:
+    """A value for a message: a tensor by its shape and dtype (its repr can be long), anything else by repr."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    return repr(value)
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | None, Tensor | None]:
     """Each layer's FP8 ``attn.k_scale`` / ``attn.v_scale`` as ``[L]`` float32 on the device; None when none has one.
 
-    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Tensor scales
-    are gathered on the device (no sync).
+    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Every scale
+    is checked here, once: production calls never read the values, and a zero, negative, NaN or
+    infinite scale would silently saturate, flip or NaN the pool. Reading tensor scales costs one
+    device sync, at construction only.
     """
-    out: list[Tensor | None] = []
+    read: dict[str, list[float | Tensor] | None] = {}
     for attr in ("k_scale", "v_scale"):
         scales = [getattr(getattr(layer.self_attn, "attn", None), attr, None) for layer in layers]
         if all(s is None for s in scales):
+            read[attr] = None
+            continue
+        values: list[float | Tensor] = []
+        for i, s in enumerate(scales):
+            where = f"layers[{i}].self_attn.attn.{attr}"
+            if s is None:
+                values.append(1.0)
+            elif isinstance(s, Tensor):
+                if s.numel() != 1:
+                    raise typedkv.InputError(f"{where}: expected one per-tensor scale, got shape {tuple(s.shape)}")
+                # float64 holds every float scale exactly, so the check below sees the value as given.
+                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float64))
+            elif isinstance(s, numbers.Real):
+                values.append(float(s))
+            else:
+                raise typedkv.InputError(
+                    f"{where}: expected None, a number or a one-element tensor, got {type(s).__name__}"
+                )
+        read[attr] = values
+    tensors = [v for values in read.values() if values is not None for v in values if isinstance(v, Tensor)]
+    fetched = iter(torch.stack(tensors).tolist() if tensors else [])  # the one sync
+    out: list[Tensor | None] = []
+    for attr, given in read.items():
+        if given is None:
             out.append(None)
             continue
-        values = []
-        for i, s in enumerate(scales):
-            if s is None:
-                s = 1.0
-            if isinstance(s, Tensor):
-                if s.numel() != 1:
-                    raise typedkv.InputError(
-                        f"layers[{i}].self_attn.attn.{attr}: expected one per-tensor scale, got shape {tuple(s.shape)}"
-                    )
-                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float32))
-            else:
-                values.append(torch.tensor(float(s), dtype=torch.float32, device=device))
-        out.append(torch.stack(values))
+        floats = [next(fetched) if isinstance(v, Tensor) else v for v in given]
+        for i, value in enumerate(floats):
+            # The kernel stores x / scale in float32: the scale and its reciprocal must be finite there
+            # (NaN fails both comparisons).
+            if not _F32.tiny <= value <= _F32.max:
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
+                    f"[{_F32.tiny:.3g}, {_F32.max:.3g}], got {value!r}: the FP8 pool stores {attr[0].upper()} / {attr}"
+                )
+        out.append(torch.tensor(floats, dtype=torch.float32, device=device))
     return out[0], out[1]
