@@ -200,10 +200,10 @@ def test_cos_sin_cache_from_hf_misuse() -> None:
         typedkv.cos_sin_cache_from_hf(table, table.double())
     with pytest.raises(typedkv.InputError, match=r"^sin: expected shape \(P=32, R=8\), got \(32, 6\)"):
         typedkv.cos_sin_cache_from_hf(table, torch.ones(P, 6))
-    with pytest.raises(typedkv.InputError, match=r"^cos: the rotary dim R must be even and at least 2 .*, got R=7$"):
+    with pytest.raises(typedkv.InputError, match=r"^cos: expected an even rotary dim R, at least 2 .*, got R=7$"):
         typedkv.cos_sin_cache_from_hf(torch.ones(P, 7), torch.ones(P, 7))
     # No rotary dims: a table none of the ops takes (they need R >= 2).
-    with pytest.raises(typedkv.InputError, match=r"^cos: the rotary dim R must be even and at least 2 .*, got R=0$"):
+    with pytest.raises(typedkv.InputError, match=r"^cos: expected an even rotary dim R, at least 2 .*, got R=0$"):
         typedkv.cos_sin_cache_from_hf(torch.ones(P, 0), torch.ones(P, 0))
     # Meta tensors have no values to compare (NotImplementedError from torch.equal before).
     with pytest.raises(typedkv.InputError, match=r"^cos: expected a tensor with values \(its halves are compared\)"):

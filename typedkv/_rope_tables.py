@@ -163,5 +163,5 @@ _FROM_HF = Signature(
     device_of="cos",
     same_dtype={"sin": "cos"},
     # As the ops take R (`typedkv._impl.ROTARY_RULE`): a table with no rotary dims is none of theirs.
-    rules=(("R % 2 == 0 and 2 <= R", "cos", "the rotary dim R must be even and at least 2 (its halves are equal)"),),
+    rules=(("R % 2 == 0 and 2 <= R", "cos", "expected an even rotary dim R, at least 2 (its halves are equal)"),),
 )
