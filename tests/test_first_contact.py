@@ -120,20 +120,62 @@ def test_cos_sin_cache_is_standard_rope() -> None:
     assert typedkv.cos_sin_cache(4, 8, dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
+BASE_RANGE = "base: expected a number in float32's normal range (1.1754943508222875e-38 to 3.4028234663852886e+38)"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"base": math.inf}, "base: expected a positive float, got inf"),
-        ({"base": math.nan}, "base: expected a positive float, got nan"),
+        ({"base": math.inf}, f"{BASE_RANGE}, got inf"),
+        ({"base": math.nan}, f"{BASE_RANGE}, got nan"),
+        ({"base": 0}, f"{BASE_RANGE}, got 0"),
+        ({"base": 1e39}, f"{BASE_RANGE}, got 1e+39"),  # infinite in float32: no rotation
+        ({"base": 1e-50}, f"{BASE_RANGE}, got 1e-50"),  # 0 in float32: a table of NaN
+        ({"base": 10**400}, "base: expected a float, got an int of 401 digits"),  # OverflowError before
+        ({"base": "1e4"}, f"{BASE_RANGE}, got '1e4'"),
         ({"dtype": torch.int32}, "dtype: expected float32, bfloat16, float16 or float64, got torch.int32"),
         ({"dtype": torch.float8_e4m3fn}, "dtype: expected float32, bfloat16, float16 or float64, got"),
+        ({"max_position": 10**400}, "max_position: expected a positive int below 2**63 (a size), got an int of 401"),
+        ({"rotary_dim": 2**64}, "rotary_dim: expected a positive int below 2**63 (a size), got an int of 20 digits"),
     ],
-    ids=["base-inf", "base-nan", "int32", "fp8"],
-)
+    ids=["base-inf", "base-nan", "base-0", "base-1e39", "base-1e-50", "base-huge-int", "base-str", "int32", "fp8",
+         "max_position-huge", "rotary_dim-2**64"],
+)  # fmt: skip
 def test_cos_sin_cache_refuses_what_the_ops_cannot_use(kwargs: dict[str, Any], message: str) -> None:
-    """An integer table would hold cos and sin truncated to -1, 0 and 1; an infinite base, no rotation."""
+    """An integer table would hold cos and sin truncated to -1, 0 and 1; a base infinite in float32 (where
+    the table is computed), no rotation; one that is 0 there, NaN."""
+    args: dict[str, Any] = {"max_position": 4, "rotary_dim": 8} | kwargs
     with pytest.raises(typedkv.InputError, match="^" + re.escape(message)):
-        typedkv.cos_sin_cache(4, 8, **kwargs)
+        typedkv.cos_sin_cache(**args)
+
+
+@pytest.mark.parametrize("base", [1.0, 0.5, torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max, 10**6])
+def test_cos_sin_cache_bases_float32_holds(base: float) -> None:
+    """Every base in float32's normal range gives a finite table."""
+    assert typedkv.cos_sin_cache(16, 8, base).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["bogus", "gpu", "cuda:99", [0], 1.5, *(["cuda", 0] if not torch.cuda.is_available() else [])],
+    ids=repr,  # not the bare word gpu: the suite skips tests of that keyword on a machine without one
+)
+def test_cos_sin_cache_device_torch_cannot_allocate_on(device: Any) -> None:
+    """A misspelt device, or one this machine (or this build of torch) lacks, is an InputError whose cause
+    is torch's own error (a RuntimeError, AssertionError or TypeError before)."""
+    with pytest.raises(typedkv.InputError) as info:
+        typedkv.cos_sin_cache(4, 8, device=device)
+    assert str(info.value) == (
+        "device: expected None or a device torch can allocate on here ('cpu', 'cuda:0' where "
+        f"torch.cuda.is_available(), a torch.device), got {device!r}: torch's reason is this error's cause"
+    )
+    assert info.value.__cause__ is not None
+
+
+def test_cos_sin_cache_devices_it_has() -> None:
+    for device in ("cpu", torch.device("cpu"), None):
+        assert typedkv.cos_sin_cache(4, 8, device=device).device.type == "cpu"
+    assert typedkv.cos_sin_cache(4, 8, device="meta").is_meta
 
 
 def test_cos_sin_cache_from_hf_tables() -> None:
@@ -158,8 +200,14 @@ def test_cos_sin_cache_from_hf_misuse() -> None:
         typedkv.cos_sin_cache_from_hf(table, table.double())
     with pytest.raises(typedkv.InputError, match=r"^sin: expected shape \(P=32, R=8\), got \(32, 6\)"):
         typedkv.cos_sin_cache_from_hf(table, torch.ones(P, 6))
-    with pytest.raises(typedkv.InputError, match=r"^cos: the rotary dim R must be even"):
+    with pytest.raises(typedkv.InputError, match=r"^cos: expected an even rotary dim R, at least 2 .*, got R=7$"):
         typedkv.cos_sin_cache_from_hf(torch.ones(P, 7), torch.ones(P, 7))
+    # No rotary dims: a table none of the ops takes (they need R >= 2).
+    with pytest.raises(typedkv.InputError, match=r"^cos: expected an even rotary dim R, at least 2 .*, got R=0$"):
+        typedkv.cos_sin_cache_from_hf(torch.ones(P, 0), torch.ones(P, 0))
+    # Meta tensors have no values to compare (NotImplementedError from torch.equal before).
+    with pytest.raises(typedkv.InputError, match=r"^cos: expected a tensor with values \(its halves are compared\)"):
+        typedkv.cos_sin_cache_from_hf(table.to("meta"), table.to("meta"))
 
 
 # ------------------------------------------------------------------- KVMaterializer

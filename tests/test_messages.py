@@ -258,7 +258,7 @@ DENSE = [
     _case(
         lambda: {"k_norm_weight": torch.ones(L, D, dtype=torch.int64)},
         "k_norm_weight: expected dtype bfloat16, float16, float32 or float64, got int64: "
-        "convert it with k_norm_weight.to(torch.bfloat16)",
+        "convert it with k_norm_weight.to(torch.float32)",
         "k_norm_weight-int64",
     ),
     _case(
@@ -295,7 +295,7 @@ DENSE = [
     ),
     _case(
         lambda: {"eps": torch.ones(L, dtype=torch.int32)},
-        "eps: expected dtype bfloat16, float16, float32 or float64, got int32: convert it with eps.to(torch.bfloat16)",
+        "eps: expected dtype bfloat16, float16, float32 or float64, got int32: convert it with eps.to(torch.float32)",
         "eps-int32-tensor",
     ),
     # cos_sin_cache
@@ -323,7 +323,7 @@ DENSE = [
     _case(
         lambda: {"cos_sin_cache": torch.ones(P, R, dtype=torch.int64)},
         "cos_sin_cache: expected dtype bfloat16, float16, float32 or float64, got int64: "
-        "convert it with cos_sin_cache.to(torch.bfloat16)",
+        "convert it with cos_sin_cache.to(torch.float32)",
         "cos_sin_cache-int64",
     ),
     # positions
@@ -616,7 +616,7 @@ POOL = [
     _case(
         lambda: _fp8_pools(v_scale=torch.ones(L, dtype=torch.int32)),
         "v_scale: expected dtype bfloat16, float16, float32 or float64, got int32: "
-        "convert it with v_scale.to(torch.bfloat16)",
+        "convert it with v_scale.to(torch.float32)",
         "v_scale-int32-tensor",
     ),
     _case(lambda: _fp8_pools(k_scale="2"), "k_scale: expected a torch.Tensor, a float or None, got str", "k_scale-str"),

@@ -41,6 +41,7 @@ class ArraySpec:
     dtype_names: tuple[str, ...]
     symbolic: bool
     layout: str | None = None  # the `PageLayout` tag of this shape, if any
+    convert_to: str = ""  # the dtype a wrong dtype's fix converts to: the family's ``convert_to``, else its first
 
 
 @dataclass
@@ -74,6 +75,7 @@ def parse_array(hint: Any, layout: str | None = None) -> ArraySpec:
         dtypes,
         any(d.code is not None for d in dims),
         layout,
+        getattr(hint.dtype, "convert_to", dtypes[0]),
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -276,11 +277,24 @@ class CheckedLayouts(Generic[_P]):
 
 
 def check_numbers(name: str, value: Sequence[Any], kinds: tuple[type, ...] = (float, int)) -> None:
-    """Every item of ``value`` a number of ``kinds`` (never a bool, which Python counts as an int)."""
+    """Every item of ``value`` a number of ``kinds`` (never a bool, which Python counts as an int), and
+    where a float goes, one a float can hold (`check_float`)."""
     for i, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, kinds):
             words = or_list([f"{'an' if k is int else 'a'} {k.__name__}" for k in kinds])
             raise InputError(f"{name}[{i}]: expected {words}, got {type_name(item)}")
+        if float in kinds:
+            check_float(f"{name}[{i}]", item)
+
+
+def check_float(name: str, value: object) -> None:
+    """An int given where a float goes is one a float can hold: every path converts it (``float()``), and past
+    float64's range that raises OverflowError. Other values pass (their kind is the signature's to check)."""
+    if type(value) is int and not -sys.float_info.max <= value <= sys.float_info.max:
+        raise InputError(
+            f"{name}: expected a float, got an int of {len(str(abs(value)))} digits: past float64's range, "
+            "no float holds it"
+        )
 
 
 _PLANS_MAX = 4096

@@ -70,7 +70,7 @@ class Messages:
         if name in self._outputs:
             # Converting an output would write into a copy.
             return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
-        return f": convert it with {label}.to(torch.{spec.dtype_names[0]})"
+        return f": convert it with {label}.to(torch.{spec.convert_to})"
 
     def storage_message(self, label: str, got: torch.dtype, want: torch.dtype, other: str, fp8: Sequence[str]) -> str:
         """A pool of neither ``other``'s dtype nor an FP8 one."""

@@ -142,8 +142,8 @@ def _layer_count(value: object, stacked_dims: int) -> int | None:
 def eps_of_layers(eps: object, cos_sin_cache: object, norm_weight: object) -> object:
     """A sequence of per-layer numbers as an ``[L]`` float32 tensor on cos_sin_cache's device; else eps as is.
 
-    Numbers out of range (NaN, negative) are rejected here, as at each call (`check_eps`: not without
-    ``norm_weight``); a tensor's values in debug mode, at each call.
+    Numbers out of range (NaN, negative, past float32's max) are rejected here, as at each call (`check_eps`:
+    not without ``norm_weight``, except an int no float holds); a tensor's values in debug mode, at each call.
     """
     if not isinstance(eps, (list, tuple)):
         check_eps(eps, norm_weight)

@@ -9,16 +9,16 @@ Face rotary embeddings give two tables instead, ``cos`` and ``sin``, each
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ._checking import Signature
+from ._checking import Signature, check_float
 from ._errors import InputError
 from ._messages import fmt_dtype, or_list, type_name
 from ._types import static_jaxtyping
+from ._value_checks import F32_MAX, F32_NORMAL, F32_TINY
 
 if TYPE_CHECKING:
     from jaxtyping import Float as ParamFloat
@@ -51,7 +51,7 @@ def cos_sin_cache(
     rotary_dim : int
         ``R``, the number of rotated dims of a head: even, at most the head dim.
     base : float
-        RoPE's base (``rope_theta``).
+        RoPE's base (``rope_theta``), in float32's normal range.
     dtype : torch.dtype
         The cache's dtype: float32 (exact to float32), bfloat16, float16 or float64.
     device : torch.device or str, optional
@@ -64,22 +64,51 @@ def cos_sin_cache(
     Raises
     ------
     InputError
-        For a count that is not a positive int (``rotary_dim`` also even), a base that is not a positive
-        finite number, or a dtype the ops do not take.
+        For a count that is not a positive int below ``2**63`` (``rotary_dim`` also even), a base outside
+        float32's normal range (the table is computed in float32), a dtype the ops do not take, or a
+        device torch cannot allocate on here (a misspelt one, a GPU this machine or this build of torch
+        does not have; torch's own error is the cause).
     """
     for name, value in (("max_position", max_position), ("rotary_dim", rotary_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name}: expected a positive int, got {value!r} ({type_name(value)})")
+        if value >= 2**63:  # past int64: no tensor has such a size (torch raises OverflowError or RuntimeError)
+            raise InputError(
+                f"{name}: expected a positive int below 2**63 (a size), got an int of {len(str(value))} digits"
+            )
     if rotary_dim % 2:
         raise InputError(f"rotary_dim: expected an even number (dims rotate in pairs), got {rotary_dim}")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
-        raise InputError(f"base: expected a positive float, got {base!r}")
+    check_float("base", base)
+    # The frequencies are computed in float32: a base past its max is infinite there, one below its smallest
+    # normal 0 (or flushed to it), and either gives a table of no rotation or of NaN.
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not F32_TINY <= base <= F32_MAX:
+        raise InputError(
+            f"base: expected a number in {F32_NORMAL}, got {base!r}: RoPE's base (rope_theta, such as 10000.0), "
+            "as the table is computed in float32"
+        )
     if dtype not in _CACHE_DTYPES:
         # An integer cache would hold cos and sin truncated to -1, 0 and 1, which the ops refuse anyway.
         raise InputError(f"dtype: expected {or_list([fmt_dtype(d) for d in _CACHE_DTYPES])}, got {dtype!r}")
+    device = _device(device)
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
     angles = torch.outer(torch.arange(max_position, dtype=torch.float32, device=device), inv_freq)
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a `torch.device` torch can allocate on here (None as it is)."""
+    if device is None:
+        return None
+    try:
+        where = torch.device(device)
+        torch.empty(0, device=where)
+    except (RuntimeError, TypeError, AssertionError, NotImplementedError) as err:
+        # torch's own words (a misspelt type, a build without CUDA, no such GPU) stay on as the cause.
+        raise InputError(
+            f"device: expected None or a device torch can allocate on here ('cpu', 'cuda:0' where "
+            f"torch.cuda.is_available(), a torch.device), got {device!r}: torch's reason is this error's cause"
+        ) from err
+    return where
 
 
 @static_jaxtyping("P R")
@@ -106,12 +135,18 @@ def cos_sin_cache_from_hf(cos: ParamFloat[Tensor, "P R"], sin: ParamFloat[Tensor
     Raises
     ------
     InputError
-        For tables of other shapes, dtypes or devices, an odd ``R``, or halves
-        that differ (not a Hugging Face table). Comparing the halves reads the
-        values: on a GPU it waits for the device once, so build the cache at
-        setup, not in a decode loop.
+        For tables of other shapes, dtypes or devices, an odd ``R`` or none
+        (``R`` is even and at least 2, as the ops take it), meta tensors (no
+        values to compare), or halves that differ (not a Hugging Face table).
+        Comparing the halves reads the values: on a GPU it waits for the device
+        once, so build the cache at setup, not in a decode loop.
     """
     _FROM_HF.check((cos, sin))
+    if cos.is_meta:  # sin too: it is on cos's device
+        raise InputError(
+            "cos: expected a tensor with values (its halves are compared), got a meta tensor: "
+            "build the tables on the device the model runs on"
+        )
     half = cos.shape[1] // 2
     for name, table in (("cos", cos), ("sin", sin)):
         if not torch.equal(table[:, :half], table[:, half:]):
@@ -127,5 +162,6 @@ _FROM_HF = Signature(
     scalar_dims={},
     device_of="cos",
     same_dtype={"sin": "cos"},
-    rules=(("R % 2 == 0", "cos", "the rotary dim R must be even (its halves are equal)"),),
+    # As the ops take R (`typedkv._impl.ROTARY_RULE`): a table with no rotary dims is none of theirs.
+    rules=(("R % 2 == 0 and 2 <= R", "cos", "expected an even rotary dim R, at least 2 (its halves are equal)"),),
 )

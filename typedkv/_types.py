@@ -78,6 +78,9 @@ else:
         """Dtypes accepted for small parameters (norm weights, cos/sin cache, eps, scales)."""
 
         dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32", "float64"]
+        # What a dtype error's fix converts to: the kernels compute with these in float32, and none is big enough for
+        # its precision to cost (a storage family's fix takes its first dtype).
+        convert_to: ClassVar[str] = "float32"
 
     class PoolFloat(AbstractDtype):
         """Dtypes a paged KV pool may have: a storage float or an FP8 format."""
