@@ -132,9 +132,10 @@ def test_programmatic_launch_waits_first(case: str) -> None:
     pytest.importorskip("triton.backends.nvidia")
     snapshot = _snapshot()
     ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
-    assert kernel.arg_names[-1] == "WAIT_PRIOR" and params[-1] is False
+    at = kernel.arg_names.index("WAIT_PRIOR")
+    assert params[at] is False
     for wait in (False, True):
-        ptx = snapshot.compile_ptx(kernel, (*params[:-1], wait), num_warps)
+        ptx = snapshot.compile_ptx(kernel, (*params[:at], wait, *params[at + 1 :]), num_warps)
         first = re.search(r"griddepcontrol\.wait|\b(ld|st|atom|red)\.global", ptx)
         assert first is not None and (first.group(0) == "griddepcontrol.wait") is wait
 
@@ -166,7 +167,8 @@ def test_only_a_kernel_that_waits_launches_programmatically() -> None:
     (one launched so without its wait could read the prior kernel's output before it is written)."""
     snapshot = _snapshot()
     ((kernel, grid, params, num_warps),) = snapshot.capture(snapshot.cases()["dense-T16-neox-R128"])
-    assert _launch.KernelLaunch(kernel, grid, (*params[:-1], True), num_warps).programmatic
+    at = kernel.arg_names.index("WAIT_PRIOR")
+    assert _launch.KernelLaunch(kernel, grid, (*params[:at], True, *params[at + 1 :]), num_warps).programmatic
     assert not _launch.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
     assert not _launch.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic
 

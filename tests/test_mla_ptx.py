@@ -45,7 +45,7 @@ def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0
         "C": 512, "R": 64, "NEOX": False, "NORM": True, "EPS_PER_LAYER": True, "INDEXED": True, "PAGE": 64,
         "LAYER_TABLE": False, "SCALE": scale, "FP8_MAX": fp8[0], "FP8_MANT": fp8[1], "FP8_MIN_EXP": fp8[2],
         "LAYER_VEC": 16, "BLOCK_T": 4, "BLOCK_C": 512, "BLOCK_HALF": 32, "SOFT_ROUND": False, "NUM_LAYERS": 5,
-        **dict.fromkeys(_UNIT, 1), **constexprs,
+        "WIDE": False, **dict.fromkeys(_UNIT, 1), **constexprs,
     }  # fmt: skip
     pointers = {
         "ckv_ptr": f"*{dtype}", "dst_ptr": f"*{dst}", "positions_ptr": "*i64", "slots_ptr": "*i64",
