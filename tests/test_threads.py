@@ -37,7 +37,7 @@ import random
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -147,19 +147,24 @@ def play(steps: Sequence[Step], device: torch.device) -> list[list[Tensor]]:
 
 def play_together(scripts: Sequence[Sequence[Step]], device: torch.device) -> list[list[list[Tensor]]]:
     """Play each script in a thread of its own, all released at once; re-raise the first error."""
-    barrier = threading.Barrier(len(scripts))
-    results: list[list[list[Tensor]]] = [[] for _ in scripts]
+    return together(lambda i: play(scripts[i], device), len(scripts))
+
+
+def together(work: Callable[[int], list[list[Tensor]]], count: int) -> list[list[list[Tensor]]]:
+    """``work(i)`` in ``count`` threads, all released at once, switching often; re-raise the first error."""
+    barrier = threading.Barrier(count)
+    results: list[list[list[Tensor]]] = [[] for _ in range(count)]
     errors: list[BaseException] = []
 
     def worker(i: int) -> None:
         try:
             barrier.wait()
-            results[i] = play(scripts[i], device)
+            results[i] = work(i)
         except BaseException as err:  # reported by the main thread
             errors.append(err)
             barrier.abort()
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"typedkv-{i}") for i in range(len(scripts))]
+    threads = [threading.Thread(target=worker, args=(i,), name=f"typedkv-{i}") for i in range(count)]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads every 10 us instead of 5 ms
     try:
@@ -248,23 +253,7 @@ def test_one_materializer_called_from_threads(kind: str, device: str) -> None:
     m = _materializers(torch.device(device))[kind]
     threads, calls = (4, 6) if _launch.INTERPRETED else (8, 30)
     alone = [_shared_calls(m, torch.device(device), i, calls) for i in range(threads)]
-    results: list[list[list[Tensor]]] = [[] for _ in range(threads)]
-    barrier = threading.Barrier(threads)
-
-    def worker(i: int) -> None:
-        barrier.wait()
-        results[i] = _shared_calls(m, torch.device(device), i, calls)
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    finally:
-        sys.setswitchinterval(interval)
+    results = together(lambda i: _shared_calls(m, torch.device(device), i, calls), threads)
     if device == "cuda":
         torch.cuda.synchronize()
     _assert_same(results, alone)
