@@ -139,6 +139,7 @@ def _tensor_guards() -> Callable[..., Any] | None:
 
 
 _TENSOR_GUARDS = _tensor_guards()
+_IS_NESTED = operator.attrgetter("is_nested")
 # Values compared as the fingerprint compares them (floats by type alone); others make no `LayoutGuard`.
 _PLAIN = (type(None), bool, int, str, float)
 
@@ -155,21 +156,31 @@ class LayoutGuard:
     ``fingerprint(args)`` equals the kept call's. It keeps no tensor alive.
     """
 
-    __slots__ = ("_count", "_guards", "_lists", "_other_types", "_other_values", "_others", "_tensors")
+    __slots__ = (
+        "_count", "_exact", "_exact_values", "_guards", "_lists", "_other_types", "_others", "_tensor_at", "_tensors"
+    )  # fmt: skip
 
     def __init__(self, args: Sequence[Any], guards: Callable[..., Any]) -> None:
         self._count = len(args)
         tensor_at = [i for i, x in enumerate(args) if isinstance(x, Tensor)]
         list_at = [i for i, x in enumerate(args) if isinstance(x, (list, tuple))]
         other_at = [i for i, x in enumerate(args) if not isinstance(x, (Tensor, list, tuple))]
-        # itemgetter of one index returns the item itself: a repeated index keeps results tuples.
-        self._tensors = operator.itemgetter(*tensor_at, *tensor_at[-1:]) if tensor_at else None
+        # itemgetter of one index returns the item itself, of several a tuple: fewer than two, indexed instead.
+        self._tensor_at = tensor_at
+        self._tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else None
         self._lists = [(i, type(args[i]), len(args[i])) for i in list_at]
+        # A repeated index keeps results tuples.
         self._others = operator.itemgetter(*other_at, *other_at[-1:]) if other_at else None
         values = self._others(args) if self._others is not None else ()
         self._other_types = tuple(map(type, values))
-        self._other_values = [v for v in values if type(v) is not float]
-        self._guards = guards(*self._flat(args), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        # Compared by value (floats by type alone): one C-level gather and tuple comparison a call.
+        exact_at = [i for i in other_at if type(args[i]) is not float]
+        self._exact = operator.itemgetter(*exact_at, *exact_at[-1:]) if exact_at else None
+        self._exact_values = self._exact(args) if self._exact is not None else ()
+        flat = self._flat_tensors(args)
+        for i in list_at:
+            flat += args[i]
+        self._guards = guards(*flat, dynamic_dims_sizes=None, dynamic_dims_strides=None)
 
     @classmethod
     def of(cls, args: Sequence[Any]) -> LayoutGuard | None:
@@ -188,28 +199,41 @@ class LayoutGuard:
         except Exception:  # a tensor it cannot record (sparse...): the fingerprint alone
             return None
 
-    def _flat(self, args: Sequence[Any]) -> list[Any]:
-        flat = list(self._tensors(args))[:-1] if self._tensors is not None else []
-        for i, _, _ in self._lists:
-            flat += args[i]
-        return flat
+    def _flat_tensors(self, args: Sequence[Any]) -> list[Any]:
+        """The items of ``args`` where the kept call had tensors, as a new list."""
+        if self._tensors is not None:
+            return list(self._tensors(args))
+        return [args[i] for i in self._tensor_at]
 
-    def matches(self, args: Sequence[Any]) -> bool:
-        """Whether ``args`` has the kept call's layout (so the same fingerprint)."""
+    def matches(self, args: Sequence[Any], nested_possible: bool = True) -> bool:
+        """Whether ``args`` has the kept call's layout (so the same fingerprint).
+
+        ``nested_possible``: False where the caller read ``fingerprint(args)``, which raises for a
+        strided nested tensor, the one kind ``TensorGuards`` cannot be handed.
+        """
         if len(args) != self._count:
             return False
-        if self._others is not None:
-            values = self._others(args)
-            if tuple(map(type, values)) != self._other_types:
-                return False
-            if [v for v in values if type(v) is not float] != self._other_values:
-                return False
+        if self._others is not None and tuple(map(type, self._others(args))) != self._other_types:
+            return False
+        if self._exact is not None and self._exact(args) != self._exact_values:
+            return False
+        flat = self._flat_tensors(args)
         for i, kind, length in self._lists:
             x = args[i]
             if type(x) is not kind or len(x) != length:
                 return False
-        # A non-tensor where a tensor was fails the guard's type check.
-        return bool(self._guards.check(*self._flat(args)))
+            flat += x
+        # TensorGuards reads a tensor's sizes and strides before it compares its dispatch keys, and a
+        # nested tensor's (torch.nested, strided layout) raise a C++ error there that nothing catches: the
+        # process aborts. So no nested tensor reaches it (the one per-tensor read in Python here); an item
+        # that is no tensor (no is_nested) is no match either.
+        try:
+            if nested_possible and any(map(_IS_NESTED, flat)):
+                return False
+        except Exception:
+            return False
+        # A tensor of another Python type, or the same tensor twice, fails the guard's own checks.
+        return self._guards.check(*flat) is True
 
 
 class CheckedLayouts(Generic[_P]):
@@ -250,7 +274,7 @@ class CheckedLayouts(Generic[_P]):
         plan = self._plans.get(key)
         if plan is not None:
             guard = self._guards.get(key)
-            if guard is not None and not guard.matches(args):
+            if guard is not None and not guard.matches(args, False):
                 # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
                 # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
                 guard = self._guards[key] = LayoutGuard.of(args)
