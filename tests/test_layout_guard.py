@@ -63,6 +63,12 @@ OTHER_LAYOUTS: dict[str, Callable[[tuple[Any, ...]], tuple[Any, ...]]] = {
     "None for a float": lambda a: _replaced(a, 2, None),
     "tensor for None": lambda a: _replaced(a, 8, torch.ones(2)),
     "fewer arguments": lambda a: a[:-1],
+    # Tensors of other kinds (strided nested ones: `test_a_nested_tensor_misses`, in a child process).
+    "sparse COO": lambda a: _replaced(a, 1, a[1].to_sparse()),
+    "sparse CSR": lambda a: _replaced(a, 1, a[1].to_sparse_csr()),
+    "MKL-DNN": lambda a: _replaced(a, 1, a[1].to_mkldnn()),
+    "nested, jagged": lambda a: _replaced(a, 1, torch.nested.nested_tensor([a[1], a[1][:2]], layout=torch.jagged)),
+    "list item sparse COO": lambda a: _in_list(a, 4, 1, a[4][1].to_sparse()),
 }
 
 

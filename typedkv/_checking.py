@@ -11,7 +11,8 @@ reads those annotations when the module is imported and turns them into a plan:
   with jaxtyping's shape memo shared across the arguments.
 
 Both verdicts depend only on each argument's type and, for a tensor, its dtype,
-shape, strides and device: `Signature.plan` caches what a layout needs
+shape, strides, device and layout (strided only: a sparse, MKL-DNN or nested tensor
+is refused by name): `Signature.plan` caches what a layout needs
 (`CheckedLayouts`), so a decode loop pays a lookup per call, not the check.
 
 Relations that jaxtyping cannot spell (a dim that comes from an ``int`` argument,
@@ -42,7 +43,7 @@ from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_p
 from ._errors import InputError
 from ._memory import overlaps_itself
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
-from ._types import is_fp8
+from ._types import is_fp8, strided
 
 _P = TypeVar("_P")
 
@@ -111,8 +112,24 @@ def _other_facts(x: Any) -> Any:
 
 
 def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
-    """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept."""
+    """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept.
+
+    It holds no tensor's layout: the check accepts strided tensors only (`strided`), and a plan the
+    key alone finds is taken only for them (`CheckedLayouts.get`). Raises RuntimeError for a tensor
+    whose sizes or strides cannot be read (a strided nested tensor, a sparse CSR one).
+    """
     return _items_facts(args)
+
+
+def _strided(args: Sequence[Any]) -> bool:
+    """Whether every tensor among ``args`` (and in their lists) is `strided`."""
+    for x in args:
+        if isinstance(x, Tensor):
+            if not strided(x):
+                return False
+        elif isinstance(x, (list, tuple)) and not all(strided(e) for e in x if isinstance(e, Tensor)):
+            return False
+    return True
 
 
 def _tensor_guards() -> Callable[..., Any] | None:
@@ -152,8 +169,9 @@ class LayoutGuard:
     call's structure (where tensors and lists of tensors are, the other arguments' types
     and values, floats by type alone) and torch's ``TensorGuards`` over its tensors,
     which compares everything the fingerprint holds and more (the tensor's Python
-    type, ``requires_grad``, the thread's dispatch state): ``matches(args)`` implies
-    ``fingerprint(args)`` equals the kept call's. It keeps no tensor alive.
+    type, ``requires_grad``, the thread's dispatch state, and with the dispatch keys the
+    tensor's layout): ``matches(args)`` implies ``fingerprint(args)`` equals the kept call's,
+    and its tensors are strided. It keeps no tensor alive.
     """
 
     __slots__ = (
@@ -185,7 +203,7 @@ class LayoutGuard:
     @classmethod
     def of(cls, args: Sequence[Any]) -> LayoutGuard | None:
         """A guard for ``args``, or None where there is none to take (no `_tensor_guards`, or arguments
-        other than tensors, lists of tensors and plain values)."""
+        other than strided tensors, lists of them and plain values)."""
         if _TENSOR_GUARDS is None:
             return None
         for x in args:
@@ -194,9 +212,13 @@ class LayoutGuard:
                     return None
             elif not isinstance(x, Tensor) and type(x) not in _PLAIN:
                 return None
+        # Only checked layouts are kept, all strided; and TensorGuards would abort on recording a nested
+        # or sparse CSR tensor (see `matches`).
+        if not _strided(args):
+            return None
         try:
             return cls(args, _TENSOR_GUARDS)
-        except Exception:  # a tensor it cannot record (sparse...): the fingerprint alone
+        except Exception:  # any tensor it cannot record: the fingerprint alone
             return None
 
     def _flat_tensors(self, args: Sequence[Any]) -> list[Any]:
@@ -243,7 +265,9 @@ class CheckedLayouts(Generic[_P]):
     A decode loop calls with one layout again and again: its call pays the guard's check
     (about a microsecond) instead of the fingerprint. A call of another layout pays the
     fingerprint and a dictionary lookup, and its guard becomes the one tried first (remade
-    for this call where it compares more than the fingerprint and that differs).
+    for this call where it compares more than the fingerprint and that differs). A plan the
+    fingerprint finds without its guard's word is taken only for strided tensors: a sparse or
+    MKL-DNN tensor can have a kept strided tensor's fingerprint.
     """
 
     def __init__(self, most: int) -> None:
@@ -270,14 +294,27 @@ class CheckedLayouts(Generic[_P]):
         last = self._last
         if last is not None and last[0].matches(args):
             return last[1]
-        key = fingerprint(args)
+        try:
+            key = fingerprint(args)
+        except RuntimeError:
+            # A tensor without sizes or strides to read (nested, sparse CSR...): no plan; the check names it.
+            return None
         plan = self._plans.get(key)
-        if plan is not None:
-            guard = self._guards.get(key)
-            if guard is not None and not guard.matches(args, False):
-                # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
-                # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
-                guard = self._guards[key] = LayoutGuard.of(args)
+        if plan is None:
+            return None
+        guard = self._guards.get(key)
+        if guard is not None and guard.matches(args, False):
+            self._last = (guard, plan)
+            return plan
+        # The fingerprint holds no tensor's layout: a sparse or MKL-DNN tensor can have a kept strided
+        # tensor's facts (a sparse COO tensor's strides are all 0). Where the guard, which compares
+        # dispatch keys, does not vouch for the call, its tensors are strided or it is checked in full.
+        if not _strided(args):
+            return None
+        if guard is not None:
+            # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
+            # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
+            guard = self._guards[key] = LayoutGuard.of(args)
             if guard is not None:
                 self._last = (guard, plan)
         return plan
@@ -443,6 +480,7 @@ class Signature:
                 if value is None and p.optional:
                     continue
                 if isinstance(value, torch.Tensor) and p.arrays:
+                    self._check_kind(p.name, p.name, value)
                     spec = self._choose(p, p.name, p.arrays, value, bound, args)
                     bound.specs[p.name] = spec
                     self._check_tensor(p.name, p.name, spec, value, bound, args, deferred)
@@ -626,11 +664,18 @@ class Signature:
             label = f"{p.name}[{i}]"
             if not isinstance(item, torch.Tensor):
                 raise InputError(f"{label}: expected a torch.Tensor, got {type_name(item)}")
+            self._check_kind(p.name, label, item)
             # The first item picks the shape; every other item must have it too.
             if spec is None:
                 spec = self._choose(p, label, p.sequences, item, bound, args)
                 bound.specs[p.name] = spec
             self._check_tensor(p.name, label, spec, item, bound, args, deferred)
+
+    def _check_kind(self, name: str, label: str, value: torch.Tensor) -> None:
+        """A strided tensor: no other kind has the memory layout the kernels and the reference address
+        (and a nested tensor has no sizes or strides to check), so it is refused before its shape is read."""
+        if not strided(value):
+            raise InputError(self._messages.kind_message(name, label, value))
 
     def _check_tensor(
         self,
