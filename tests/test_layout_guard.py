@@ -10,8 +10,12 @@ tensor changed in place since) must miss it, and a miss must check in full.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,6 +63,12 @@ OTHER_LAYOUTS: dict[str, Callable[[tuple[Any, ...]], tuple[Any, ...]]] = {
     "None for a float": lambda a: _replaced(a, 2, None),
     "tensor for None": lambda a: _replaced(a, 8, torch.ones(2)),
     "fewer arguments": lambda a: a[:-1],
+    # Tensors of other kinds (strided nested ones: `test_a_nested_tensor_misses`, in a child process).
+    "sparse COO": lambda a: _replaced(a, 1, a[1].to_sparse()),
+    "sparse CSR": lambda a: _replaced(a, 1, a[1].to_sparse_csr()),
+    "MKL-DNN": lambda a: _replaced(a, 1, a[1].to_mkldnn()),
+    "nested, jagged": lambda a: _replaced(a, 1, torch.nested.nested_tensor([a[1], a[1][:2]], layout=torch.jagged)),
+    "list item sparse COO": lambda a: _in_list(a, 4, 1, a[4][1].to_sparse()),
 }
 
 
@@ -107,6 +117,26 @@ def test_a_tensor_changed_in_place_misses(change: str) -> None:
     if change == "t_":
         args[1].t_()
     assert not guard.matches(args)
+
+
+NESTED_CHILD = """
+import torch
+from typedkv._checking import LayoutGuard
+kept = (torch.ones(2, 3), [torch.zeros(4), torch.zeros(4)], 2)
+guard = LayoutGuard.of(kept)
+nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(3)])
+print(guard.matches((nested, kept[1], 2)), guard.matches((kept[0], [torch.zeros(4), nested], 2)))
+"""
+
+
+def test_a_nested_tensor_misses() -> None:
+    # torch's TensorGuards reads a tensor's strides before its dispatch keys, and a strided nested
+    # tensor's raise a C++ error nothing catches: the process would abort, so this runs in a child.
+    root = str(Path(typedkv.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", NESTED_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["False", "False"]
 
 
 def test_tensors_alone() -> None:

@@ -11,7 +11,8 @@ reads those annotations when the module is imported and turns them into a plan:
   with jaxtyping's shape memo shared across the arguments.
 
 Both verdicts depend only on each argument's type and, for a tensor, its dtype,
-shape, strides and device: `Signature.plan` caches what a layout needs
+shape, strides, device and layout (strided only: a sparse, MKL-DNN or nested tensor
+is refused by name): `Signature.plan` caches what a layout needs
 (`CheckedLayouts`), so a decode loop pays a lookup per call, not the check.
 
 Relations that jaxtyping cannot spell (a dim that comes from an ``int`` argument,
@@ -43,7 +44,7 @@ from ._annotations import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_p
 from ._errors import InputError
 from ._memory import overlaps_itself
 from ._messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
-from ._types import is_fp8
+from ._types import is_fp8, strided
 
 _P = TypeVar("_P")
 
@@ -112,8 +113,24 @@ def _other_facts(x: Any) -> Any:
 
 
 def fingerprint(args: Sequence[Any]) -> tuple[Any, ...]:
-    """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept."""
+    """What a check's verdict on ``args`` depends on: the key under which a layout's plan is kept.
+
+    It holds no tensor's layout: the check accepts strided tensors only (`strided`), and a plan the
+    key alone finds is taken only for them (`CheckedLayouts.get`). Raises RuntimeError for a tensor
+    whose sizes or strides cannot be read (a strided nested tensor, a sparse CSR one).
+    """
     return _items_facts(args)
+
+
+def _strided(args: Sequence[Any]) -> bool:
+    """Whether every tensor among ``args`` (and in their lists) is `strided`."""
+    for x in args:
+        if isinstance(x, Tensor):
+            if not strided(x):
+                return False
+        elif isinstance(x, (list, tuple)) and not all(strided(e) for e in x if isinstance(e, Tensor)):
+            return False
+    return True
 
 
 def _tensor_guards() -> Callable[..., Any] | None:
@@ -140,6 +157,7 @@ def _tensor_guards() -> Callable[..., Any] | None:
 
 
 _TENSOR_GUARDS = _tensor_guards()
+_IS_NESTED = operator.attrgetter("is_nested")
 # Values compared as the fingerprint compares them (floats by type alone); others make no `LayoutGuard`.
 _PLAIN = (type(None), bool, int, str, float)
 
@@ -152,30 +170,41 @@ class LayoutGuard:
     call's structure (where tensors and lists of tensors are, the other arguments' types
     and values, floats by type alone) and torch's ``TensorGuards`` over its tensors,
     which compares everything the fingerprint holds and more (the tensor's Python
-    type, ``requires_grad``, the thread's dispatch state): ``matches(args)`` implies
-    ``fingerprint(args)`` equals the kept call's. It keeps no tensor alive.
+    type, ``requires_grad``, the thread's dispatch state, and with the dispatch keys the
+    tensor's layout): ``matches(args)`` implies ``fingerprint(args)`` equals the kept call's,
+    and its tensors are strided. It keeps no tensor alive.
     """
 
-    __slots__ = ("_count", "_guards", "_lists", "_other_types", "_other_values", "_others", "_tensors")
+    __slots__ = (
+        "_count", "_exact", "_exact_values", "_guards", "_lists", "_other_types", "_others", "_tensor_at", "_tensors"
+    )  # fmt: skip
 
     def __init__(self, args: Sequence[Any], guards: Callable[..., Any]) -> None:
         self._count = len(args)
         tensor_at = [i for i, x in enumerate(args) if isinstance(x, Tensor)]
         list_at = [i for i, x in enumerate(args) if isinstance(x, (list, tuple))]
         other_at = [i for i, x in enumerate(args) if not isinstance(x, (Tensor, list, tuple))]
-        # itemgetter of one index returns the item itself: a repeated index keeps results tuples.
-        self._tensors = operator.itemgetter(*tensor_at, *tensor_at[-1:]) if tensor_at else None
+        # itemgetter of one index returns the item itself, of several a tuple: fewer than two, indexed instead.
+        self._tensor_at = tensor_at
+        self._tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else None
         self._lists = [(i, type(args[i]), len(args[i])) for i in list_at]
+        # A repeated index keeps results tuples.
         self._others = operator.itemgetter(*other_at, *other_at[-1:]) if other_at else None
         values = self._others(args) if self._others is not None else ()
         self._other_types = tuple(map(type, values))
-        self._other_values = [v for v in values if type(v) is not float]
-        self._guards = guards(*self._flat(args), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        # Compared by value (floats by type alone): one C-level gather and tuple comparison a call.
+        exact_at = [i for i in other_at if type(args[i]) is not float]
+        self._exact = operator.itemgetter(*exact_at, *exact_at[-1:]) if exact_at else None
+        self._exact_values = self._exact(args) if self._exact is not None else ()
+        flat = self._flat_tensors(args)
+        for i in list_at:
+            flat += args[i]
+        self._guards = guards(*flat, dynamic_dims_sizes=None, dynamic_dims_strides=None)
 
     @classmethod
     def of(cls, args: Sequence[Any]) -> LayoutGuard | None:
         """A guard for ``args``, or None where there is none to take (no `_tensor_guards`, or arguments
-        other than tensors, lists of tensors and plain values)."""
+        other than strided tensors, lists of them and plain values)."""
         if _TENSOR_GUARDS is None:
             return None
         for x in args:
@@ -184,33 +213,50 @@ class LayoutGuard:
                     return None
             elif not isinstance(x, Tensor) and type(x) not in _PLAIN:
                 return None
+        # Only checked layouts are kept, all strided; and TensorGuards would abort on recording a nested
+        # or sparse CSR tensor (see `matches`).
+        if not _strided(args):
+            return None
         try:
             return cls(args, _TENSOR_GUARDS)
-        except Exception:  # a tensor it cannot record (sparse...): the fingerprint alone
+        except Exception:  # any tensor it cannot record: the fingerprint alone
             return None
 
-    def _flat(self, args: Sequence[Any]) -> list[Any]:
-        flat = list(self._tensors(args))[:-1] if self._tensors is not None else []
-        for i, _, _ in self._lists:
-            flat += args[i]
-        return flat
+    def _flat_tensors(self, args: Sequence[Any]) -> list[Any]:
+        """The items of ``args`` where the kept call had tensors, as a new list."""
+        if self._tensors is not None:
+            return list(self._tensors(args))
+        return [args[i] for i in self._tensor_at]
 
-    def matches(self, args: Sequence[Any]) -> bool:
-        """Whether ``args`` has the kept call's layout (so the same fingerprint)."""
+    def matches(self, args: Sequence[Any], nested_possible: bool = True) -> bool:
+        """Whether ``args`` has the kept call's layout (so the same fingerprint).
+
+        ``nested_possible``: False where the caller read ``fingerprint(args)``, which raises for a
+        strided nested tensor, the one kind ``TensorGuards`` cannot be handed.
+        """
         if len(args) != self._count:
             return False
-        if self._others is not None:
-            values = self._others(args)
-            if tuple(map(type, values)) != self._other_types:
-                return False
-            if [v for v in values if type(v) is not float] != self._other_values:
-                return False
+        if self._others is not None and tuple(map(type, self._others(args))) != self._other_types:
+            return False
+        if self._exact is not None and self._exact(args) != self._exact_values:
+            return False
+        flat = self._flat_tensors(args)
         for i, kind, length in self._lists:
             x = args[i]
             if type(x) is not kind or len(x) != length:
                 return False
-        # A non-tensor where a tensor was fails the guard's type check.
-        return bool(self._guards.check(*self._flat(args)))
+            flat += x
+        # TensorGuards reads a tensor's sizes and strides before it compares its dispatch keys, and a
+        # nested tensor's (torch.nested, strided layout) raise a C++ error there that nothing catches: the
+        # process aborts. So no nested tensor reaches it (the one per-tensor read in Python here); an item
+        # that is no tensor (no is_nested) is no match either.
+        try:
+            if nested_possible and any(map(_IS_NESTED, flat)):
+                return False
+        except Exception:
+            return False
+        # A tensor of another Python type, or the same tensor twice, fails the guard's own checks.
+        return self._guards.check(*flat) is True
 
 
 class CheckedLayouts(Generic[_P]):
@@ -220,7 +266,9 @@ class CheckedLayouts(Generic[_P]):
     A decode loop calls with one layout again and again: its call pays the guard's check
     (about a microsecond) instead of the fingerprint. A call of another layout pays the
     fingerprint and a dictionary lookup, and its guard becomes the one tried first (remade
-    for this call where it compares more than the fingerprint and that differs).
+    for this call where it compares more than the fingerprint and that differs). A plan the
+    fingerprint finds without its guard's word is taken only for strided tensors: a sparse or
+    MKL-DNN tensor can have a kept strided tensor's fingerprint.
     """
 
     def __init__(self, most: int) -> None:
@@ -252,14 +300,27 @@ class CheckedLayouts(Generic[_P]):
         last = self._last
         if last is not None and last[0].matches(args):
             return last[1]
-        key = fingerprint(args)
+        try:
+            key = fingerprint(args)
+        except RuntimeError:
+            # A tensor without sizes or strides to read (nested, sparse CSR...): no plan; the check names it.
+            return None
         plan = self._plans.get(key)
-        if plan is not None:
-            guard = self._guards.get(key)
-            if guard is not None and not guard.matches(args):
-                # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
-                # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
-                guard = self._guards[key] = LayoutGuard.of(args)
+        if plan is None:
+            return None
+        guard = self._guards.get(key)
+        if guard is not None and guard.matches(args, False):
+            self._last = (guard, plan)
+            return plan
+        # The fingerprint holds no tensor's layout: a sparse or MKL-DNN tensor can have a kept strided
+        # tensor's facts (a sparse COO tensor's strides are all 0). Where the guard, which compares
+        # dispatch keys, does not vouch for the call, its tensors are strided or it is checked in full.
+        if not _strided(args):
+            return None
+        if guard is not None:
+            # Same layout, but a fact only the guard compares differs (the thread's dispatch state,
+            # e.g. a first call outside inference_mode and the rest inside it): a guard for this call.
+            guard = self._guards[key] = LayoutGuard.of(args)
             if guard is not None:
                 self._last = (guard, plan)
         return plan
@@ -438,6 +499,7 @@ class Signature:
                 if value is None and p.optional:
                     continue
                 if isinstance(value, torch.Tensor) and p.arrays:
+                    self._check_kind(p.name, p.name, value)
                     spec = self._choose(p, p.name, p.arrays, value, bound, args)
                     bound.specs[p.name] = spec
                     self._check_tensor(p.name, p.name, spec, value, bound, args, deferred)
@@ -621,11 +683,18 @@ class Signature:
             label = f"{p.name}[{i}]"
             if not isinstance(item, torch.Tensor):
                 raise InputError(f"{label}: expected a torch.Tensor, got {type_name(item)}")
+            self._check_kind(p.name, label, item)
             # The first item picks the shape; every other item must have it too.
             if spec is None:
                 spec = self._choose(p, label, p.sequences, item, bound, args)
                 bound.specs[p.name] = spec
             self._check_tensor(p.name, label, spec, item, bound, args, deferred)
+
+    def _check_kind(self, name: str, label: str, value: torch.Tensor) -> None:
+        """A strided tensor: no other kind has the memory layout the kernels and the reference address
+        (and a nested tensor has no sizes or strides to check), so it is refused before its shape is read."""
+        if not strided(value):
+            raise InputError(self._messages.kind_message(name, label, value))
 
     def _check_tensor(
         self,

@@ -37,6 +37,7 @@ import triton
 
 from . import _launch
 from ._fused_ws_kernel import project_kv_ws_kernel
+from ._types import strided
 
 try:  # Gluon and its host-side TMA descriptors (Triton 3.6; imported by name: they ship no types)
     gl: Any = importlib.import_module("triton.experimental.gluon.language")
@@ -164,7 +165,7 @@ def faster(device: torch.device, num_tokens: int) -> bool:
 
 def _rows_ok(t: Any, dtype: torch.dtype) -> bool:
     """A ``[rows, width]`` tensor of ``dtype`` whose rows TMA can load: contiguous rows, strides and width on 16 bytes."""
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1:
+    if not isinstance(t, torch.Tensor) or not strided(t) or t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1:
         return False
     size = t.element_size()
     return (t.stride(0) * size) % 16 == 0 and (t.shape[1] * size) % 16 == 0
@@ -174,7 +175,7 @@ def _output_ok(t: Any, dtype: torch.dtype, head_dim: int) -> bool:
     """None (the call allocates it, contiguous), or an ``[L, T, H, D]`` output TMA can store as ``[L, T, H*D]``."""
     if t is None:
         return True
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 4:
+    if not isinstance(t, torch.Tensor) or not strided(t) or t.dtype != dtype or t.dim() != 4:
         return False
     size = t.element_size()
     return t.stride(3) == 1 and t.stride(2) == head_dim and all((s * size) % 16 == 0 for s in t.stride()[:2])

@@ -205,8 +205,9 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool =
     eps = layer_eps(call.eps, kv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written.
-        with torch.no_grad():
+        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
+        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
+        with torch.inference_mode():
             k, v = _reference.rmsnorm_rope(
                 kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
             )
@@ -301,8 +302,9 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
     eps = layer_eps(call.eps, kv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written.
-        with torch.no_grad():
+        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
+        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
+        with torch.inference_mode():
             k, v = _reference.rmsnorm_rope(
                 kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
             )

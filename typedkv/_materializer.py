@@ -51,7 +51,7 @@ from ._projection import (
     split_gemm,
     stacked,
 )
-from ._types import HND, KV_WIDTH, NHD, Derived, KVLayout, RopeStyle, static_jaxtyping
+from ._types import HND, KV_WIDTH, NHD, Derived, KVLayout, RopeStyle, static_jaxtyping, strided
 
 if TYPE_CHECKING:
     # As in `typedkv._api`: jaxtyping's own names, imported here, for pyrefly.
@@ -409,9 +409,10 @@ class KVMaterializer(nn.Module):
         if kept is None:
             # The layout includes the buffers: one replaced since construction is checked here.
             _BUFFERS.check((state[2], state[4], weight, bias, state[3], *self._dims))
-            way = self._way(call, state)
+            # The call's own arguments first: deciding the way reads hidden's sizes.
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
+            way = self._way(call, state)
         else:
             way = kept.way
         # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
@@ -462,7 +463,10 @@ class KVMaterializer(nn.Module):
             and hidden.dim() == 2
             and _launch.use_kernel(hidden.device)
             # V's GEMM writes v_out as [L, T, H*D] rows (a wrong shape is the op check's to reject).
-            and (call.v_out is None or (isinstance(call.v_out, Tensor) and call.v_out.is_contiguous()))
+            and (
+                call.v_out is None
+                or (isinstance(call.v_out, Tensor) and strided(call.v_out) and call.v_out.is_contiguous())
+            )
             and _launch.split_gemm_faster(hidden.device, hidden.shape[0])
         ):
             return "split"

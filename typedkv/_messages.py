@@ -205,6 +205,21 @@ class Messages:
             halves = f"{k_name}=[c[{index}0] for c in caches] and {v_name}=[c[{index}1] for c in caches]"
         return f": a combined K/V cache (K and V along dim {half_dim})? pass its halves, {halves} (views: written in place)"
 
+    def kind_message(self, name: str, label: str, value: torch.Tensor) -> str:
+        """A tensor that is not strided (sparse, MKL-DNN, nested): what it is, and the strided tensor to pass."""
+        nested = value.is_nested
+        kind = "a nested tensor" if nested else _KINDS.get(value.layout, f"a tensor of layout {value.layout}")
+        # A nested tensor's pieces, joined along their first dim; any other kind, its dense copy.
+        conversion = f"torch.cat({label}.unbind())" if nested else f"{label}.to_dense()"
+        if name in self._outputs:
+            # Converting a written tensor would write into a copy the caller never sees.
+            fix = f"allocate it as a strided tensor ({conversion} would write into a copy)"
+        elif nested:
+            fix = f"join its pieces into one tensor, {conversion}"
+        else:
+            fix = f"pass {conversion}"
+        return f"{label}: expected a strided tensor, got {kind}: {fix}"
+
     @staticmethod
     def brackets(spec: ArraySpec) -> str:
         return "[" + ", ".join(d.text for d in spec.dims) + "]"
@@ -233,6 +248,17 @@ class Messages:
             )
             msg += f": convert it where it is made, {label}.to({target})"
         return msg
+
+
+# The layouts other than torch.strided, as a message names them (nested tensors are told by is_nested).
+_KINDS = {
+    torch.sparse_coo: "a sparse COO tensor",
+    torch.sparse_csr: "a sparse CSR tensor",
+    torch.sparse_csc: "a sparse CSC tensor",
+    torch.sparse_bsr: "a sparse BSR tensor",
+    torch.sparse_bsc: "a sparse BSC tensor",
+    torch._mkldnn: "an MKL-DNN tensor",  # type: ignore[attr-defined]
+}
 
 
 def fmt_dtype(dtype: torch.dtype) -> str:

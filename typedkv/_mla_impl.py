@@ -93,8 +93,9 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     eps = layer_eps(call.eps, ckv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written.
-        with torch.no_grad():
+        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
+        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
+        with torch.inference_mode():
             out.copy_(_reference.mla_rows(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, neox))
         return out
     launch = plan.launch
@@ -153,8 +154,9 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     eps = layer_eps(call.eps, ckv)
     neox = call.rope_style == "neox"
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written.
-        with torch.no_grad():
+        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
+        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
+        with torch.inference_mode():
             rows = _reference.mla_rows(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, neox)
             layers = kv_pool.unbind(0) if isinstance(kv_pool, Tensor) else kv_pool
             # As [.., 1, C+R] rows of one head: the K/V pool writer's layout.

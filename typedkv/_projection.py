@@ -20,6 +20,7 @@ from torch import Tensor
 from ._checking import check_numbers
 from ._errors import InputError
 from ._messages import fmt_dtype
+from ._types import strided
 from ._value_checks import check_eps
 
 # A materializer's calls come in a few layouts (T buckets, pools); past this many its plans are
@@ -133,7 +134,8 @@ def check_layer_counts(arguments: Mapping[str, object], stacked_dims: Mapping[st
 
 def _layer_count(value: object, stacked_dims: int) -> int | None:
     if isinstance(value, Tensor):
-        return int(value.shape[0]) if value.dim() == stacked_dims else None
+        # Another kind of tensor (sparse, nested: no sizes to read) is the signature check's to name.
+        return int(value.shape[0]) if strided(value) and value.dim() == stacked_dims else None
     if isinstance(value, (list, tuple)):
         return len(value)
     return None

@@ -37,6 +37,7 @@ __all__ = [
     "StorageFloat",
     "is_fp8",
     "static_jaxtyping",
+    "strided",
 ]
 
 RopeStyle = Literal["neox", "gptj"]
@@ -50,6 +51,12 @@ FlashInfer's names. A pool without page dims (``[S, H, D]``) is NHD with pages o
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The FP8 formats a pool may hold (`PoolFloat`'s one-byte dtypes)."""
+
+
+def strided(x: torch.Tensor) -> bool:
+    """Whether ``x`` is an ordinary tensor: strided layout, not nested. typedkv reads and writes no other kind
+    (sparse, MKL-DNN, nested): their memory is not where sizes and strides say, or they have none."""
+    return x.layout == torch.strided and not x.is_nested
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
