@@ -470,6 +470,23 @@ def test_positions_and_hidden_are_taken_as_sglang_takes_them() -> None:
         assert torch.equal(got_k[i], want_k[i]) and torch.equal(got_v[i], want_v[i])
 
 
+@pytest.mark.gpu
+def test_layers_on_several_devices_are_gathered_on_the_helpers() -> None:
+    """Draft layers left on the CPU beside layers on the GPU (a model being loaded or offloaded) are copied to
+    the helper's device, one layer at a time, before they are stacked: the same K and V as all on the GPU."""
+    rotary = Rotary(128, 64)
+    layers = make_layers(CPU_SHAPE, dtype=torch.float16, rotary=rotary, bias=True)
+    ctx_hidden, positions = _inputs(6, CPU_SHAPE.hidden, torch.float16)
+    want = collect(FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, "cuda"), ctx_hidden, positions)
+    for layer in layers[::2]:
+        attn = layer.self_attn
+        attn.qkv_proj.weight, attn.qkv_proj.bias = attn.qkv_proj.weight.cpu(), attn.qkv_proj.bias.cpu()
+        attn.k_norm.weight = attn.k_norm.weight.cpu()
+    got = collect(FusedKVMaterializeHelper(layers, rotary, NUM_KV_HEADS, HEAD_DIM, "cuda"), ctx_hidden, positions)
+    for got_layers, want_layers in zip(got, want, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got_layers, want_layers, strict=True))
+
+
 def test_rope_table_grows_to_the_hint() -> None:
     """max_position_hint extends the rotary module's table through its own method, once, at construction."""
     rotary = Rotary(128, 16)
@@ -630,10 +647,28 @@ REFUSALS = {
         _set("self_attn.k_norm.variance_epsilon", None),
         "layers[2].self_attn.k_norm.variance_epsilon: expected a number, got None",
     ),
-    "eps nan": (
-        _set("self_attn.k_norm.variance_epsilon", float("nan")),
-        "layers[2].self_attn.k_norm.variance_epsilon: expected a finite number >= 0, got nan: "
-        "RMSNorm divides by sqrt(mean square + eps)",
+    **{
+        f"eps {name}": (
+            _set("self_attn.k_norm.variance_epsilon", value),
+            "layers[2].self_attn.k_norm.variance_epsilon: expected a number >= 0 within float32's range "
+            f"(at most 3.4e+38), got {got}: RMSNorm divides by sqrt(mean square + eps)",
+        )
+        for name, value, got in (
+            ("nan", float("nan"), "nan"),
+            ("negative", -1e-6, "-1e-06"),
+            ("inf", float("inf"), "inf"),
+            ("beyond float32", 1e39, "1e+39"),
+        )
+    },
+    "a layer's weight without data": (
+        _set("self_attn.qkv_proj.weight", torch.empty(3072, 64, dtype=torch.float16, device="meta")),
+        f"layers[2].self_attn.qkv_proj.weight: expected a tensor with data, got one on the meta device: "
+        f"load the draft's weights before building the helper (for {DEVICE})",
+    ),
+    "a layer's norm without data": (
+        _set("self_attn.k_norm.weight", torch.empty(128, dtype=torch.float16, device="meta")),
+        f"layers[2].self_attn.k_norm.weight: expected a tensor with data, got one on the meta device: "
+        f"load the draft's weights before building the helper (for {DEVICE})",
     ),
     "a layer's weight in another dtype": (
         _set("self_attn.qkv_proj.weight", torch.zeros(3072, 64, dtype=torch.bfloat16)),
@@ -776,6 +811,12 @@ def _slots_of_another_count() -> None:
     _helper().materialize_into_pool(hidden, three, two, make_pool(4, torch.float16))
 
 
+def _slots_not_a_tensor() -> None:
+    hidden = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    slots: Any = [0, 1, 2]
+    _helper().materialize_into_pool(hidden, torch.arange(3, device=DEVICE), slots, make_pool(4, torch.float16))
+
+
 def _no_layers() -> None:
     FusedKVMaterializeHelper([], Rotary(128, 64), NUM_KV_HEADS, HEAD_DIM, DEVICE)
 
@@ -838,6 +879,7 @@ CALL_REFUSALS: dict[str, tuple[Callable[[], None], str]] = {
         _slots_of_another_count,
         "cache_loc: expected T=3 slots (one per token of ctx_hidden), got 2",
     ),
+    "slots not a tensor": (_slots_not_a_tensor, "cache_loc: expected an int32 or int64 tensor of T=3 slots, got list"),
     "no layers": (_no_layers, "layers: expected at least one draft layer, got none"),
     "rotary without a table": (
         _rotary_without_a_table,

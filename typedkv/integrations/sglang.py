@@ -16,7 +16,6 @@ where sglang's worker already catches errors and falls back to its per-layer pat
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -147,9 +146,9 @@ class FusedKVMaterializeHelper:
                     "every draft layer has a bias or none does"
                 )
         # Stacked here, once: KVMaterializer takes a contiguous stacked weight as it is.
-        self._kv_weight = torch.stack(weights).to(self.device).contiguous()
-        self._kv_bias = None if biases[0] is None else torch.stack([b for b in biases if b is not None]).to(self.device)
-        self._k_norm_weight = torch.stack(norms).to(self.device).contiguous()
+        self._kv_weight = torch.stack(weights).contiguous()
+        self._kv_bias = None if biases[0] is None else torch.stack([b for b in biases if b is not None])
+        self._k_norm_weight = torch.stack(norms).contiguous()
         self._eps = eps
         self._k_scale, self._v_scale = _layer_scales(self._layers, self.device)
         self._layer_ids = [_layer_id(i, layer) for i, layer in enumerate(self._layers)]
@@ -239,6 +238,11 @@ class FusedKVMaterializeHelper:
         """
         k_pool, v_pool, layout, fp8 = self._pool_of(token_to_kv_pool)
         ctx_hidden, positions = self._call_inputs(ctx_hidden, positions)
+        if not isinstance(cache_loc, Tensor):
+            raise typedkv.InputError(
+                f"cache_loc: expected an int32 or int64 tensor of T={ctx_hidden.shape[0]} slots, "
+                f"got {type(cache_loc).__name__}"
+            )
         if cache_loc.ndim != 1:
             cache_loc = cache_loc.reshape(-1)
         if cache_loc.numel() != ctx_hidden.shape[0]:
@@ -318,7 +322,7 @@ class FusedKVMaterializeHelper:
                     f"{name}.qkv_proj.bias: expected shape ({weight.shape[0]},) and dtype {weight.dtype} "
                     f"(one per weight row), got {got}"
                 )
-            bias = bias.detach()[rows]
+            bias = self._on_device(bias.detach()[rows], f"{name}.qkv_proj.bias")
         norm = _attribute(attn, "k_norm", name)
         if type(norm).__name__ == "GemmaRMSNorm" or getattr(norm, "bias", None) is not None:
             raise typedkv.InputError(
@@ -332,12 +336,28 @@ class FusedKVMaterializeHelper:
             raise typedkv.InputError(f"{name}.k_norm.weight: expected shape ({self.head_dim},) (head_dim), got {got}")
         where = f"{name}.k_norm.variance_epsilon"
         eps = _number(_attribute(norm, "variance_epsilon", f"{name}.k_norm"), where)
-        if not 0.0 <= eps < math.inf:
-            # typedkv would refuse it too, but as eps[i]: name the attribute sglang's user knows.
+        if not 0.0 <= eps <= _F32.max:
+            # typedkv would refuse it too, but as eps[i]: name the attribute sglang's user knows. (The kernel
+            # adds eps in float32: a larger finite eps would be infinite there.)
             raise typedkv.InputError(
-                f"{where}: expected a finite number >= 0, got {eps!r}: RMSNorm divides by sqrt(mean square + eps)"
+                f"{where}: expected a number >= 0 within float32's range (at most {_F32.max:.3g}), got {eps!r}: "
+                "RMSNorm divides by sqrt(mean square + eps)"
             )
-        return weight.detach()[rows], bias, norm_weight.detach(), eps
+        return (
+            self._on_device(weight.detach()[rows], f"{name}.qkv_proj.weight"),
+            bias,
+            self._on_device(norm_weight.detach(), f"{name}.k_norm.weight"),
+            eps,
+        )
+
+    def _on_device(self, tensor: Tensor, where: str) -> Tensor:
+        """``tensor`` on the helper's device, where layers may sit on any devices (stacked after this)."""
+        if tensor.is_meta and self.device.type != "meta":
+            raise typedkv.InputError(
+                f"{where}: expected a tensor with data, got one on the meta device: load the draft's weights "
+                f"before building the helper (for {self.device})"
+            )
+        return tensor.to(self.device)
 
     def _call_inputs(self, ctx_hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """sglang's argument handling: positions flattened, both on the device, hidden in the weights' dtype."""
