@@ -127,7 +127,10 @@ def check_values(
 ) -> None:
     """Debug mode's value checks of every op (one device sync each): eps and scale tensors, positions.
 
-    eps as `check_eps` takes it: not checked without a norm weight."""
+    eps as `check_eps` takes it: not checked without a norm weight. A call on the meta device (a dry run of
+    shapes; a layout is on one device) has no values to check."""
+    if positions.is_meta:
+        return
     if isinstance(eps, Tensor) and norm_weight is not None:
         check_layer_values("eps", eps, zero_ok=True)
     for name, scale in scales.items():

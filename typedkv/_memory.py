@@ -116,7 +116,7 @@ class Footprint:
     where the op's own `Footprint` does that).
     """
 
-    __slots__ = ("_apart", "_each_other", "_layered", "_lists", "_read_tensors", "reads", "writes")
+    __slots__ = ("_apart", "_each_other", "_layered", "_lists", "_no_memory", "_read_tensors", "reads", "writes")
 
     def __init__(
         self, fields: Sequence[str], written: frozenset[str], call: Sequence[Any], *, each_other: bool = True
@@ -124,6 +124,9 @@ class Footprint:
         self.reads: list[tuple[int, str, int, int]] = []
         self.writes: list[tuple[int, str, int, int, bool]] = []
         self._lists: list[int] = []  # written sequences of per-layer tensors, empty ones too
+        # Meta tensors (a dry run of shapes) have no memory: every storage's address is 0, so their
+        # addresses would meet whatever the tensors. A layout is on one device, so one tensor tells.
+        self._no_memory = False
         for i, (name, value) in enumerate(zip(fields, call, strict=True)):
             layers = isinstance(value, (list, tuple))
             if layers and name in written:
@@ -131,6 +134,7 @@ class Footprint:
             first = value[0] if layers and value else value
             if not isinstance(first, Tensor) or first.numel() == 0:
                 continue
+            self._no_memory = self._no_memory or first.is_meta
             lo, hi = span(first)
             if name in written:
                 self.writes.append((i, name, lo, hi, layers))
@@ -162,7 +166,7 @@ class Footprint:
             else:
                 written.append(value.data_ptr())
         key = (*reads, *written)
-        if key not in self._apart:
+        if key not in self._apart and not self._no_memory:
             self._compare(call, reads, written)
             if len(self._apart) >= _APART_KEPT:
                 self._apart.clear()

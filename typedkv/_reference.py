@@ -93,6 +93,8 @@ def write_pool(
     A pool is ``[S, H, D]`` (``page_size`` 1), or ``[N, B, H, D]`` / ``[N, H, B, D]``
     (``hnd``): slot ``s`` is page ``s // B``, offset ``s % B``.
     """
+    if cache_loc.is_meta:
+        return  # a dry run on the meta device: its pools hold no values (selecting the slots would need them)
     num_slots = pools[0].shape[0] * (page_size if pools[0].dim() == 4 else 1)
     keep = (cache_loc >= 0) & (cache_loc < num_slots)
     slots = cache_loc[keep].long()

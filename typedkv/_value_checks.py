@@ -29,7 +29,7 @@ def check_positions(positions: Tensor, num_positions: int) -> None:
 
 def check_slots(cache_loc: Tensor, num_slots: int) -> None:
     """Debug mode: every slot below S (N*B for a paged pool), no slot used twice. One device sync."""
-    if cache_loc.numel() == 0:
+    if cache_loc.numel() == 0 or cache_loc.is_meta:  # meta: a dry run of shapes, no values
         return
     ordered = torch.sort(cache_loc).values
     repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
