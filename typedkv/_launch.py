@@ -125,8 +125,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def use_kernel(device: torch.device) -> bool:
-    """Whether tensors on ``device`` go through the Triton kernel (else the reference)."""
-    return device.type == "cuda" or INTERPRETED
+    """Whether tensors on ``device`` go through the Triton kernel (else the reference).
+
+    Meta tensors (a dry run of shapes) have no values for a kernel, interpreted or not: the reference's
+    torch ops give their outputs' shapes."""
+    return device.type == "cuda" or (INTERPRETED and device.type != "meta")
 
 
 def launch_params(
