@@ -274,7 +274,10 @@ def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
     got = m(x, positions)
     torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=2e-2)
     torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
-    assert launches == [2048]
+    # The fused path takes this kernel where the device's table says it is faster (the H200 at 2048);
+    # elsewhere it takes the tiled fused kernel, which the comparison above checked instead.
+    measured = torch.cuda.get_device_name() in _fused_ws.PROJECTION_WS_FASTER
+    assert launches == ([2048] if measured else [])
 
 
 @pytest.mark.usefixtures("ws_everywhere")
