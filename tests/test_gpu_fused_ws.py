@@ -276,8 +276,7 @@ def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
     torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
     # The fused path takes this kernel where the device's table says it is faster (the H200 at 2048);
     # elsewhere it takes the tiled fused kernel, which the comparison above checked instead.
-    measured = torch.cuda.get_device_name() in _fused_ws.PROJECTION_WS_FASTER
-    assert launches == ([2048] if measured else [])
+    assert launches == ([2048] if _fused_ws.faster(x.device, 2048) else [])
 
 
 @pytest.mark.usefixtures("ws_everywhere")
