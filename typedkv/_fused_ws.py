@@ -2,7 +2,8 @@
 
 `typedkv._fused_ws_kernel` computes a materializer's K and V into dense outputs or
 pool rows in one persistent, warp-specialised kernel. End to end on the H200
-(2026-12-04, third run; "auto" and "fused"): 1.10x ``torch.mm`` alone at T = 1024,
+(2026-12-04, third run; "fused", which "auto" was then at T = 1024 too, and is from
+T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
 1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
@@ -15,7 +16,7 @@ measured faster (`faster`); everywhere else the fused path launches
   release whose Gluon this kernel is written against (`available`: 3.6);
 - ``hidden``, the weight and the outputs bfloat16 or float16, all one dtype; no bias;
 - NeoX RoPE over the whole head, of ``D`` = 128 dims; ``H*D`` a multiple of 256
-  (a tile is two heads, never across K and V);
+  (a tile is one head or two by T, `WS_TILES`, never across K and V);
 - TMA's layout rules: ``hidden``'s and the weight's rows contiguous and on 16
   bytes; each output ``[L, T, H, D]`` with its heads contiguous (strides
   ``(., ., D, 1)``) and its other strides on 16 bytes; every base address on 16

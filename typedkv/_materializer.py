@@ -215,8 +215,9 @@ class KVMaterializer(nn.Module):
     faster (on the H200: ``T < 33``, and ``T < 129`` where the weight's tiles
     load by TMA -- NeoX RoPE, head pieces of powers of two rows, the weight on
     16 bytes; and ``T > 1536`` where a warp-specialised kernel can run: sm_90
-    under Triton 3.6, bf16/fp16, NeoX over a head of 128, no bias, no FP8 pool;
-    a device not measured takes GEMM + kernel; see docs/performance.md). Both
+    under Triton 3.6, bf16/fp16, no bias, no FP8 pool, NeoX RoPE over the whole
+    of a head of 128, ``H*D`` a multiple of 256, rows and outputs laid out for
+    TMA; a device not measured takes GEMM + kernel; see docs/performance.md). Both
     paths check a call alike (the same messages, before anything is written)
     and give the same results up to the GEMM's accumulation order (each K/V
     value is first rounded to the storage dtype, as a stored ``kv`` would be;
