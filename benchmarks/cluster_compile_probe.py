@@ -10,8 +10,9 @@ once and multicast to both (docs/performance.md, "What cuBLAS runs"); a fused ke
 the same to reach it there. This compiles one 256 x 128 x 4096 bf16 tile (8 warps, 3 stages),
 its operands loaded by pointer and by tensor descriptor, for one CTA and for clusters of two
 (``num_ctas``), and prints for each whether it compiled, whether its PTX holds a multicast copy
-(``.multicast::cluster``) and how many wgmma it issues. Gluon's explicit multicast
-(``tma.async_load(..., multicast=True)``) is reported as present in the API or not.
+(``.multicast::cluster``) and how many wgmma it issues. Where Gluon's TMA load takes
+``multicast`` (``tma.async_load(..., multicast=True)``), a copy of one weight tile through it is
+compiled for a cluster of two (`gluon_multicast`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from typing import Any
 
 import triton
 import triton.language as tl
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+except ImportError:  # no Gluon in this Triton
+    gluon = None
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("cluster_compile_probe.py compiles kernels: run it without TRITON_INTERPRET=1")
@@ -59,6 +67,22 @@ def _tile_by_descriptor(
     c_desc.store([tl.program_id(0) * BM, tl.program_id(1) * BN], acc.to(tl.bfloat16))
 
 
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_copy(w_desc, o_desc, BN: gl.constexpr, BK: gl.constexpr, CGA: gl.constexpr):
+        # The tile alike in every CTA of the cluster (`gluon_multicast`); Gluon 3.9's API (3.6's lacks `async_load`).
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, cga_layout=CGA)
+        tile = gl.allocate_shared_memory(gl.bfloat16, [BN, BK], layout)
+        bar = mbarrier.allocate_mbarrier()
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, BN * BK * 2)
+        tma.async_load(w_desc, [gl.program_id(1) * BN, 0], bar, tile, multicast=True)
+        mbarrier.wait(bar, 0)
+        tma.async_store(o_desc, [gl.program_id(0) * BN, 0], tile)
+        tma.store_wait(0)
+
+
 def compile_tile(kernel: Any, num_ctas: int) -> str:
     """One line: the kernel compiled for sm_90 with ``num_ctas`` CTAs a cluster, or why it did not."""
     compiler: Any = importlib.import_module("triton.compiler")
@@ -81,15 +105,34 @@ def compile_tile(kernel: Any, num_ctas: int) -> str:
 
 
 def gluon_multicast() -> str:
-    """Whether Gluon's Hopper TMA load takes a ``multicast`` argument in this Triton."""
-    try:
-        tma = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper.tma")
-    except ImportError:
+    """Whether Gluon's Hopper TMA load takes ``multicast``, and where it does, what a cluster of two makes of it.
+
+    `_tile_copy` loads one weight tile (64 x 64 bf16) into shared memory laid out alike in both CTAs of the
+    cluster (``cga_layout`` ``[[0, 0]]``: the CTA bit moves no element) with ``multicast=True``, waits on its
+    mbarrier and stores the tile back: whether the PTX's TMA load is a multicast copy to the cluster.
+    """
+    if gluon is None:
         return "no Gluon"
     load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-    if load is None:
-        return "no TMA load found"
-    return f"{load.__name__} takes multicast: {'multicast' in inspect.signature(load).parameters}"
+    if load is None or "multicast" not in inspect.signature(load).parameters:
+        return "its TMA load takes no multicast argument"
+    runtime = importlib.import_module("triton.experimental.gluon._runtime")
+    compiler: Any = importlib.import_module("triton.compiler")
+    backends: Any = importlib.import_module("triton.backends.compiler")
+    broadcast = [[0, 0]]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, cga_layout=broadcast)
+    desc = f"tensordesc<bf16[{BN // 2}, {BK}],{layout!r}>"
+    signature = {"w_desc": desc, "o_desc": desc, "BN": "constexpr", "BK": "constexpr", "CGA": "constexpr"}
+    constexprs = {(2,): BN // 2, (3,): BK, (4,): broadcast}
+    source = runtime.GluonASTSource(fn=_tile_copy, signature=signature, constexprs=constexprs, attrs={})
+    try:
+        compiled = compiler.compile(
+            source, target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": 2}
+        )
+    except Exception as error:  # a failed lowering is the answer here
+        return f"{load.__name__} takes multicast; a cluster of two does not compile ({type(error).__name__})"
+    ptx = str(compiled.asm["ptx"])
+    return f"{load.__name__} takes multicast; in a cluster of two its PTX multicasts: {'.multicast::cluster' in ptx}"
 
 
 def main() -> None:
