@@ -21,6 +21,7 @@ from torch._inductor.utils import run_and_get_code
 
 import typedkv
 import typedkv._torch_ops
+from typedkv._materializer import ProjectionPath
 
 L, H, D, HIDDEN, P, S = 4, 2, 128, 256, 4096, 512
 DTYPE = torch.bfloat16
@@ -194,12 +195,18 @@ def capture(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     return graph, out
 
 
+@pytest.mark.parametrize("path", ["auto", "gemm"])
 @pytest.mark.parametrize("pool", [False, True], ids=["dense", "into_pool"])
-def test_cuda_graph_materializer(pool: bool) -> None:
-    """A KVMaterializer call captured at a fixed T, replayed with new hidden/positions/slots copied in."""
+def test_cuda_graph_materializer(pool: bool, path: ProjectionPath) -> None:
+    """A KVMaterializer call captured at a fixed T, replayed with new hidden/positions/slots copied in.
+
+    "auto" is the fused kernel at this T on a measured GPU; "gemm" writes the GEMM into the eager workspace
+    in the warm-up on a side stream, into rows of the graph's own in the capture, and into the same eager
+    workspace again in the eager calls on the default stream."""
     typedkv.set_debug(False)
     T = 48
     m = make_materializer()
+    m.projection_path = path
     hidden, positions, slots = make_call(T, 20)
     k_pool = torch.zeros(L, S, H, D, dtype=DTYPE, device="cuda")
     v_pool = torch.zeros_like(k_pool)
@@ -224,7 +231,9 @@ def test_cuda_graph_materializer(pool: bool) -> None:
         k, v = (k_pool[:, new_slots], v_pool[:, new_slots]) if pool else out
         assert_close(k, want_k)
         assert_close(v, want_v)
-    assert m._workspace is workspace  # eager calls at the captured T reuse the graph's workspace
+    assert m._workspace is workspace  # the eager calls reuse the warm-up's rows; the capture never replaced them
+    if path == "gemm":
+        assert workspace is not None
 
 
 def test_materializer_makes_no_sync() -> None:

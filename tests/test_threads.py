@@ -259,6 +259,67 @@ def test_one_materializer_called_from_threads(kind: str, device: str) -> None:
     _assert_same(results, alone)
 
 
+def _large_materializer(kind: str) -> Any:
+    """A materializer whose GEMM at T = 4096 runs long enough on an H200 (tens of microseconds) for two to overlap."""
+    torch.manual_seed(6)
+    hidden_size, layers = 2048, 4
+    if kind == "kv":
+        heads, dim = 8, 128
+        m = typedkv.KVMaterializer(
+            (torch.randn(layers, 2 * heads * dim, hidden_size, device="cuda") / 45).bfloat16(),
+            torch.rand(layers, dim, device="cuda") + 0.5, 1e-6, typedkv.cos_sin_cache(8192, dim, device="cuda"),
+            num_kv_heads=heads,
+        )  # fmt: skip
+        m.projection_path = "gemm"  # the path with a workspace
+        return m
+    return typedkv.MLAKVMaterializer(
+        (torch.randn(layers, 512 + 64, hidden_size, device="cuda") / 45).bfloat16(),
+        torch.rand(layers, 512, device="cuda") + 0.5, 1e-6, typedkv.cos_sin_cache(8192, 64, device="cuda"),
+        rope_style="neox",
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["kv", "mla"])
+def test_one_materializer_on_two_streams_cuda(kind: str) -> None:
+    """One thread calls one materializer on two CUDA streams whose work starts together (both held behind one
+    event): each call gives what it gives alone. Both calls' GEMMs write the thread's workspace, so the second
+    call's stream waits for the first's work (`typedkv._projection.Workspace`); without that wait one stream's
+    GEMM overwrote the rows the other's kernel read."""
+    typedkv.set_debug(False)
+    m = _large_materializer(kind)
+    gen = torch.Generator().manual_seed(7)
+    tokens = 4096
+    calls = [
+        (
+            torch.randn(tokens, 2048, generator=gen).bfloat16().cuda(),
+            torch.randint(0, 8192, (tokens,), generator=gen).cuda(),
+        )
+        for _ in range(2)
+    ]
+    alone = [[t.clone() for t in _as_tuple(m(*call))] for call in calls]
+    torch.cuda.synchronize()
+    first, second, gate = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        with torch.cuda.stream(second):
+            # ~10 ms: both calls are queued before either starts.
+            torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+            gate.record(second)
+        first.wait_event(gate)
+        with torch.cuda.stream(first):
+            got_first = _as_tuple(m(*calls[0]))
+        with torch.cuda.stream(second):
+            got_second = _as_tuple(m(*calls[1]))
+        torch.cuda.synchronize()
+        _assert_same([[list(got_first)], [list(got_second)]], [[alone[0]], [alone[1]]])
+
+
+def _as_tuple(result: Any) -> tuple[Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
 def test_a_copied_materializer_has_its_own_workspace() -> None:
     """copy.deepcopy (and pickling) of a materializer: the copy computes alike, into rows of its own."""
     for m in _materializers(torch.device("cpu")).values():

@@ -185,8 +185,12 @@ class KVMaterializer(nn.Module):
     The GEMM writes into a workspace that grows to the next power of two of
     ``T`` and is then reused, so an eager call at a fixed ``T`` allocates
     nothing but its outputs (none for :meth:`into_pool`) and never waits for
-    the device. A call captured in a CUDA graph writes into rows of its own,
-    allocated from the graph's memory pool (``T * L * 2*H*D`` elements, reusable
+    the device. The workspace is per thread. One thread's calls on several
+    CUDA streams share it: a call on another stream than the last makes its
+    stream wait for the work queued on the last one so far (on the device, not
+    the host; docs/reliability.md). A call captured in a CUDA graph writes into
+    rows of its own, allocated from the graph's memory pool
+    (``T * L * 2*H*D`` elements, reusable
     by the graph's later ops): eager calls at any ``T`` before or after the
     capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.

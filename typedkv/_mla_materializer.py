@@ -146,8 +146,10 @@ class MLAKVMaterializer(nn.Module):
     The GEMM writes into a workspace that grows to the next power of two of
     ``T`` and is then reused, so an eager call at a fixed ``T`` allocates
     nothing but its output (none for :meth:`into_pool`) and never waits for the
-    device. A call captured in a CUDA graph writes into rows of its own,
-    allocated from the graph's memory pool. Under ``torch.compile`` the GEMM is
+    device. The workspace is per thread, shared by one thread's calls on
+    several CUDA streams as `typedkv.KVMaterializer`'s. A call captured in a
+    CUDA graph writes into rows of its own, allocated from the graph's memory
+    pool. Under ``torch.compile`` the GEMM is
     an ordinary op of the graph and the workspace is not used.
 
     As with `typedkv.KVMaterializer`: a buffer replaced after construction is

@@ -28,6 +28,10 @@ from ._value_checks import check_eps
 LAYOUTS_KEPT = 256
 
 
+# The CUDA stream a call's launches go to, as its raw handle (cheaper than a Stream object).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class Workspace:
     """The GEMM's output rows, kept between eager calls: one buffer per thread.
 
@@ -35,6 +39,14 @@ class Workspace:
     GEMM overwrite the rows another's kernel has yet to read (on the CPU, or on a
     GPU stream the threads share); with its own rows, each thread's GEMM and kernel
     pair up whatever the interleaving.
+
+    One thread's calls on several CUDA streams share its rows. A call on another
+    stream than the rows' last makes its stream wait for the work queued on that
+    one so far (an event, no host sync) and marks the rows used on its stream
+    (`Tensor.record_stream`, so that rows replaced later go back to the
+    allocator only once that stream's work is done): otherwise a GEMM on one
+    stream could overwrite rows a kernel on another has yet to read. Calls on one
+    stream, the usual case, pay one comparison for this.
     """
 
     def __init__(self) -> None:
@@ -60,7 +72,9 @@ class Workspace:
         """
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        buffer = getattr(self._local, "buffer", None)
+        buffer: Tensor | None = getattr(self._local, "buffer", None)
+        if buffer is not None and buffer.is_cuda and buffer.device == weight.device:
+            self._follow_stream(buffer)
         if (
             buffer is None
             or buffer.shape[0] < num_tokens
@@ -72,7 +86,24 @@ class Workspace:
             with torch.inference_mode(False):
                 buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             self._local.buffer = buffer
+            if buffer.is_cuda:
+                stream = torch.cuda.current_stream(buffer.device)
+                self._local.stream = (stream.cuda_stream, stream)
         return buffer[:num_tokens]
+
+    def _follow_stream(self, buffer: Tensor) -> None:
+        """Order this call after the rows' uses on the stream they were last used on, where that is another."""
+        index = buffer.get_device()
+        last: tuple[int, torch.cuda.Stream] = self._local.stream  # the rows' last stream: handle, object
+        if _current_raw_stream is not None and _current_raw_stream(index) == last[0]:
+            return
+        stream = torch.cuda.current_stream(index)
+        if stream != last[1]:
+            done = torch.cuda.Event()
+            done.record(last[1])
+            stream.wait_event(done)
+            buffer.record_stream(stream)
+        self._local.stream = (stream.cuda_stream, stream)
 
 
 def project(rows: Workspace, hidden: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple[int, int]) -> Tensor:
