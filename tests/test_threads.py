@@ -349,6 +349,67 @@ def _table(k_layers: list[Tensor], v_layers: list[Tensor]) -> Tensor:
     return _device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])[0]
 
 
+@pytest.mark.gpu
+def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
+    """A per-layer pool call on stream A makes the layer table and the per-layer eps (copied without a sync,
+    on A, queued behind ~10 ms of work); a call on stream B right after, with the same pools and eps, reads
+    both: B waits for those copies (`typedkv._device_tables.Upload`). Without the wait B's kernel read the
+    tables' memory before the copies landed (offsets of whatever the block held). Then the tables are dropped
+    from the cache while B's kernel may still read them, and their memory is offered to A's new tables: the
+    allocator holds it until B is done. Every pool row is compared with the same calls made one after the
+    other on one stream, into pools of their own."""
+    typedkv.set_debug(False)
+    torch.manual_seed(8)
+    layers, heads, dim, slots, tokens = 6, 8, 128, 4096, 2048
+    norm = torch.rand(layers, dim, device="cuda") + 0.5
+    eps = [1e-6 * (i + 1) for i in range(layers)]  # a list: a device tensor made once (`layer_eps`)
+    rope = typedkv.cos_sin_cache(4096, dim, device="cuda")
+    calls = [
+        (
+            torch.randn(tokens, layers, 2 * heads * dim, device="cuda").bfloat16(),
+            torch.randint(0, 4096, (tokens,), device="cuda"),
+            torch.randperm(slots, device="cuda")[i * tokens : (i + 1) * tokens],
+        )
+        for i in range(2)
+    ]
+
+    def pools(spare: int = 0) -> tuple[list[Tensor], list[Tensor]]:
+        """Per-layer pools; with ``spare`` rows more per layer, other offsets between layers (another table)."""
+        both = torch.zeros(2, layers, slots + spare, heads, dim, dtype=torch.bfloat16, device="cuda")
+        return list(both[0]), list(both[1])
+
+    def write(call: tuple[Tensor, Tensor, Tensor], k: list[Tensor], v: list[Tensor]) -> None:
+        typedkv.materialize_kv_into_pool(call[0], norm, eps, rope, call[1], call[2], k, v, num_kv_heads=heads)
+
+    want_k, want_v = pools()
+    for call in calls:
+        write(call, want_k, want_v)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (a, b):
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        _device_tables._TABLES.clear()
+        _device_tables._EPS.clear()
+        got_k, got_v = pools()  # new addresses: a new table
+        torch.cuda.synchronize()
+        with torch.cuda.stream(a):
+            # Blocks like the tables' filled with zeros (offsets 0: every layer into layer 0) and freed on A.
+            for _ in range(64):
+                torch.zeros(2, layers, dtype=torch.int64, device="cuda")
+            torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+            write(calls[0], got_k, got_v)
+        with torch.cuda.stream(b):
+            write(calls[1], got_k, got_v)
+        with torch.cuda.stream(a):
+            for spare in range(1, _device_tables._TABLES_MAX + 2):  # the table dropped; its memory offered on A
+                other_k, other_v = pools(spare)
+                write(calls[0], other_k, other_v)
+        torch.cuda.synchronize()
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(_bytes(g), _bytes(w)), f"layer {layer} differs from the calls made on one stream"
+
+
 def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     """A table hit stays usable when another thread evicts its entry right after the lookup.
 
@@ -369,7 +430,7 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
         for k_other, v_other in others:
             _table(k_other, v_other)
 
-    class SwitchAfterLookup(OrderedDict[tuple[object, ...], tuple[Tensor, Tensor, int]]):
+    class SwitchAfterLookup(OrderedDict[tuple[object, ...], _device_tables.Upload]):
         def get(self, key: tuple[object, ...], default: Any = None) -> Any:
             hit = super().get(key, default)
             if threading.current_thread() is caller:
