@@ -351,24 +351,29 @@ def _table(k_layers: list[Tensor], v_layers: list[Tensor]) -> Tensor:
 
 @pytest.mark.gpu
 def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
-    """A per-layer pool call on stream A makes the layer table and the per-layer eps (copied without a sync,
-    on A, queued behind ~10 ms of work); a call on stream B right after, with the same pools and eps, reads
-    both: B waits for those copies (`typedkv._device_tables.Upload`). Without the wait B's kernel read the
-    tables' memory before the copies landed (offsets of whatever the block held). Then the tables are dropped
-    from the cache while B's kernel may still read them, and their memory is offered to A's new tables: the
-    allocator holds it until B is done. Every pool row is compared with the same calls made one after the
-    other on one stream, into pools of their own."""
+    """The per-layer pool table and per-layer eps (`typedkv._device_tables.Upload`: copied without a sync, on
+    the stream of the call that first needs them, then shared) read on another stream.
+
+    Pending copy: a call on stream A makes both, its copies queued behind ~10 ms of work, over blocks of
+    zeros (offsets 0 send every layer to layer 0; eps 0 changes K); a call on stream B right after reads
+    them and must wait for the copies. Dropped table: a call on A makes the table; a call on B queued behind
+    ~20 ms reads it; then A passes 17 other pool sets, which drops the table from the cache and offers its
+    memory to A's next tables (other offsets): the allocator must hold it until B has read it. Every pool
+    row is compared with the same calls made one after the other on one stream."""
     typedkv.set_debug(False)
     torch.manual_seed(8)
     layers, heads, dim, slots, tokens = 6, 8, 128, 4096, 2048
     norm = torch.rand(layers, dim, device="cuda") + 0.5
-    eps = [1e-6 * (i + 1) for i in range(layers)]  # a list: a device tensor made once (`layer_eps`)
+    eps = [
+        0.1 * (i + 1) for i in range(layers)
+    ]  # a list: a device tensor made once (`layer_eps`); large enough to show
     rope = typedkv.cos_sin_cache(4096, dim, device="cuda")
+    order = torch.randperm(slots, device="cuda")  # the two calls write disjoint slots
     calls = [
         (
             torch.randn(tokens, layers, 2 * heads * dim, device="cuda").bfloat16(),
             torch.randint(0, 4096, (tokens,), device="cuda"),
-            torch.randperm(slots, device="cuda")[i * tokens : (i + 1) * tokens],
+            order[i * tokens : (i + 1) * tokens],
         )
         for i in range(2)
     ]
@@ -381,33 +386,45 @@ def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
     def write(call: tuple[Tensor, Tensor, Tensor], k: list[Tensor], v: list[Tensor]) -> None:
         typedkv.materialize_kv_into_pool(call[0], norm, eps, rope, call[1], call[2], k, v, num_kv_heads=heads)
 
-    want_k, want_v = pools()
+    def check(got: tuple[list[Tensor], list[Tensor]], phase: str) -> None:
+        torch.cuda.synchronize()
+        for name, got_layers, want_layers in zip("kv", got, want, strict=True):
+            for layer, (g, w) in enumerate(zip(got_layers, want_layers, strict=True)):
+                assert torch.equal(_bytes(g), _bytes(w)), f"{phase}: {name} layer {layer} differs"
+
+    want = pools()
     for call in calls:
-        write(call, want_k, want_v)
+        write(call, *want)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     for stream in (a, b):
         stream.wait_stream(torch.cuda.current_stream())
-    for _ in range(3):
+    for _ in range(2):
         _device_tables._TABLES.clear()
         _device_tables._EPS.clear()
-        got_k, got_v = pools()  # new addresses: a new table
+        got = pools()  # new addresses: a new table
         torch.cuda.synchronize()
         with torch.cuda.stream(a):
-            # Blocks like the tables' filled with zeros (offsets 0: every layer into layer 0) and freed on A.
-            for _ in range(64):
-                torch.zeros(2, layers, dtype=torch.int64, device="cuda")
+            zeros = [torch.zeros(2 * layers, dtype=torch.int64, device="cuda") for _ in range(64)]
+            del zeros  # 64 small blocks of zeros, free on A: the eps and the table land in two of them
             torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
-            write(calls[0], got_k, got_v)
+            write(calls[0], *got)
         with torch.cuda.stream(b):
-            write(calls[1], got_k, got_v)
+            write(calls[1], *got)
+        check(got, "pending copy")
+
+        _device_tables._TABLES.clear()
+        got = pools()
+        with torch.cuda.stream(a):
+            write(calls[0], *got)
+        torch.cuda.synchronize()  # the table copied
+        with torch.cuda.stream(b):
+            torch.cuda._sleep(40_000_000)  # type: ignore[no-untyped-call]
+            write(calls[1], *got)
         with torch.cuda.stream(a):
             for spare in range(1, _device_tables._TABLES_MAX + 2):  # the table dropped; its memory offered on A
-                other_k, other_v = pools(spare)
-                write(calls[0], other_k, other_v)
-        torch.cuda.synchronize()
-        for got, want in ((got_k, want_k), (got_v, want_v)):
-            for layer, (g, w) in enumerate(zip(got, want, strict=True)):
-                assert torch.equal(_bytes(g), _bytes(w)), f"layer {layer} differs from the calls made on one stream"
+                other = pools(spare)
+                write(calls[0], *other)
+        check(got, "dropped table")
 
 
 def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.MonkeyPatch) -> None:

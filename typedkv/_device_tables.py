@@ -8,7 +8,7 @@ is never freed.
 
 The copy runs on the stream current when the tensor is made, and the cache is
 shared by every thread: a call on another stream first makes its stream wait for
-the copy (while it may still be pending) and marks the tensor used on its stream,
+the copy and marks the tensor used on its stream,
 so that a table dropped from the cache goes back to the allocator only once that
 stream's work is done (`Upload.on_current_stream`).
 """
@@ -41,7 +41,7 @@ class Upload:
         self.multiple = multiple
         self.device_tensor = host.to(device, non_blocking=True)
         self._index = -1
-        self._ready: torch.cuda.Event | None = None  # the copy, on the stream that made it (None: known done)
+        self._ready: torch.cuda.Event | None = None  # recorded after the copy, on the stream that made it
         # The streams ordered after the copy; None on the CPU (nothing to order); empty for a copy made
         # during a capture, which only that graph's replays run.
         self._streams: set[int] | None = None
@@ -61,15 +61,19 @@ class Upload:
         """The device tensor, with the current stream ordered after its copy and known to the allocator.
 
         On another stream than the copy's (the cache is shared by every thread and stream), the
-        stream waits for the copy while it may be pending, and the tensor is recorded as used
-        there, so that once dropped from the cache its memory goes to no other tensor before
-        that stream's work is done. During a capture the stream is left as it is: the warm-up
-        before it ordered the capture after the copy (docs/integration.md).
+        stream waits for the copy (an event: free on the device once the copy is done; never
+        queried, since a query during another thread's capture would break that capture) and
+        the tensor is recorded as used there, so that once dropped from the cache its memory goes
+        to no other tensor before that stream's work is done. During a capture the stream is left
+        as it is (the warm-up before it ordered the capture after the copy: docs/integration.md),
+        except that a tensor made during an earlier capture is copied again inside this one.
         """
         streams = self._streams
         if streams is None or (_current_raw_stream is not None and _current_raw_stream(self._index) in streams):
             return self.device_tensor
         if torch.cuda.is_current_stream_capturing():
+            if not streams:  # made during a capture: only that graph's replays copy it; this graph copies it too
+                self.device_tensor.copy_(self.host, non_blocking=True)
             return self.device_tensor
         if not streams:
             # Made during a capture: its copy runs only in that graph's replays. Copy it now, eagerly.
@@ -78,12 +82,8 @@ class Upload:
             return self.device_tensor
         stream = torch.cuda.current_stream(self._index)
         if stream.cuda_stream not in streams:
-            ready = self._ready
-            if ready is not None:
-                if ready.query():  # copied: no stream needs to wait any more
-                    self._ready = None
-                else:
-                    stream.wait_event(ready)
+            if self._ready is not None:
+                stream.wait_event(self._ready)
             self.device_tensor.record_stream(stream)
             streams.add(stream.cuda_stream)
         return self.device_tensor

@@ -99,9 +99,7 @@ class Workspace:
             return
         stream = torch.cuda.current_stream(index)
         if stream != last[1]:
-            done = torch.cuda.Event()
-            done.record(last[1])
-            stream.wait_event(done)
+            stream.wait_stream(last[1])  # an event recorded there now: its work so far, not the host
             buffer.record_stream(stream)
         self._local.stream = (stream.cuda_stream, stream)
 
