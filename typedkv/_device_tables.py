@@ -8,9 +8,9 @@ is never freed.
 
 The copy runs on the stream current when the tensor is made, and the cache is
 shared by every thread: a call on another stream first makes its stream wait for
-the copy and marks the tensor used on its stream,
-so that a table dropped from the cache goes back to the allocator only once that
-stream's work is done (`Upload.on_current_stream`).
+the copy and marks the tensor used on its stream, so that a table dropped from
+the cache goes back to the allocator only once that stream's work is done
+(`Upload.on_current_stream`).
 """
 
 from __future__ import annotations

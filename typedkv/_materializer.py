@@ -189,11 +189,11 @@ class KVMaterializer(nn.Module):
     CUDA streams share it: a call on another stream than the last makes its
     stream wait for the work queued on the last one so far (on the device, not
     the host; docs/reliability.md). A call captured in a CUDA graph writes into
-    rows of its own, allocated from the graph's memory pool
-    (``T * L * 2*H*D`` elements, reusable
-    by the graph's later ops): eager calls at any ``T`` before or after the
-    capture never touch what the graph uses. Under ``torch.compile`` the GEMM is
-    an ordinary op of the graph and the workspace is not used.
+    rows of its own, allocated from the graph's memory pool (``T * L * 2*H*D``
+    elements, reusable by the graph's later ops): eager calls at any ``T``
+    before or after the capture never touch what the graph uses. Under
+    ``torch.compile`` the GEMM is an ordinary op of the graph and the workspace
+    is not used.
 
     An eager call's layout (its arguments' and the weights' dtypes, shapes,
     strides and devices) is checked in full once; later calls of that layout go

@@ -149,8 +149,8 @@ class MLAKVMaterializer(nn.Module):
     device. The workspace is per thread, shared by one thread's calls on
     several CUDA streams as `typedkv.KVMaterializer`'s. A call captured in a
     CUDA graph writes into rows of its own, allocated from the graph's memory
-    pool. Under ``torch.compile`` the GEMM is
-    an ordinary op of the graph and the workspace is not used.
+    pool. Under ``torch.compile`` the GEMM is an ordinary op of the graph and
+    the workspace is not used.
 
     As with `typedkv.KVMaterializer`: a buffer replaced after construction is
     checked at the next eager call; casting the module keeps ``cos_sin_cache``
