@@ -364,9 +364,8 @@ def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
     torch.manual_seed(8)
     layers, heads, dim, slots, tokens = 6, 8, 128, 4096, 2048
     norm = torch.rand(layers, dim, device="cuda") + 0.5
-    eps = [
-        0.1 * (i + 1) for i in range(layers)
-    ]  # a list: a device tensor made once (`layer_eps`); large enough to show
+    # A list: a device tensor made once (`layer_eps`); large enough that an eps of 0 shows in K.
+    eps = [0.1 * (i + 1) for i in range(layers)]
     rope = typedkv.cos_sin_cache(4096, dim, device="cuda")
     order = torch.randperm(slots, device="cuda")  # the two calls write disjoint slots
     calls = [
