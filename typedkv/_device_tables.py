@@ -22,8 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-# The current CUDA stream's raw handle (cheaper than a Stream object).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+from ._launch import current_raw_stream
 
 
 class Upload:
@@ -69,16 +68,17 @@ class Upload:
         except that a tensor made during an earlier capture is copied again inside this one.
         """
         streams = self._streams
-        if streams is None or (_current_raw_stream is not None and _current_raw_stream(self._index) in streams):
+        if streams is None or (current_raw_stream is not None and current_raw_stream(self._index) in streams):
             return self.device_tensor
-        if torch.cuda.is_current_stream_capturing():
-            if not streams:  # made during a capture: only that graph's replays copy it; this graph copies it too
-                self.device_tensor.copy_(self.host, non_blocking=True)
-            return self.device_tensor
+        capturing = torch.cuda.is_current_stream_capturing()
         if not streams:
-            # Made during a capture: its copy runs only in that graph's replays. Copy it now, eagerly.
+            # Made during a capture: its copy runs only in that graph's replays. Copy it again, here: inside
+            # this capture, or eagerly (then this stream is the copy's).
             self.device_tensor.copy_(self.host, non_blocking=True)
-            self._copied_on_current_stream()
+            if not capturing:
+                self._copied_on_current_stream()
+            return self.device_tensor
+        if capturing:
             return self.device_tensor
         stream = torch.cuda.current_stream(self._index)
         if stream.cuda_stream not in streams:

@@ -212,7 +212,9 @@ def launch_params(
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
 
 
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current CUDA stream of a device index as its raw handle (cheaper than a Stream object); None in a
+# torch without it. The launches, the materializers' workspace and the device tables read it.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # torch.cuda.current_device() without its lazy-initialisation check: a direct launch
 # follows a kernel[grid] launch, which initialised CUDA (host time at decode sizes).
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -353,8 +355,8 @@ class KernelLaunch:
             if aligned and not hasattr(compiled, "result"):
                 self._compiled[programmatic] = compiled
             return
-        if _current_stream is not None:
-            stream = _current_stream(self._index)
+        if current_raw_stream is not None:
+            stream = current_raw_stream(self._index)
         else:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         self._direct(compiled, programmatic, stream, self._gather(values + self._fixed))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._checking import check_numbers
 from ._errors import InputError
+from ._launch import current_raw_stream
 from ._messages import fmt_dtype
 from ._types import strided
 from ._value_checks import check_eps
@@ -26,10 +27,6 @@ from ._value_checks import check_eps
 # A materializer's calls come in a few layouts (T buckets, pools); past this many its plans are
 # dropped and each layout is checked again (`typedkv._checking.CheckedLayouts`).
 LAYOUTS_KEPT = 256
-
-
-# The CUDA stream a call's launches go to, as its raw handle (cheaper than a Stream object).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class Workspace:
@@ -95,7 +92,7 @@ class Workspace:
         """Order this call after the rows' uses on the stream they were last used on, where that is another."""
         index = buffer.get_device()
         last: tuple[int, torch.cuda.Stream] = self._local.stream  # the rows' last stream: handle, object
-        if _current_raw_stream is not None and _current_raw_stream(index) == last[0]:
+        if current_raw_stream is not None and current_raw_stream(index) == last[0]:
             return
         stream = torch.cuda.current_stream(index)
         if stream != last[1]:
