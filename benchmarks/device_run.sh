@@ -88,6 +88,8 @@
 #                  (carry .sglang: the pinned sglang wheel, a cp311 wheel that pip must not install here)
 #   mla            the MLA GPU tests (numerics, pools, graphs, fuzz, memcheck), typedkv bench --only MLA, and
 #                  benchmarks/mla_sweep.py (the MLA launch configuration)
+#   gpu_k_trees    gpu_k's selection in each tree of $GPU_K_TREES (copies carried under .old/, e.g. a fix
+#                  reverted: its tests must fail there), each against its own package
 #   gpu_k          the GPU tests of $GPU_K_FILES (default tests) whose names match $GPU_K (pytest -k; 8 workers)
 #   fused_k        the fused projection's GPU tests whose names match $FUSED_K (pytest -k; 4 workers)
 #   fused          the fused projection's GPU tests (bf16 numerics, pools, FP8, graphs, compile, no sync; 8
@@ -346,6 +348,14 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
             timeout "${FUSED_E2E_S:-200}" python3 -m typedkv bench --only e2e --out "$OUT/e2e" 2>&1 | tail -60 \
                 | tee "$OUT/e2e.txt"
             [ -z "$smi" ] || kill "$smi" ;;
+        gpu_k_trees)
+            # The same selection as gpu_k in each tree of $GPU_K_TREES (each a copy of the repository, e.g.
+            # this checkout with a fix reverted, carried under .old/), its own tests against its own package.
+            for tree in ${GPU_K_TREES:-}; do
+                (cd "$tree" && timeout "${GPU_K_S:-240}" env PYTHONPATH="$ROOT/$tree:/tmp/site" python3 -m pytest -m gpu -q \
+                    -p no:cacheprovider -n 8 --ignore=tests/typecheck ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40) \
+                    | tee "$OUT/gpu_k_$(basename "$tree").txt"
+            done ;;
         gpu_k)
             timeout "${GPU_K_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/typecheck \
                 ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40 | tee "$OUT/gpu_k.txt" ;;
