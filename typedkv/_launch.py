@@ -887,8 +887,16 @@ PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H
 # deeper than V's, at T = 64: fused_sweep.py 1.082-1.096x against 1.108-1.119x; typedkv
 # bench's end-to-end section, three runs, 1.081-1.099x against 1.103-1.111x. From T =
 # 129 on GEMM + kernel is faster (1.11-1.13x against 1.25-1.31x at T = 256, 1.08x
-# against 1.15-1.22x at 2048-16384).
-PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 129),)}
+# against 1.15-1.22x at 2048-16384). H100 80GB HBM3 (2026-12-05, fused_sweep.py --defaults, dense, the
+# medians of its rounds): 1.023 against 1.065 at T = 1, 1.039 / 1.078 at 16, 1.016 / 1.080 at 32, 1.011 /
+# 1.085 at 48, 1.036 / 1.085 at 64, 1.031 / 1.095 at 80, 1.038 / 1.098 at 96, 1.047 / 1.111 at 128, 1.240 /
+# 1.156 at 256; typedkv bench's end-to-end section, dense / per-layer pools, fused against GEMM + kernel:
+# 1.030 / 1.020 against 1.063 / 1.077 at 1, 1.044 / 1.036 against 1.076 / 1.088 at 16, 1.039 / 1.049
+# against 1.085 / 1.104 at 64, 1.215 / 1.229 against 1.148 / 1.159 at 256.
+PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {
+    "NVIDIA H200": ((1, 129),),
+    "NVIDIA H100 80GB HBM3": ((1, 129),),
+}
 
 # Where the GEMM path writes V straight into dense outputs, measured per device as
 # above: V's rows of each layer as one batched GEMM into v_out ([L, T, H*D] is a batch
