@@ -1,8 +1,9 @@
 """Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools [--sorted | --contiguous]]
-[--defaults [--pointer] | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default configuration alone,
-for an A/B of two checkouts, with ``--pointer`` the default of weight tiles loaded by pointer; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
+[--defaults [--pointer] | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default
+configuration alone, for an A/B of two checkouts, with ``--pointer`` the default of weight tiles loaded by
+pointer; ``--v-stages``: the default with V's pipeline 2, 3 or 4 stages deep;
 ``--early``: the default with the epilogue's loads before the loop or after it; ``--before-wait``: the
 default, and the next kernel let launch after the weight loop and weight columns asked of L2 before the
 wait, on and off; with ``--pools``, ``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
