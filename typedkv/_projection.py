@@ -70,8 +70,8 @@ class Workspace:
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return torch.empty((num_tokens, weight.shape[0]), dtype=weight.dtype, device=weight.device)
         buffer: Tensor | None = getattr(self._local, "buffer", None)
-        if buffer is not None and buffer.is_cuda:
-            self._follow_stream(buffer, weight)
+        if buffer is not None and buffer.is_cuda and buffer.device == weight.device:
+            self._follow_stream(buffer)
         if (
             buffer is None
             or buffer.shape[0] < num_tokens
@@ -84,29 +84,21 @@ class Workspace:
                 buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             self._local.buffer = buffer
             if buffer.is_cuda:
-                index = buffer.get_device()
-                stream = torch.cuda.current_stream(index)
-                self._local.stream = (index, stream.cuda_stream, stream)
+                stream = torch.cuda.current_stream(buffer.device)
+                self._local.stream = (stream.cuda_stream, stream)
         return buffer[:num_tokens]
 
-    def _follow_stream(self, buffer: Tensor, weight: Tensor) -> None:
-        """Order this call after the rows' uses on the stream they were last used on, where that is another.
-
-        Every eager call on CUDA passes here: the usual case (the same stream) costs a thread-local
-        read, the raw stream handle and one comparison, no device objects (host time at decode sizes).
-        """
-        # The rows' device index, and their last stream's raw handle and object.
-        last: tuple[int, int, torch.cuda.Stream] = self._local.stream
-        index = last[0]
-        if current_raw_stream is not None and current_raw_stream(index) == last[1]:
+    def _follow_stream(self, buffer: Tensor) -> None:
+        """Order this call after the rows' uses on the stream they were last used on, where that is another."""
+        index = buffer.get_device()
+        last: tuple[int, torch.cuda.Stream] = self._local.stream  # the rows' last stream: handle, object
+        if current_raw_stream is not None and current_raw_stream(index) == last[0]:
             return
-        if weight.get_device() != index:
-            return  # rows on another device than this call's: replaced, not followed
         stream = torch.cuda.current_stream(index)
-        if stream != last[2]:
-            stream.wait_stream(last[2])  # an event recorded there now: its work so far, not the host
+        if stream != last[1]:
+            stream.wait_stream(last[1])  # an event recorded there now: its work so far, not the host
             buffer.record_stream(stream)
-        self._local.stream = (index, stream.cuda_stream, stream)
+        self._local.stream = (stream.cuda_stream, stream)
 
 
 def project(rows: Workspace, hidden: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple[int, int]) -> Tensor:
