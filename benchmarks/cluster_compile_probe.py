@@ -7,8 +7,8 @@ Not part of the package. Usage (without TRITON_INTERPRET)::
 
 cuBLAS runs the bench's GEMM at T = 256-2048 in clusters of two CTAs whose weight tile is loaded
 once and multicast to both (docs/performance.md, "What cuBLAS runs"); our reading (not a
-measurement) is that a fused kernel needs the same to reach it there. This compiles one 256 x 128 x 4096 bf16 tile (8 warps, 3 stages),
-its operands loaded by pointer and by tensor descriptor, for one CTA and for clusters of two
+measurement) is that a fused kernel needs the same to reach it there. This compiles one
+256 x 128 x 4096 bf16 tile (8 warps, 3 stages), its operands loaded by pointer and by tensor descriptor, for one CTA and for clusters of two
 (``num_ctas``), and prints for each whether it compiled, whether its PTX holds a multicast copy
 (``.multicast::cluster``) and how many wgmma it issues. Where Gluon's TMA load takes
 ``multicast`` (``tma.async_load(..., multicast=True)``), a copy of one weight tile through it is

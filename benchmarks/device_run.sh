@@ -108,6 +108,11 @@ probe() {
     shift 3
     timeout "$limit" env PYTHONPATH="$ROOT:/tmp/site" python3 "benchmarks/$script" "$@" 2>&1 | tee "$OUT/$name.txt"
 }
+# gpu_k's selection of GPU tests, run in the current directory (its tests against the package on PYTHONPATH).
+gpu_k_tests() {
+    timeout "${GPU_K_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/typecheck \
+        ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40
+}
 fused_sweep() {
     probe fused_sweep fused_sweep.py "${FUSED_SWEEP_S:-200}" ${FUSED_SWEEP_T:-}
 }
@@ -352,13 +357,10 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
             # The same selection as gpu_k in each tree of $GPU_K_TREES (each a copy of the repository, e.g.
             # this checkout with a fix reverted, carried under .old/), its own tests against its own package.
             for tree in ${GPU_K_TREES:-}; do
-                (cd "$tree" && timeout "${GPU_K_S:-240}" env PYTHONPATH="$ROOT/$tree:/tmp/site" python3 -m pytest -m gpu -q \
-                    -p no:cacheprovider -n 8 --ignore=tests/typecheck ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40) \
-                    | tee "$OUT/gpu_k_$(basename "$tree").txt"
+                (cd "$tree" && export PYTHONPATH="$ROOT/$tree:/tmp/site" && gpu_k_tests) | tee "$OUT/gpu_k_$(basename "$tree").txt"
             done ;;
         gpu_k)
-            timeout "${GPU_K_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/typecheck \
-                ${GPU_K_FILES:-tests} -k "${GPU_K:-}" 2>&1 | tail -40 | tee "$OUT/gpu_k.txt" ;;
+            gpu_k_tests | tee "$OUT/gpu_k.txt" ;;
         fused_k)
             timeout "${FUSED_TEST_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_gpu_fused.py \
                 -k "${FUSED_K:-}" 2>&1 | tail -40 | tee "$OUT/fused_k.txt" ;;
