@@ -7,7 +7,9 @@ T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
 1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
-head"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of these
+head"). On the H100 80GB HBM3 "auto" takes it from T = 1024 on (2026-12-06: 1.03x at
+16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
+docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of these
 hold (`launchable`, `aligned`), and the fused path takes it in the T ranges where it was
 measured faster (`faster`); everywhere else the fused path launches
 `typedkv._fused_kernel` as before:
@@ -134,8 +136,23 @@ def tiles(num_tokens: int) -> Tiles:
 # at T = 1024 (2026-12-04: `ws_sweep.py --rotation`, `typedkv bench --only e2e`, and
 # `benchmarks/clock_probe.py` at full clock and held at the power limit on two machines) put it 0.5-1.5
 # points behind GEMM + kernel (1.095-1.109 against 1.087-1.095 at full clock, 1.085-1.094 against
-# 1.073-1.082 at the power limit), so it takes the call from 1537 on only.
-PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1537, math.inf),)}
+# 1.073-1.082 at the power limit), so it takes the call from 1537 on only. H100 80GB HBM3
+# (2026-12-06, `ws_sweep.py`, two rounds each, this kernel against GEMM + kernel, dense / per-layer
+# pools): 1.097-1.106 / 1.095-1.103 against 1.112-1.122 / 1.113-1.129 at T = 1024 (two sweeps);
+# 1.086-1.091 / 1.103-1.119 against 1.106-1.108 / 1.104-1.114 at 1280; 0.972-0.989 / 0.973-0.992
+# against 1.098-1.104 / 1.100-1.112 at 1408; 1.115-1.127 / 1.117-1.125 against 1.112-1.133 /
+# 1.115-1.127 at 1536 (a tie); 1.055-1.065 / 1.063-1.065 against 1.112-1.117 at 1664; 1.084-1.089 /
+# 1.053-1.061 against 1.104-1.109 / 1.103-1.111 at 1792; 1.048-1.058 / 1.043-1.057 against
+# 1.109-1.123 / 1.111-1.145 at 1920; 1.043-1.062 / 1.036-1.042 against 1.109-1.120 / 1.111-1.120 at
+# 2048; 1.104-1.134 / 1.096-1.106 against 1.099-1.122 / 1.117-1.137 at 3072 (dense a tie); 1.031-1.037 /
+# 1.016-1.018 against 1.100-1.103 / 1.099-1.106 at 16384; 1.047-1.050 / 1.003-1.006 against 1.099-1.100 /
+# 1.100-1.104 at 65536. Not faster at 512 (1.281-1.289 against 1.124-1.130) nor 896 (1.123-1.125 /
+# 1.156-1.159 against 1.104-1.105 / 1.108-1.112); faster at 768 (1.060-1.072 against 1.109-1.124),
+# a band between those two not taken (one point measured in it). So on the H100 from 1024 on.
+PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {
+    "NVIDIA H200": ((1537, math.inf),),
+    "NVIDIA H100 80GB HBM3": ((1024, math.inf),),
+}
 
 
 # The Triton releases whose Gluon the kernel is written against and was run on (major, minor).

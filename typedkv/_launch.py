@@ -875,8 +875,14 @@ def _shared_memory(device: torch.device) -> int:
 # (benchmarks/fused_sweep.py, benchmarks/NOTES.md), each / torch.mm alone:
 # fused 1.02-1.08x and GEMM + kernel 1.09-1.12x at T = 1, 16 and 32; from
 # T = 48 on GEMM + kernel is as fast or faster (1.10-1.13x against 1.14-1.18x
-# at 48-64, 1.08x against 1.7x at 16384). Elsewhere "auto" takes GEMM + kernel.
-PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H200": ((1, 33),)}
+# at 48-64, 1.08x against 1.7x at 16384). H100 80GB HBM3 (2026-12-06, fused_sweep.py
+# --defaults --pointer, dense, the medians of its rounds): 1.027x against 1.069x at T = 1,
+# 1.043x / 1.079x at 16, 1.044x / 1.080x at 48, 1.082x / 1.091x at 64 (not measured above 64).
+# Elsewhere "auto" takes GEMM + kernel.
+PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {
+    "NVIDIA H200": ((1, 33),),
+    "NVIDIA H100 80GB HBM3": ((1, 65),),
+}
 
 # The same where the weight's tiles load by TMA (`weight_blocks`, and the weight on 16
 # bytes; `PROJECTION_BLOCKS_TMA`). H200, each / torch.mm, fused against GEMM + kernel
@@ -892,7 +898,9 @@ PROJECTION_FUSED_FASTER: dict[str, tuple[tuple[float, float], ...]] = {"NVIDIA H
 # 1.085 at 48, 1.036 / 1.085 at 64, 1.031 / 1.095 at 80, 1.038 / 1.098 at 96, 1.047 / 1.111 at 128, 1.240 /
 # 1.156 at 256; typedkv bench's end-to-end section, dense / per-layer pools, fused against GEMM + kernel:
 # 1.030 / 1.020 against 1.063 / 1.077 at 1, 1.044 / 1.036 against 1.076 / 1.088 at 16, 1.039 / 1.049
-# against 1.085 / 1.104 at 64, 1.215 / 1.229 against 1.148 / 1.159 at 256.
+# against 1.085 / 1.104 at 64, 1.215 / 1.229 against 1.148 / 1.159 at 256; per-layer pools
+# (2026-12-06, fused_sweep.py --defaults --pools): 1.033 / 1.093 at 16, 1.046 / 1.112 at 64, 1.050 /
+# 1.131 at 96, 1.067 / 1.148 at 128, 1.303 / 1.153 at 160.
 PROJECTION_FUSED_FASTER_TMA: dict[str, tuple[tuple[float, float], ...]] = {
     "NVIDIA H200": ((1, 129),),
     "NVIDIA H100 80GB HBM3": ((1, 129),),
