@@ -41,6 +41,8 @@
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases ($PEER_ARGS, 2 rounds)
+#   peer_design    benchmarks/peer_design.py --check: the standalone kernel against a kernel of the peer's design,
+#                  interleaved in one run ($PEER_DESIGN_ARGS: its flags and rounds, default 5; at most $PEER_DESIGN_S s)
 #   split_ab       typedkv bench --only e2e with V written by the GEMM where measured faster (the default) and
 #                  without (typedkv._launch.SPLIT_GEMM_FASTER emptied), alternated, $SPLIT_AB_ROUNDS (1)
 #   gemm_split     benchmarks/gemm_split.py: the GEMM with V written straight to dense outputs ($GEMM_SPLIT_T)
@@ -336,6 +338,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
                 | tee "$OUT/gemm_split.txt" ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
+        peer_design)
+            probe peer_design peer_design.py "${PEER_DESIGN_S:-240}" --check ${PEER_DESIGN_ARGS:-5} ;;
         placement)
             probe placement placement_probe.py "${PLACEMENT_S:-200}" ${PLACEMENT_T:-} ;;
         l2promo)
