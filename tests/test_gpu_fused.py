@@ -513,18 +513,24 @@ def test_weights_by_tma_above_64_tokens_cuda() -> None:
 
 
 def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None:
-    """On a device the measured tables know, "auto" takes the fused kernel at T = 48 and 100 where its weight
-    tiles load by TMA (`PROJECTION_FUSED_FASTER_TMA`), GEMM + kernel where they load by pointer (GPT-J pairs)."""
+    """On a device the measured tables know, "auto" takes the fused kernel exactly where the table of its weight
+    tiles' way says: by TMA (NeoX, `PROJECTION_FUSED_FASTER_TMA`) at T = 48 and 100, by pointer (GPT-J pairs,
+    `PROJECTION_FUSED_FASTER`) at 48 on the H100 and at neither on the H200; GEMM + kernel elsewhere."""
     from typedkv import _launch
 
     if torch.cuda.get_device_name() not in _launch.PROJECTION_FUSED_FASTER_TMA:
         pytest.skip("no measured table for this device")
-    for rope_style, fused_way in (("neox", True), ("gptj", False)):
+    device = torch.device("cuda")
+    cases = [(style, t) for style in ("neox", "gptj") for t in (48, 100)]
+    fused_ways = {case: _launch.projection_fused_faster(device, case[1], tma=case[0] == "neox") for case in cases}
+    # Both ways must be seen, or the test would not show that "auto" follows the tables.
+    assert len(set(fused_ways.values())) == 2, fused_ways
+    for rope_style, num_tokens in cases:
+        # A materializer of its own for each call: the fused path leaves no GEMM rows, the GEMM path makes them.
         draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
-        for num_tokens in (48, 100):
-            x, positions, xc, pc = cuda_call(draft, num_tokens)
-            assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
-            assert (draft.m._workspace is None) == fused_way
+        x, positions, xc, pc = cuda_call(draft, num_tokens)
+        assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+        assert (draft.m._workspace is None) == fused_ways[rope_style, num_tokens], (rope_style, num_tokens)
 
 
 @pytest.mark.production
