@@ -9,10 +9,10 @@ T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
 head"). On the H100 80GB HBM3 "auto" takes it from T = 1024 on (2026-12-06: 1.03x at
 16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
-docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon (Triton 3.6's API, sm_90), so it runs where all of these
-hold (`launchable`, `aligned`), and the fused path takes it in the T ranges where it was
-measured faster (`faster`); everywhere else the fused path launches
-`typedkv._fused_kernel` as before:
+docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon
+(Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`, `aligned`),
+and the fused path takes it in the T ranges where it was measured faster (`faster`);
+everywhere else the fused path launches `typedkv._fused_kernel` as before:
 
 - a CUDA device of compute capability 9.0, not Triton's interpreter, and a Triton
   release whose Gluon this kernel is written against (`available`: 3.6);
