@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 
 import torch
@@ -30,7 +29,7 @@ def main() -> None:
     configs = [_launch.MLAConfig(tile, warps) for tile, warps in ((1024, 1), (2048, 1), (2048, 2), (1024, 2))]
     for case, num_tokens in itertools.product(cases, (16384, 65536)):
         nbytes = _bench.bytes_moved(case, num_tokens)
-        sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+        sets = _bench.rotating_sets(nbytes)
         inputs = [_bench.make_inputs(case, num_tokens, device) for _ in range(sets)]
         # Every configuration of a case back to back, so host noise hits them alike.
         for config in configs:

@@ -17,7 +17,6 @@ as in a benchmark that replays one call; `typedkv bench` rotates sets so that L2
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 
 import torch
@@ -68,7 +67,7 @@ def main() -> None:
             _impl.DENSE.signature._plans.clear()
             # As typedkv bench: input sets rotated so that L2 holds none of them.
             nbytes = _bench.bytes_moved(case, tokens)
-            sets = 1 if fixed else max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+            sets = 1 if fixed else _bench.rotating_sets(nbytes)
             calls = [_bench.typedkv_call(case, _bench.make_inputs(case, tokens, device)) for _ in range(sets)]
             us = _bench.gpu_time_us(calls)
             gbps = nbytes / us / 1e3

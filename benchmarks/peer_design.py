@@ -21,7 +21,6 @@ or, under ``TRITON_INTERPRET=1``, on CPU tensors at small T.
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -83,7 +82,7 @@ def design_call(case: _bench.Case, x: _bench.Inputs, num_warps: int) -> Callable
 
 
 def check(device: torch.device) -> None:
-    """The design's outputs against typedkv's on fresh random inputs: V bit-equal, K as `main`'s notes say."""
+    """The design's outputs against typedkv's on fresh random inputs: V bit-equal, K as the module's notes say."""
     cases = {case.name: case for case, _, _ in PEER}.values()
     for case in cases:
         for tokens in (3, 17) if device.type == "cpu" else (1, 16, 300):
@@ -115,7 +114,7 @@ def main() -> None:
         return
     for case, tokens, peer in PEER:
         nbytes = _bench.bytes_moved(case, tokens)
-        sets = 1 if fixed else max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+        sets = 1 if fixed else _bench.rotating_sets(nbytes)
         inputs = [_bench.make_inputs(case, tokens, device) for _ in range(sets)]
         calls = {"typedkv": [_bench.typedkv_call(case, x) for x in inputs]}
         for warps in (1, 2, 4, 8):

@@ -20,7 +20,6 @@ benchmarks/NOTES.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import torch
@@ -119,7 +118,7 @@ def main() -> None:
     case = _bench.MLA_POOL
     for num_tokens in (16384, 65536):
         nbytes = _bench.bytes_moved(case, num_tokens)
-        sets = max(1, min(64, math.ceil(_bench._L2_SPAN / nbytes)))
+        sets = _bench.rotating_sets(nbytes)
         inputs = [_bench.make_inputs(case, num_tokens, device) for _ in range(sets)]
         for variant in ("random", "sorted", "positions < 64", "bf16 cos/sin"):
             # Each variant changes the bench's inputs in one way: the slots in order; positions

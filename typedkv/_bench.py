@@ -32,6 +32,11 @@ from ._mla_materializer import MLAKVMaterializer
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
 
 
+def rotating_sets(nbytes: int) -> int:
+    """How many input sets of ``nbytes`` a timing rotates through so that L2 holds none of them (1 to 64)."""
+    return max(1, min(64, math.ceil(_L2_SPAN / nbytes)))
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmarked configuration."""
@@ -513,7 +518,7 @@ def run_gpu(tokens: Sequence[int], cases: Sequence[Case], compare: bool) -> dict
     for case in cases:
         for num_tokens in tokens:
             nbytes = bytes_moved(case, num_tokens)
-            sets = max(1, min(64, math.ceil(_L2_SPAN / nbytes)))
+            sets = rotating_sets(nbytes)
             inputs = [make_inputs(case, num_tokens, device) for _ in range(sets)]
             row = Row(case.name, num_tokens, nbytes / 1e6)
             impls: dict[str, Callable[[Case, Inputs], Callable[[], None]]] = {"typedkv": typedkv_call}
