@@ -827,6 +827,28 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert quiet.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 0, False)
 
 
+def test_tma_blocks_by_device() -> None:
+    """A device measured apart (the H100) takes its own TMA rows up to T = 64, the shared ones above; its table
+    cuts T where the shared one does (a new T compiles nothing there either); weights by pointer ignore it."""
+    h100, h200_shared = "NVIDIA H100 80GB HBM3", 227 * 1024
+    default = _launch.ProjectionConfig()
+
+    def tma(num_tokens: int, name: str) -> tuple[int | bool | None, ...]:
+        return default.blocks(num_tokens, 128, 2, h200_shared, tma_possible=True, device_name=name)
+
+    assert tma(1, h100) == tma(16, h100) == (16, 128, 6, True, True, True, 1, 4, 4, 0, True)
+    assert tma(17, h100) == tma(32, h100) == (32, 128, 5, False, True, True, 1, 4, 4, 128, True)
+    assert tma(33, h100) == tma(64, h100) == (64, 64, 8, False, False, True, 1, 4, 6, 128, True)
+    for num_tokens in (1, 16, 17, 32, 33, 64):
+        assert tma(num_tokens, h100) != tma(num_tokens, "NVIDIA H200") == tma(num_tokens, "")
+    for num_tokens in (65, 128, 129, 256, 257, 65536):
+        assert tma(num_tokens, h100) == tma(num_tokens, "NVIDIA H200")
+    assert [most for most, _ in _launch.PROJECTION_BLOCKS_TMA_BY_DEVICE[h100]] == [
+        most for most, _ in _launch.PROJECTION_BLOCKS_TMA
+    ]
+    assert default.blocks(16, 128, 2, h200_shared, device_name=h100) == default.blocks(16, 128, 2, h200_shared)
+
+
 @pytest.mark.production  # slots past the pool are skipped (debug mode rejects them)
 @pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")
 def test_fused_sample_cpu() -> None:

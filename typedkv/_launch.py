@@ -729,7 +729,8 @@ class ProjectionConfig:
 
     A field left ``None`` comes from `PROJECTION_BLOCKS` by the batch's size
     (measured on the H200, ``benchmarks/fused_sweep.py``), or from
-    `PROJECTION_BLOCKS_TMA` where the weight's tiles can load by TMA, with the
+    `PROJECTION_BLOCKS_TMA` where the weight's tiles can load by TMA (the rows of
+    `PROJECTION_BLOCKS_TMA_BY_DEVICE` on a device measured apart), with the
     pipeline's depth, then ``block_k``, reduced until it fits the device's shared
     memory. Tests and sweeps pass others; every configuration computes the same thing.
     """
@@ -765,14 +766,24 @@ class ProjectionConfig:
     signal_next: bool | None = None
 
     def blocks(
-        self, num_tokens: int, head_rows: int, itemsize: int, shared_memory: int, tma_possible: bool = False
+        self,
+        num_tokens: int,
+        head_rows: int,
+        itemsize: int,
+        shared_memory: int,
+        tma_possible: bool = False,
+        device_name: str = "",
     ) -> Blocks:
         """The launch configuration for ``num_tokens``; ``head_rows`` weight rows per program.
 
         ``tma_possible``: the weight's tiles can load by TMA (`weight_blocks`), so the
-        defaults come from `PROJECTION_BLOCKS_TMA` unless ``tma`` is False.
+        defaults come from `PROJECTION_BLOCKS_TMA` unless ``tma`` is False, or from
+        `PROJECTION_BLOCKS_TMA_BY_DEVICE`'s rows for ``device_name`` where it has them.
         """
-        table = PROJECTION_BLOCKS_TMA if tma_possible and self.tma is not False else PROJECTION_BLOCKS
+        if tma_possible and self.tma is not False:
+            table = PROJECTION_BLOCKS_TMA_BY_DEVICE.get(device_name, PROJECTION_BLOCKS_TMA)
+        else:
+            table = PROJECTION_BLOCKS
         measured = next(blocks for most, blocks in table if num_tokens <= most)
         block_m = self.block_m or measured.block_m
         block_k = self.block_k or measured.block_k
@@ -857,6 +868,22 @@ PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
     (256, Blocks(64, 64, 3, False, False, True, 8, 4, None, 0, True)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
 )
+
+# `PROJECTION_BLOCKS_TMA` where a device measured other rows best (torch.cuda.get_device_name).
+# H100 80GB HBM3 (2026-12-06, fused_sweep.py at T = 1-64, two runs on one machine, dense, each /
+# torch.mm, the medians of the rounds; the H200's rows first): V's pipeline one stage shallower
+# still, and at 33-64 K's one stage shallower too. T = 1: 1.030-1.031 -> 0.995-0.996 (V 4 stages
+# of K's 6); 16: 1.044-1.047 -> 1.006-1.019 (the same); 32: 1.019 -> 1.005-1.006 (V 4 of K's 5);
+# 48: 1.006 -> 0.986-0.987 and 64: 1.030-1.042 -> 1.006-1.011 (K 8 stages, V 6). V 3 at 32, K 12
+# stages of 64 columns at 1-16 and V 8-9 at 64: 1.05-1.21.
+PROJECTION_BLOCKS_TMA_BY_DEVICE: dict[str, tuple[tuple[float, Blocks], ...]] = {
+    "NVIDIA H100 80GB HBM3": (
+        (16, Blocks(16, 128, 6, True, True, True, 1, 4, 4, 0, True)),
+        (32, Blocks(32, 128, 5, False, True, True, 1, 4, 4, 128, True)),
+        (64, Blocks(64, 64, 8, False, False, True, 1, 4, 6, 128, True)),
+        *PROJECTION_BLOCKS_TMA[3:],
+    ),
+}
 
 
 @functools.cache
@@ -987,7 +1014,12 @@ def projection_launch(
     k_rows = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
     tma_blocks = weight_blocks(kv_weight, head_dim, rotary_dim, neox) if weight_aligned else None
     settled = config.blocks(
-        num_tokens, max(block_d, k_rows), hidden.element_size(), _shared_memory(hidden.device), tma_blocks is not None
+        num_tokens,
+        max(block_d, k_rows),
+        hidden.element_size(),
+        _shared_memory(hidden.device),
+        tma_blocks is not None,
+        _device_name(hidden.device),
     )
     block_m, block_k, num_stages, early_rope, early_loads, tma, group_m, num_warps, v_stages, l2_columns, signal = (
         settled
