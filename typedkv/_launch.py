@@ -875,12 +875,13 @@ PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
 # still, and at 33-64 K's one stage shallower too. T = 1: 1.030-1.031 -> 0.995-0.996 (V 4 stages
 # of K's 6); 16: 1.044-1.047 -> 1.006-1.019 (the same); 32: 1.019 -> 1.005-1.006 (V 4 of K's 5);
 # 48: 1.006 -> 0.986-0.987 and 64: 1.030-1.042 -> 1.006-1.011 (K 8 stages, V 6). V 3 at 32, K 12
-# stages of 64 columns at 1-16 and V 8-9 at 64: 1.05-1.21.
+# stages of 64 columns at 1-16 and V 8-9 at 64: 1.05-1.21. Each row is the shared one with the
+# depths measured here; every other field, and where T is cut, as there.
 PROJECTION_BLOCKS_TMA_BY_DEVICE: dict[str, tuple[tuple[float, Blocks], ...]] = {
     "NVIDIA H100 80GB HBM3": (
-        (16, Blocks(16, 128, 6, True, True, True, 1, 4, 4, 0, True)),
-        (32, Blocks(32, 128, 5, False, True, True, 1, 4, 4, 128, True)),
-        (64, Blocks(64, 64, 8, False, False, True, 1, 4, 6, 128, True)),
+        (16, PROJECTION_BLOCKS_TMA[0][1]._replace(v_stages=4)),
+        (32, PROJECTION_BLOCKS_TMA[1][1]._replace(v_stages=4)),
+        (64, PROJECTION_BLOCKS_TMA[2][1]._replace(num_stages=8, v_stages=6)),
         *PROJECTION_BLOCKS_TMA[3:],
     ),
 }
