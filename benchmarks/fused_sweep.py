@@ -82,10 +82,11 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     elif num_tokens <= 128:
         # The default (one program of 128 tokens a head, all in one wave, K 7 stages, V 6) and
         # around it. 2026-12-01: 1.09-1.11x at T = 80-128, against 1.28-1.33x with the default
-        # before (64 tokens a program, 4 stages, bands of 8: two waves of programs).
+        # before (64 tokens a program, 4 stages, bands of 8: two waves of programs). The shallower
+        # pipelines (6-5 stages, V 4) for the H100, whose best rows at T <= 64 are shallower than the H200's.
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
-            for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5)]
+            for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5), (6, 4), (5, 4), (8, 6)]
         ]
     else:
         # The defaults by pointer and by TMA (above T = 256: 128 tokens, 8 warps, 4 stages, bands
