@@ -3,7 +3,9 @@ the paired timing of the end-to-end section: its rounds' order and how its ratio
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,15 +115,32 @@ def test_host_ratio_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert order == ["call", "bare"] * 5
 
 
-def test_each_round_starts_one_implementation_later() -> None:
+def test_rounds_follow_a_balanced_latin_square() -> None:
+    """Williams's rows: for three implementations three rotations, then the same backwards."""
     impls = ["mm", "typedkv", "typedkv_pool"]
-    assert [_bench.round_order(impls, r) for r in range(4)] == [
+    assert [_bench.round_order(impls, r) for r in range(7)] == [
         ["mm", "typedkv", "typedkv_pool"],
         ["typedkv", "typedkv_pool", "mm"],
         ["typedkv_pool", "mm", "typedkv"],
+        ["typedkv_pool", "typedkv", "mm"],
+        ["mm", "typedkv_pool", "typedkv"],
+        ["typedkv", "mm", "typedkv_pool"],
         ["mm", "typedkv", "typedkv_pool"],
     ]
-    assert impls == ["mm", "typedkv", "typedkv_pool"]  # not rotated in place
+    assert impls == ["mm", "typedkv", "typedkv_pool"]  # not reordered in place
+
+
+@pytest.mark.parametrize("n", range(2, 12))
+def test_each_implementation_follows_every_other_as_often(n: int) -> None:
+    """Where the GPU is held at its power limit, what ran just before sets an implementation's clock:
+    over a full square (n rounds, 2n for odd n) each runs first, and after each other one, equally often."""
+    impls = [f"impl{k}" for k in range(n)]
+    rows = [_bench.round_order(impls, r) for r in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == sorted(impls) for row in rows)
+    firsts = Counter(row[0] for row in rows)
+    pairs = Counter(pair for row in rows for pair in itertools.pairwise(row))
+    assert set(firsts.values()) == {len(rows) // n} and len(firsts) == n
+    assert len(pairs) == n * (n - 1) and set(pairs.values()) == {len(rows) // n}
 
 
 def test_paired_gpu_timer_captures_all_then_times_in_rotated_rounds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -325,8 +325,8 @@ def paired_gpu_time_us(
     of the host, and the one always timed first is always timed in the earlier
     state. Here every implementation's graph is captured first, as `gpu_time_us`
     captures it, and all are kept; then each round times every graph, in the
-    order `round_order` gives (rotated by one a round, so none always runs
-    first). Two times of one round were taken moments apart: their ratio
+    order `round_order` gives (a balanced Latin square's rows, so none always
+    runs first or always after the same one). Two times of one round were taken moments apart: their ratio
     compares one state, and a ratio's median over the rounds is that of
     ``rounds`` such comparisons.
 
@@ -368,13 +368,25 @@ def paired_gpu_time_us(
 
 
 def round_order(impls: Sequence[str], round_index: int) -> list[str]:
-    """The order round ``round_index`` of `paired_gpu_time_us` times ``impls`` in: rotated by one a round.
+    """The order round ``round_index`` of `paired_gpu_time_us` times ``impls`` in: a balanced Latin square's row.
 
-    Round ``r`` starts at ``impls[r % n]``, so over ``n`` rounds each
-    implementation runs first once and follows each other one as often.
+    What ran just before an implementation sets the clock it starts at where
+    the GPU is held at its power limit, so every implementation must follow
+    each other one as often. A plain rotation does not: there ``impls[i]``
+    always follows ``impls[i - 1]`` unless it runs first (the bench's "auto"
+    and "fused", one kernel at T = 2048, read 7% apart under it). The rows
+    here are Williams's design: the first is ``0, 1, n-1, 2, n-2, ...``, round
+    ``r`` adds ``r`` to each index (mod ``n``), and where ``n`` is odd the
+    second ``n`` rounds run those rows backwards. Over ``n`` rounds (``2n``
+    where ``n`` is odd) each implementation runs first equally often and
+    follows each other one equally often within a round.
     """
-    start = round_index % len(impls)
-    return [*impls[start:], *impls[:start]]
+    n = len(impls)
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = [impls[(i + round_index) % n] for i in first]
+    return row[::-1] if n % 2 and (round_index // n) % 2 else row
 
 
 def _captured(calls: Sequence[Callable[[], None]], min_calls: int) -> tuple[torch.cuda.CUDAGraph, int]:
