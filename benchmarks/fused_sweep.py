@@ -11,8 +11,8 @@ consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
 section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rounds
-ordered by a balanced Latin square: `typedkv._bench.paired_gpu_time_us`), dense outputs, beside ``torch.mm`` alone into a
-reused buffer and the GEMM + K/V kernel path. Each line: T, the configuration, microseconds (the
+ordered by a balanced Latin square: `typedkv._bench.paired_gpu_time_us`), dense outputs, beside
+``torch.mm`` alone into a reused buffer and the GEMM + K/V kernel path. Each line: T, the configuration, microseconds (the
 rounds' median), and the median of its per-round ratios to ``torch.mm`` (their range). The best
 configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
 kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
@@ -83,7 +83,8 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         # The default (one program of 128 tokens a head, all in one wave, K 7 stages, V 6) and
         # around it. 2026-12-01: 1.09-1.11x at T = 80-128, against 1.28-1.33x with the default
         # before (64 tokens a program, 4 stages, bands of 8: two waves of programs). The shallower
-        # pipelines (6-5 stages, V 4) for the H100, whose best rows at T <= 64 are shallower than the H200's.
+        # pipelines (K 6-5 stages, V 4) for the H100, whose best rows at T <= 64 are shallower than the
+        # H200's: there (2026-12-06) none beat the default here (1.05-1.06x; V 4 1.11-1.14x).
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
             for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5), (6, 4), (5, 4)]

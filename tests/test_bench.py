@@ -143,7 +143,7 @@ def test_each_implementation_follows_every_other_as_often(n: int) -> None:
     assert len(pairs) == n * (n - 1) and set(pairs.values()) == {len(rows) // n}
 
 
-def test_paired_gpu_timer_captures_all_then_times_in_rotated_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paired_gpu_timer_captures_all_then_times_in_round_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every graph is captured before the first round (and kept); each round replays every one, in
     `round_order`; each implementation's times come back in round order. Capture and replay are
     scripted: they are the only parts that need a CUDA device."""

@@ -326,9 +326,9 @@ def paired_gpu_time_us(
     state. Here every implementation's graph is captured first, as `gpu_time_us`
     captures it, and all are kept; then each round times every graph, in the
     order `round_order` gives (a balanced Latin square's rows, so none always
-    runs first or always after the same one). Two times of one round were taken moments apart: their ratio
-    compares one state, and a ratio's median over the rounds is that of
-    ``rounds`` such comparisons.
+    runs first or always after the same one). Two times of one round were
+    taken moments apart: their ratio compares one state, and a ratio's median
+    over the rounds is that of ``rounds`` such comparisons.
 
     Parameters
     ----------

@@ -19,9 +19,9 @@ A Qwen3-style DFlash draft (5 layers, 8 KV heads, head dim 128, hidden 4096,
 
 The timer is the caller's (`typedkv._bench.paired_gpu_time_us`: CUDA-graph
 replay, every implementation of one T timed in each of several rounds, in the
-rows of a balanced Latin square), so this module needs nothing of the rest of the bench. A row's
-``us`` are the medians over the rounds; each ratio is the median of its per-round
-ratios (`paired_ratio`), with its lowest and highest round in ``ratio_range``.
+rows of a balanced Latin square), so this module needs nothing of the rest of
+the bench. A row's ``us`` are the medians over the rounds; each ratio is the
+median of its per-round ratios (`paired_ratio`), with its lowest and highest round in ``ratio_range``.
 Where NVML can be read, a row also holds the SM clock and power sampled while
 it was timed (``gpu``; `typedkv._gpu_state`): on the H200 the GEMM runs at the
 board's power limit, whose clock differs between machines and moves the ratios.
