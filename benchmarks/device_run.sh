@@ -40,6 +40,8 @@
 #   pdl_ab         programmatic dependent launch on and off, alternated in separate processes:
 #                  benchmarks/peer_cases.py ($PDL_PEER_ROUNDS, 2), then typedkv bench --only e2e (the
 #                  end-to-end section; $PDL_E2E_ROUNDS, 2)
+#   order          benchmarks/order_probe.py: torch.mm and "auto" each timed twice, the rounds rotated and balanced,
+#                  alternated ($ORDER_T, default 256 1024 2048; at most $ORDER_S s, 240)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases ($PEER_ARGS, 2 rounds)
 #   peer_design    benchmarks/peer_design.py --check: the standalone kernel against a kernel of the peer's design,
 #                  interleaved in one run ($PEER_DESIGN_ARGS: its flags and rounds, default 5; at most $PEER_DESIGN_S s)
@@ -336,6 +338,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
         gemm_split)
             timeout "${GEMM_SPLIT_S:-150}" env PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/gemm_split.py ${GEMM_SPLIT_T:-} 2>&1 \
                 | tee "$OUT/gemm_split.txt" ;;
+        order)
+            probe order order_probe.py "${ORDER_S:-240}" ${ORDER_T:-} ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
         peer_design)
