@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from typedkv import KVMaterializer, _bench, _bench_e2e
+from typedkv import _bench, _bench_e2e
 from typedkv._gpu_state import GpuState, Window
 
 
@@ -82,11 +82,9 @@ def main() -> None:
         print("clock_probe: NVML cannot be read here (nvidia-ml-py not installed, or no driver)")
         return
     print(f"device {torch.cuda.get_device_name(device)}; {state.limits()}", flush=True)
-    draft, _, rotary, weight, norm, flat = _bench_e2e.bench_draft(device)
-    materializers = {}
-    for path in ("auto", "gemm", "fused"):
-        materializers[path] = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
-        materializers[path].projection_path = path
+    bench = _bench_e2e.bench_draft(device)
+    draft, flat = bench.draft, bench.flat
+    materializers = _bench_e2e.path_materializers(bench)
     print(f"{'T':>6} {'variant':<14} {'mode':<9} {'us':>9} {'/ mm':>6} {'MHz':>5} {'low':>5} {'W':>6}  reasons")
     try:
         for num_tokens in tokens:

@@ -12,8 +12,9 @@ For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 409
 T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
 section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rounds
 ordered by a balanced Latin square: `typedkv._bench.paired_gpu_time_us`), dense outputs, beside
-``torch.mm`` alone into a reused buffer and the GEMM + K/V kernel path. Each line: T, the configuration, microseconds (the
-rounds' median), and the median of its per-round ratios to ``torch.mm`` (their range). The best
+``torch.mm`` alone into a reused buffer and the GEMM + K/V kernel path. Each line: T, the
+configuration, microseconds (the rounds' median), and the median of its per-round ratios to
+``torch.mm`` (their range). The best
 configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
 kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
 """

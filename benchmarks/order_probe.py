@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from typedkv import KVMaterializer, _bench, _bench_e2e
+from typedkv import _bench, _bench_e2e
 
 ROUNDS_EACH = 2
 RATIOS = (
@@ -42,11 +42,9 @@ def rotated(impls: Sequence[str], round_index: int) -> list[str]:
 def main() -> None:
     device = torch.device("cuda")
     tokens = [int(t) for t in sys.argv[1:]] or [256, 1024, 2048]
-    draft, layers, rotary, weight, norm, flat = _bench_e2e.bench_draft(device)
-    materializers = {}
-    for path in ("auto", "gemm", "fused"):
-        materializers[path] = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=draft.num_kv_heads)
-        materializers[path].projection_path = path
+    bench = _bench_e2e.bench_draft(device)
+    draft, layers, rotary, _, _, flat = bench
+    materializers = _bench_e2e.path_materializers(bench)
     sglang, where = _bench_e2e.load_sglang()
     theirs = None
     if sglang is not None:

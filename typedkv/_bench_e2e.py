@@ -21,7 +21,8 @@ The timer is the caller's (`typedkv._bench.paired_gpu_time_us`: CUDA-graph
 replay, every implementation of one T timed in each of several rounds, in the
 rows of a balanced Latin square), so this module needs nothing of the rest of
 the bench. A row's ``us`` are the medians over the rounds; each ratio is the
-median of its per-round ratios (`paired_ratio`), with its lowest and highest round in ``ratio_range``.
+median of its per-round ratios (`paired_ratio`), with its lowest and highest
+round in ``ratio_range``.
 Where NVML can be read, a row also holds the SM clock and power sampled while
 it was timed (``gpu``; `typedkv._gpu_state`): on the H200 the GEMM runs at the
 board's power limit, whose clock differs between machines and moves the ratios.
@@ -152,6 +153,21 @@ def bench_draft(device: torch.device, draft: Draft | None = None) -> BenchDraft:
     return BenchDraft(draft, layers, rotary, weight, norm, weight.flatten(0, 1))
 
 
+def path_materializers(bench: BenchDraft) -> dict[str, KVMaterializer]:
+    """``bench``'s materializer once per ``projection_path`` ("auto" and each path pinned), by path.
+
+    The stacked weight is shared, not copied.
+    """
+    materializers = {}
+    for path in ("auto", "gemm", "fused"):
+        m = KVMaterializer(
+            bench.weight, bench.norm, 1e-6, bench.rotary.cos_sin_cache, num_kv_heads=bench.draft.num_kv_heads
+        )
+        m.projection_path = path
+        materializers[path] = m
+    return materializers
+
+
 def section(timer: Timer, device: torch.device, quick: bool) -> dict[str, Any]:
     """The bench's end-to-end section: sglang's helper included when its file can be loaded."""
     sglang, where = load_sglang()
@@ -188,13 +204,10 @@ def run_e2e(
     ``gpu_state``, a row's ``gpu`` is what it sampled while the row's rounds were
     timed (`typedkv._gpu_state.summary`; not while its graphs were captured).
     """
-    draft, layers, rotary, weight, norm, flat = bench_draft(device, draft)
+    bench = bench_draft(device, draft)
+    draft, layers, rotary, _, _, flat = bench
     H, D = draft.num_kv_heads, draft.head_dim
-    # "auto" and each path pinned; the stacked weight is shared, not copied.
-    materializers = {}
-    for path in ("auto", "gemm", "fused"):
-        materializers[path] = KVMaterializer(weight, norm, 1e-6, rotary.cos_sin_cache, num_kv_heads=H)
-        materializers[path].projection_path = path
+    materializers = path_materializers(bench)
     theirs = None
     if sglang is not None:
         theirs = sglang.FusedKVMaterializeHelper(layers, rotary, H, D, device, max_position_hint=draft.max_position)
