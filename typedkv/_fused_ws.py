@@ -7,7 +7,7 @@ T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
 1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
-head"). On the H100 80GB HBM3 "auto" takes it from T = 1024 on (2026-12-06: 1.03x at
+head"). On the H100 80GB HBM3 "auto" takes it at T = 736-768 and from 1024 on (2026-12-06: 1.03x at
 16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
 docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon
 (Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`, `aligned`),
@@ -149,9 +149,20 @@ def tiles(num_tokens: int) -> Tiles:
 # 1.100-1.104 at 65536. Not faster at 512 (1.281-1.289 against 1.124-1.130) nor 896 (1.123-1.125 /
 # 1.156-1.159 against 1.104-1.105 / 1.108-1.112); faster at 768 (1.060-1.072 against 1.109-1.124),
 # a band between those two not taken (one point measured in it). So on the H100 from 1024 on.
+# Again in balanced rounds (2026-12-06, `typedkv._bench.round_order`; up to three calls, two rounds
+# each): at 736 1.084-1.097 / 1.070-1.076 against 1.096-1.121 / 1.116-1.152; 752 1.075-1.077 /
+# 1.065-1.070 against 1.109-1.139 / 1.117-1.138; 768 1.061-1.071 / 1.064-1.073 against 1.106-1.114 /
+# 1.114-1.125; but 704 1.162-1.175 / 1.088-1.118 against 1.100-1.101 / 1.112-1.119 and 784 1.58-1.61
+# (a seventh row of 128-token tiles: 280 tiles on 132 SMs, where 768 fills 240), 640 1.22-1.24, 896
+# 1.136-1.144. Hence 736-768 as well. From 1024 on as before: 1024 1.107-1.114 / 1.097-1.103
+# against 1.114-1.132 / 1.120-1.124; 1152 1.105-1.109 / 1.098-1.099 against 1.109-1.111 / 1.109;
+# 1280 1.092-1.093 / 1.124-1.126 against 1.102-1.111 / 1.108-1.112 (a tie); 1536 1.128-1.140 /
+# 1.123-1.124 against 1.123-1.126 / 1.116-1.120 (a tie); 1792 1.070-1.077 / 1.059-1.063 against
+# 1.095-1.105 / 1.103; 2048 1.052-1.067 / 1.041-1.049 against 1.120-1.125 / 1.116-1.119; 3072
+# 1.126-1.139 / 1.103-1.119 against 1.120-1.131 / 1.118-1.120.
 PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {
     "NVIDIA H200": ((1537, math.inf),),
-    "NVIDIA H100 80GB HBM3": ((1024, math.inf),),
+    "NVIDIA H100 80GB HBM3": ((736, 769), (1024, math.inf)),
 }
 
 
