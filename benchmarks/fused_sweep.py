@@ -74,7 +74,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         grid = {
             16: [(128, 6, None), (128, 6, 5), (128, 6, 4), (64, 12, 9), (64, 12, 8)],
             32: [(128, 5, None), (128, 5, 4), (128, 5, 3), (64, 11, 8), (64, 11, 7), (64, 9, 6)],
-            64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7)],
+            64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7), (128, 4, None), (128, 4, 3)],
         }[block_m]
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(block_m, block_k, 4, stages, None, None, True, v_stages=v_stages), None)
