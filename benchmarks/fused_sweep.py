@@ -70,11 +70,14 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         # epilogue overlaps V's last loads. 2026-12-01: K 9 stages of 64 columns, V 7 read 1.01x at
         # T = 48 and 1.04-1.08x at 64, against 1.06x / 1.09-1.10x with K and V 4 stages of 128 columns
         # (V 9: 1.09-1.14x; V shallower than those 4 stages of 128 columns: 1.1-1.9x).
+        # 2026-12-06, H100: 4 stages of 128 columns again (a plain GEMM, benchmarks/tile_rows_probe.py,
+        # read 1.00x torch.mm so, against 1.03x with 8 of 64): the fused kernel 1.023-1.029x at T = 48-64
+        # (V 3 stages 1.06x) against the H100 row's 0.992-1.010x; pools 1.040x against 1.016x.
         block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
         grid = {
             16: [(128, 6, None), (128, 6, 5), (128, 6, 4), (64, 12, 9), (64, 12, 8)],
             32: [(128, 5, None), (128, 5, 4), (128, 5, 3), (64, 11, 8), (64, 11, 7), (64, 9, 6)],
-            64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7), (128, 4, None), (128, 4, 3)],
+            64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7)],
         }[block_m]
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(block_m, block_k, 4, stages, None, None, True, v_stages=v_stages), None)
