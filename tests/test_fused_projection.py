@@ -796,8 +796,8 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert default.blocks(16, 128, 2, h200, tma_possible=True) == (16, 128, 6, True, True, True, 1, 4, 5, 0, True)
     assert default.blocks(17, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, 128, True)
     assert default.blocks(32, 128, 2, h200, tma_possible=True) == (32, 128, 5, False, True, True, 1, 4, 5, 128, True)
-    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 128, True)
-    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 128, True)
+    assert default.blocks(33, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 7, 128, True)
+    assert default.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 7, 128, True)
     assert default.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, 128, True)
     assert default.blocks(128, 128, 2, h200, tma_possible=True) == (128, 64, 7, False, False, True, 1, 8, 6, 128, True)
     assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, 0, True)
@@ -811,7 +811,7 @@ def test_default_blocks_fit_shared_memory() -> None:
     # A small shared memory: two stages at least, then narrower K steps.
     assert default.blocks(16, 128, 2, 48 * 1024) == (16, 64, 2, True, True, False, 1, 4, 2, 0, False)
     # Where shared memory makes K's pipeline shallower, V's follows in proportion (at least 2 stages).
-    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 4, 128, True)
+    assert default.blocks(64, 256, 2, h200, tma_possible=True) == (64, 64, 5, False, False, True, 1, 4, 5, 128, True)
     small = default.blocks(48, 128, 2, 48 * 1024, tma_possible=True)
     assert small == (64, 64, 2, False, False, True, 1, 4, 2, 128, True)
     # Fields given are kept as given; V's depth is K's unless given, where K's is.
@@ -820,11 +820,11 @@ def test_default_blocks_fit_shared_memory() -> None:
     pinned_tma = pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True)
     assert pinned_tma == (64, 256, 6, False, False, True, 1, 4, 6, 128, True)
     shallow_v = _launch.ProjectionConfig(v_stages=3)
-    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 3, 128, True)
+    assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 3, 128, True)
     # Up to T = 256 by TMA the next kernel is let launch after the weight loop, and from 17 to 128 a program
     # asks L2 for its first 128 weight columns before it waits for the prior kernel; either may be pinned.
     quiet = _launch.ProjectionConfig(l2_before_wait=0, signal_next=False)
-    assert quiet.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 9, False, False, True, 1, 4, 7, 0, False)
+    assert quiet.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 7, 0, False)
 
 
 def test_tma_blocks_by_device() -> None:

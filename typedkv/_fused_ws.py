@@ -7,7 +7,9 @@ T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
 1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
-head"). On the H100 80GB HBM3 "auto" takes it at T = 736-768 and from 1024 on (2026-12-06: 1.03x at
+head"). "auto" takes it where `PROJECTION_WS_FASTER` says, per device: on the H200 at
+T = 736-768 and from 1537 on, on the H100 80GB HBM3 at 736-768 and from 1024 on, both but
+where the kernel's last wave of tiles is nearly empty (on the H100 2026-12-06: 1.03x at
 16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
 docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon
 (Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`, `aligned`),
@@ -160,9 +162,30 @@ def tiles(num_tokens: int) -> Tiles:
 # 1.123-1.124 against 1.123-1.126 / 1.116-1.120 (a tie); 1792 1.070-1.077 / 1.059-1.063 against
 # 1.095-1.105 / 1.103; 2048 1.052-1.067 / 1.041-1.049 against 1.120-1.125 / 1.116-1.119; 3072
 # 1.126-1.139 / 1.103-1.119 against 1.120-1.131 / 1.118-1.120.
+# Where the warp-specialised kernel's last wave of tiles is nearly empty it loses: its time is the
+# count of 128-token tile rows ``m = ceil(T / 128)`` (40 tiles each) over 132 SMs, flat within one
+# ``m`` while GEMM + kernel grows with T. So a loss measured at ``T = 128 m`` (the kernel's best T
+# of that ``m``) holds for all ``128 (m - 1) < T <= 128 m``, and those bands are left out. Balanced
+# rounds, 2026-12-06, two rounds each, dense / pools: the H200 at 736 1.071-1.073 / 1.071-1.074
+# against 1.091-1.097 / 1.101-1.109; 768 1.081 / 1.079 against 1.097-1.102 / 1.109-1.111; 1024
+# 1.105-1.109 / 1.109-1.110 against 1.090 / 1.091-1.092; 1280-1536 1.090-1.147 / 1.113-1.148
+# against 1.081-1.114 / 1.078-1.106; 1600 1.067-1.072 / 1.062-1.065 against 1.093-1.095 /
+# 1.084-1.096; 1664 1.072-1.084 / 1.065-1.067 against 1.098-1.101 / 1.102-1.104; 1792 1.064-1.068
+# / 1.058-1.062 against 1.082 / 1.085-1.086; 2048 1.054-1.071 / 1.041-1.059 against 1.093-1.116 / 1.102-1.103;
+# 2304 1.145-1.157 / 1.125 against 1.094-1.106 / 1.082-1.095 (m = 18 out); 2560 1.192-1.205 /
+# 1.155-1.158 against 1.108-1.112 / 1.098-1.124 (m = 20 out); 2816 1.032-1.062 / 1.036-1.037 against
+# 1.082-1.090 / 1.087-1.088; 3072 1.134-1.161 / 1.112-1.115 against 1.087-1.098 / 1.065-1.104
+# (m = 24 out); 3328 1.041-1.051 / 1.026-1.034 against 1.083-1.091 / 1.063-1.083; 3584 1.080-1.093
+# / 1.052-1.054 against 1.080-1.085 / 1.091-1.104; 4096 1.029-1.035 / 1.018-1.020 against
+# 1.093-1.101 / 1.071-1.095. The H100 at 2304 1.127-1.139 / 1.121-1.122 against 1.125-1.134 /
+# 1.104-1.119 (a tie); 2560 1.163-1.171 / 1.120-1.128 against 1.115-1.117 / 1.122-1.124 (m = 20
+# out); 2816 1.045-1.056 / 1.036 against 1.108-1.129 / 1.110-1.121; 3072 1.109-1.127 / 1.097-1.102
+# against 1.113-1.132 / 1.116-1.117 (a tie); 3328 1.059-1.084 / 1.041-1.049 against 1.113-1.120 /
+# 1.116-1.122; 3584 1.061-1.079 / 1.047-1.056 against 1.120-1.122 / 1.140-1.155; 4096 0.998-1.026 /
+# 1.008-1.019 against 1.122-1.127 / 1.089-1.127.
 PROJECTION_WS_FASTER: dict[str, tuple[tuple[float, float], ...]] = {
-    "NVIDIA H200": ((1537, math.inf),),
-    "NVIDIA H100 80GB HBM3": ((736, 769), (1024, math.inf)),
+    "NVIDIA H200": ((736, 769), (1537, 2177), (2305, 2433), (2561, 2945), (3073, math.inf)),
+    "NVIDIA H100 80GB HBM3": ((736, 769), (1024, 2433), (2561, math.inf)),
 }
 
 

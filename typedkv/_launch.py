@@ -860,10 +860,14 @@ PROJECTION_BLOCKS: tuple[tuple[float, Blocks], ...] = (
 # kernel let launch after the weight loop up to T = 256, and from 17 to 128 the first 128
 # weight columns asked of L2 before the wait: T = 32-64 0.98-1.02x against 1.01-1.07x without,
 # back to back; after a kernel that is not a programmatic launch 0.5-1.5 points, none at T = 16.
+# T = 33-64, K 8 stages (9 before; 2026-12-06, the H200 lent that day, `fused_sweep.py`, three
+# runs of the grid, each / torch.mm): 1.023-1.029 at T = 64 against K 9's 1.042-1.049, 0.969 / 0.974
+# at 40, 0.979-0.980 / 0.981-0.983 at 48, 1.029 / 1.026 at 56 (one run); into per-layer pools at
+# 64 1.052 / 1.055.
 PROJECTION_BLOCKS_TMA: tuple[tuple[float, Blocks], ...] = (
     (16, Blocks(16, 128, 6, True, True, True, 1, 4, 5, 0, True)),
     (32, Blocks(32, 128, 5, False, True, True, 1, 4, None, 128, True)),
-    (64, Blocks(64, 64, 9, False, False, True, 1, 4, 7, 128, True)),
+    (64, Blocks(64, 64, 8, False, False, True, 1, 4, 7, 128, True)),
     (128, Blocks(128, 64, 7, False, False, True, 1, 8, 6, 128, True)),
     (256, Blocks(64, 64, 3, False, False, True, 8, 4, None, 0, True)),
     (math.inf, Blocks(128, 64, 4, False, False, True, 8, 8)),
