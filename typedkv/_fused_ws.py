@@ -9,7 +9,7 @@ T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
 (1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
 head"). "auto" takes it where `PROJECTION_WS_FASTER` says, per device: on the H200 at
 T = 736-768 and from 1537 on, on the H100 80GB HBM3 at 736-768 and from 1024 on, both but
-where the kernel's last wave of tiles is nearly empty (on the H100 2026-12-06: 1.03x at
+in bands of T where it was measured slower (on the H100 2026-12-06: 1.03x at
 16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
 docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon
 (Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`, `aligned`),
@@ -155,17 +155,18 @@ def tiles(num_tokens: int) -> Tiles:
 # each): at 736 1.084-1.097 / 1.070-1.076 against 1.096-1.121 / 1.116-1.152; 752 1.075-1.077 /
 # 1.065-1.070 against 1.109-1.139 / 1.117-1.138; 768 1.061-1.071 / 1.064-1.073 against 1.106-1.114 /
 # 1.114-1.125; but 704 1.162-1.175 / 1.088-1.118 against 1.100-1.101 / 1.112-1.119 and 784 1.58-1.61
-# (a seventh row of 128-token tiles: 280 tiles on 132 SMs, where 768 fills 240), 640 1.22-1.24, 896
+# (a seventh row of 128-token tiles), 640 1.22-1.24, 896
 # 1.136-1.144. Hence 736-768 as well. From 1024 on as before: 1024 1.107-1.114 / 1.097-1.103
 # against 1.114-1.132 / 1.120-1.124; 1152 1.105-1.109 / 1.098-1.099 against 1.109-1.111 / 1.109;
 # 1280 1.092-1.093 / 1.124-1.126 against 1.102-1.111 / 1.108-1.112 (a tie); 1536 1.128-1.140 /
 # 1.123-1.124 against 1.123-1.126 / 1.116-1.120 (a tie); 1792 1.070-1.077 / 1.059-1.063 against
 # 1.095-1.105 / 1.103; 2048 1.052-1.067 / 1.041-1.049 against 1.120-1.125 / 1.116-1.119; 3072
 # 1.126-1.139 / 1.103-1.119 against 1.120-1.131 / 1.118-1.120.
-# Where the warp-specialised kernel's last wave of tiles is nearly empty it loses: its time is the
-# count of 128-token tile rows ``m = ceil(T / 128)`` (40 tiles each) over 132 SMs, flat within one
-# ``m`` while GEMM + kernel grows with T. So a loss measured at ``T = 128 m`` (the kernel's best T
-# of that ``m``) holds for all ``128 (m - 1) < T <= 128 m``, and those bands are left out. Balanced
+# The kernel's tiles are 128 tokens by one head or two (`WS_TILES`), so their count is set by the
+# rows of tokens ``m = ceil(T / 128)``; within one ``m`` the kernel's time does not fall with T (the
+# H100 at 704: 113 us, at 768: 108) while GEMM + kernel's does. So a loss measured at ``T = 128 m``
+# holds for all ``128 (m - 1) < T <= 128 m``, and those bands are left out. Which ``m`` lose is
+# measured, not derived: how full the last wave of tiles is does not tell. Balanced
 # rounds, 2026-12-06, two rounds each, dense / pools: the H200 at 736 1.071-1.073 / 1.071-1.074
 # against 1.091-1.097 / 1.101-1.109; 768 1.081 / 1.079 against 1.097-1.102 / 1.109-1.111; 1024
 # 1.105-1.109 / 1.109-1.110 against 1.090 / 1.091-1.092; 1280-1536 1.090-1.147 / 1.113-1.148
