@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from typedkv import _bench
+from typedkv import _bench, _bench_e2e
 from typedkv._launch import TensorDescriptor
 
 HIDDEN, ROWS_ALL = 4096, 10240  # the bench's draft: 5 layers x 2 x 8 heads x 128
@@ -93,8 +93,8 @@ def gemm_rows(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, var
     w_descs = [TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [max(r, 16), block_k]) for r in rows]
     grid = (triton.cdiv(n, sum(pieces)),)
     _gemm_rows_kernel[grid](
-        h_desc, *w_descs, out, out.stride(0), num_tokens, *rows, max(rows[1], 16), max(rows[2], 16), block_m, block_k, hidden_size, n, stages,
-        num_warps=4,
+        h_desc, *w_descs, out, out.stride(0), num_tokens, *rows, max(rows[1], 16), max(rows[2], 16),
+        block_m, block_k, hidden_size, n, stages, num_warps=4,
     )  # fmt: skip
 
 
@@ -141,11 +141,11 @@ def main() -> None:
         for _ in range(2):
             times = _bench.paired_gpu_time_us(calls)
             for variant in VARIANTS:
-                ratios = [a / b for a, b in zip(times[variant], times["mm"], strict=True)]
+                ratio = _bench_e2e.paired_ratio(times[variant], times["mm"])
                 print(
                     f"T={num_tokens:<4} {variant:>13} {statistics.median(times[variant]):8.2f} us  "
-                    f"mm {statistics.median(times['mm']):8.2f} us  ratio {statistics.median(ratios):.3f} "
-                    f"({min(ratios):.3f}-{max(ratios):.3f})",
+                    f"mm {statistics.median(times['mm']):8.2f} us  ratio {ratio.median:.3f} "
+                    f"({ratio.low:.3f}-{ratio.high:.3f})",
                     flush=True,
                 )
         torch.cuda.empty_cache()

@@ -154,9 +154,8 @@ def tiles(num_tokens: int) -> Tiles:
 # Again in balanced rounds (2026-12-06, `typedkv._bench.round_order`; up to three calls, two rounds
 # each): at 736 1.084-1.097 / 1.070-1.076 against 1.096-1.121 / 1.116-1.152; 752 1.075-1.077 /
 # 1.065-1.070 against 1.109-1.139 / 1.117-1.138; 768 1.061-1.071 / 1.064-1.073 against 1.106-1.114 /
-# 1.114-1.125; but 704 1.162-1.175 / 1.088-1.118 against 1.100-1.101 / 1.112-1.119 and 784 1.58-1.61
-# (a seventh row of 128-token tiles), 640 1.22-1.24, 896
-# 1.136-1.144. Hence 736-768 as well. From 1024 on as before: 1024 1.107-1.114 / 1.097-1.103
+# 1.114-1.125; but 704 1.162-1.175 / 1.088-1.118 against 1.100-1.101 / 1.112-1.119 and 784
+# 1.58-1.61 (a seventh row of 128-token tiles), 640 1.22-1.24, 896 1.136-1.144. Hence 736-768 as well. From 1024 on as before: 1024 1.107-1.114 / 1.097-1.103
 # against 1.114-1.132 / 1.120-1.124; 1152 1.105-1.109 / 1.098-1.099 against 1.109-1.111 / 1.109;
 # 1280 1.092-1.093 / 1.124-1.126 against 1.102-1.111 / 1.108-1.112 (a tie); 1536 1.128-1.140 /
 # 1.123-1.124 against 1.123-1.126 / 1.116-1.120 (a tie); 1792 1.070-1.077 / 1.059-1.063 against
@@ -166,15 +165,15 @@ def tiles(num_tokens: int) -> Tiles:
 # rows of tokens ``m = ceil(T / 128)``; within one ``m`` the kernel's time does not fall with T (the
 # H100 at 704: 113 us, at 768: 108) while GEMM + kernel's does. So a loss measured at ``T = 128 m``
 # holds for all ``128 (m - 1) < T <= 128 m``, and those bands are left out. Which ``m`` lose is
-# measured, not derived: how full the last wave of tiles is does not tell. Balanced
-# rounds, 2026-12-06, two rounds each, dense / pools: the H200 at 736 1.071-1.073 / 1.071-1.074
+# measured, not derived: how full the last wave of tiles is does not tell. Balanced rounds,
+# 2026-12-06, two rounds each, dense / pools: the H200 at 736 1.071-1.073 / 1.071-1.074
 # against 1.091-1.097 / 1.101-1.109; 768 1.081 / 1.079 against 1.097-1.102 / 1.109-1.111; 1024
 # 1.105-1.109 / 1.109-1.110 against 1.090 / 1.091-1.092; 1280-1536 1.090-1.147 / 1.113-1.148
 # against 1.081-1.114 / 1.078-1.106; 1600 1.067-1.072 / 1.062-1.065 against 1.093-1.095 /
 # 1.084-1.096; 1664 1.072-1.084 / 1.065-1.067 against 1.098-1.101 / 1.102-1.104; 1792 1.064-1.068
 # / 1.058-1.062 against 1.082 / 1.085-1.086; 2048 1.054-1.071 / 1.041-1.059 against 1.093-1.116 /
-# 1.102-1.103; 2304 1.145-1.157 / 1.125 against 1.094-1.106 / 1.082-1.095 (m = 18 out); 2560 1.192-1.205 /
-# 1.155-1.158 against 1.108-1.112 / 1.098-1.124 (m = 20 out); 2816 1.032-1.062 / 1.036-1.037 against
+# 1.102-1.103; 2304 1.145-1.157 / 1.125 against 1.094-1.106 / 1.082-1.095 (m = 18 out); 2560
+# 1.192-1.205 / 1.155-1.158 against 1.108-1.112 / 1.098-1.124 (m = 20 out); 2816 1.032-1.062 / 1.036-1.037 against
 # 1.082-1.090 / 1.087-1.088; 3072 1.134-1.161 / 1.112-1.115 against 1.087-1.098 / 1.065-1.104
 # (m = 24 out); 3328 1.041-1.051 / 1.026-1.034 against 1.083-1.091 / 1.063-1.083; 3584 1.080-1.093
 # / 1.052-1.054 against 1.080-1.085 / 1.091-1.104; 4096 1.029-1.035 / 1.018-1.020 against
