@@ -245,12 +245,12 @@ def test_deterministic_and_graph_replay_cuda(launches: list[int]) -> None:
 
 def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
     """On a device the table knows, "auto" takes this kernel exactly at the T its row holds (the oracle's K and V,
-    no GEMM output): on the H200 at T = 760 and 2048, not at 300, 1024 or 2560; on the H100 at 760, 1024 and 2048,
-    not at 300 or 2560; into per-layer pools too."""
+    no GEMM output): on the H200 at T = 760, 2048 and 2112, not at 300, 1024 or 2560; on the H100 at 760, 1024 and 2048,
+    not at 300, 2112 or 2560; into per-layer pools too."""
     if torch.cuda.get_device_name() not in _fused_ws.PROJECTION_WS_FASTER:
         pytest.skip("no measured table for this device")
     device = torch.device("cuda")
-    sizes = (300, 760, 1024, 2560, 2048)  # 2048 last: the pool call below reuses its inputs
+    sizes = (300, 760, 1024, 2112, 2560, 2048)  # 2048 last: the pool call below reuses its inputs
     taken = [t for t in sizes if _fused_ws.faster(device, t)]
     # Both ways must be seen, or the test would not show that "auto" follows the table.
     assert taken and len(taken) < len(sizes), taken
