@@ -43,6 +43,7 @@
 #   order          benchmarks/order_probe.py: torch.mm and "auto" each timed twice, the rounds rotated and balanced,
 #                  alternated ($ORDER_T, default 256 1024 2048; at most $ORDER_S s, 240)
 #   peer           benchmarks/peer_cases.py: the standalone kernel at the peer-kernel cases ($PEER_ARGS, 2 rounds)
+#   partner        benchmarks/partner_probe.py --check: K's RoPE partners gathered or loaded again (one-tile K)
 #   peer_design    benchmarks/peer_design.py --check: the standalone kernel against a kernel of the peer's design,
 #                  interleaved in one run ($PEER_DESIGN_ARGS: its flags and rounds, default 5; at most $PEER_DESIGN_S s)
 #   split_ab       typedkv bench --only e2e with V written by the GEMM where measured faster (the default) and
@@ -342,6 +343,8 @@ sys.exit(_cli.main(['bench', '--only', 'e2e', '--out', '$OUT/e2e_nosplit_$round'
             probe order order_probe.py "${ORDER_S:-240}" ${ORDER_T:-} ;;
         peer)
             PYTHONPATH="$ROOT:/tmp/site" python3 benchmarks/peer_cases.py ${PEER_ARGS:-2} 2>&1 | tee "$OUT/peer.txt" ;;
+        partner)
+            probe partner partner_probe.py "${PARTNER_S:-240}" --check ${PARTNER_ARGS:-5} ;;
         peer_design)
             probe peer_design peer_design.py "${PEER_DESIGN_S:-240}" --check ${PEER_DESIGN_ARGS:-5} ;;
         placement)

@@ -1,6 +1,6 @@
 """The standalone kernel against a kernel of the peer's design, timed side by side (a developer script).
 
-Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--check] [rounds]``.
+Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--check] [--configs] [--case=NAME] [rounds]``.
 
 Issue 18's peer figures (`peer_cases.PEER`) were measured in an earlier run by a method not
 recorded. This script writes a kernel of that peer's design, our own code, and times it beside
@@ -16,7 +16,9 @@ Each line: the case, T, microseconds and GB/s of both, typedkv's over the design
 typedkv faster), per round's median, with the peer's recorded figure beside. ``--check``: the
 design's K and V against typedkv's on fresh random inputs first (V bit-equal; K within four bf16
 ulps of its head's largest element: both round K after the norm, each in its own order), on CUDA
-or, under ``TRITON_INTERPRET=1``, on CPU tensors at small T.
+or, under ``TRITON_INTERPRET=1``, on CPU tensors at small T. ``--configs``: typedkv's other launch
+configurations (`CONFIGS`: warps, tokens a program, K and V split) timed in the same rounds, each
+against the default. ``--case=NAME``: only the cases whose name holds NAME (``--case=D256``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton.language as tl
 from peer_cases import PEER
 
 import typedkv
-from typedkv import _bench
+from typedkv import _bench, _impl, _launch
 
 
 @triton.jit
@@ -103,8 +105,46 @@ def check(device: torch.device) -> None:
             )
 
 
+# ``--configs``: typedkv's launch configurations timed beside its default (`typedkv._launch.KVConfig`):
+# warps per program, two tokens a program, K and V in separate programs, K's RoPE partners gathered.
+CONFIGS = {
+    "w1": _launch.KVConfig(num_warps=1),
+    "w2": _launch.KVConfig(num_warps=2),
+    "w8": _launch.KVConfig(num_warps=8),
+    "bt2 w4": _launch.KVConfig(block_t=2, num_warps=4),
+    "bt2 w8": _launch.KVConfig(block_t=2, num_warps=8),
+    "split w2": _launch.KVConfig(split_kv=True, num_warps=2),
+    "split w4": _launch.KVConfig(split_kv=True, num_warps=4),
+    "gather": _launch.KVConfig(partner_gather=True),
+    "gather w2": _launch.KVConfig(partner_gather=True, num_warps=2),
+}
+
+
+def configured(call: Callable[[], None], config: _launch.KVConfig) -> Callable[[], None]:
+    """``call`` launched with ``config`` instead of the default: the configuration is set while the call
+    runs (its graph is captured then; replays do not run Python) and the layout's kept launch is
+    forgotten before and after, so that the call builds its own and the next call the default's."""
+    defaults = _launch.launch_params.__kwdefaults__
+    assert defaults is not None
+
+    def run() -> None:
+        default = defaults["config"]
+        defaults["config"] = config
+        _impl.DENSE.signature._plans.clear()
+        try:
+            call()
+        finally:
+            defaults["config"] = default
+            _impl.DENSE.signature._plans.clear()
+
+    return run
+
+
 def main() -> None:
     fixed = "--fixed" in sys.argv
+    sweep = "--configs" in sys.argv
+    # --case=D256: only the cases whose name holds that text.
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--case=")), "")
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     rounds = int(args[0]) if args else 5
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,14 +153,25 @@ def main() -> None:
     if device.type != "cuda":
         return
     for case, tokens, peer in PEER:
+        if only not in case.name:
+            continue
         nbytes = _bench.bytes_moved(case, tokens)
         sets = 1 if fixed else _bench.rotating_sets(nbytes)
         inputs = [_bench.make_inputs(case, tokens, device) for _ in range(sets)]
         calls = {"typedkv": [_bench.typedkv_call(case, x) for x in inputs]}
+        for name, config in CONFIGS.items() if sweep else ():
+            calls[f"typedkv {name}"] = [configured(_bench.typedkv_call(case, x), config) for x in inputs]
         for warps in (1, 2, 4, 8):
             calls[f"design w{warps}"] = [design_call(case, x, warps) for x in inputs]
         times = _bench.paired_gpu_time_us(calls, rounds=rounds)
-        best = min((name for name in calls if name != "typedkv"), key=lambda n: statistics.median(times[n]))
+        for name in calls if sweep else ():
+            if name.startswith("typedkv "):
+                variant = [d / o for o, d in zip(times["typedkv"], times[name], strict=True)]
+                print(
+                    f"config {case.name:>16} T={tokens:<5} {name:<16} {statistics.median(times[name]):8.2f} us, "
+                    f"the default faster by {statistics.median(variant):5.3f} ({min(variant):.3f}-{max(variant):.3f})"
+                )
+        best = min((name for name in calls if name.startswith("design")), key=lambda n: statistics.median(times[n]))
         ours, theirs = statistics.median(times["typedkv"]), statistics.median(times[best])
         ratios = [d / o for o, d in zip(times["typedkv"], times[best], strict=True)]
         print(

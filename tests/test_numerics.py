@@ -353,6 +353,31 @@ def test_kernel_configs(
     assert_matches_reference(case, k_out, v_out)
 
 
+@pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_t", [1, 4])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
+def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool, dtype: torch.dtype) -> None:
+    """K as one tile: each rotary dim's partner gathered in registers gives the bits of its second load."""
+    # T = 21 leaves a partial last block at BLOCK_T = 4; R < D makes K one tile (NeoX).
+    case = make_case(21, 2, 3, 80, 32, dtype, "neox", norm=norm)
+    args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
+    outs = []
+    for gather in (False, True):
+        k_out, v_out = torch.empty(case.out_shape, dtype=dtype), torch.empty(case.out_shape, dtype=dtype)
+        strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
+        config = _launch.KVConfig(block_t=block_t, full_row=True, partner_gather=gather)
+        launch = _launch.Launch(
+            *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
+            head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=True, config=config,
+        )  # fmt: skip
+        launch(_launch.varying(*args, k_out, v_out, None))
+        assert_matches_reference(case, k_out, v_out)
+        outs.append((k_out, v_out))
+    assert_bitwise_equal(outs[0][0], outs[1][0], "k")
+    assert_bitwise_equal(outs[0][1], outs[1][1], "v")
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "num_layers", "config", "warps"),
     [

@@ -12,7 +12,8 @@ stride (NHD and HND pages differ only in strides); the layer base is
 token block are handled by one program, or by two (``SPLIT``, grid axis 2) when
 there are few programs. K is either split into the rotary pairs and the
 pass-through dims (`_k_part`) or, for NeoX RoPE over part of the head, kept as
-one tile (`_k_row`, ``FULL_ROW``).
+one tile (`_k_row`, ``FULL_ROW``), each rotary dim's partner then gathered from
+the normed row in registers (``FULL_ROW == 2``, the default) or loaded again.
 
 Every load and store is masked, so the kernel never touches memory outside its
 tensors whatever the values of ``positions`` or the slots are: a token whose
@@ -169,6 +170,7 @@ def _k_row(
     R: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """K with NeoX RoPE over part of the head (R < D): every dim in one tile.
 
@@ -178,7 +180,9 @@ def _k_row(
     layouts. Here the row is one ``[T, H, D]`` tile; each rotary dim's partner
     (``d +- R/2``) comes from a second load of the same row (an L1 hit), so the
     rotation needs no shuffle: ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])``
-    with ``j = d mod R/2``.
+    with ``j = d mod R/2``. ``GATHER``: the partner taken from the normed row in
+    registers instead (``tl.gather``), the same value (each dim is normed and
+    rounded on its own), with no second load of the row or of the norm weight.
     """
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
     SOFT_ROUND: tl.constexpr = QUANT[4]
@@ -197,21 +201,26 @@ def _k_row(
     in_row = dim < D
     x = tl.load(k_head[:, :, None] + dim[None, None, :], mask=head_ok[:, :, None] & in_row[None, None, :], other=0.0)
     x = x.to(tl.float32)
-    xp = tl.load(
-        k_head[:, :, None] + partner[None, None, :], mask=head_ok[:, :, None] & rotary[None, None, :], other=0.0
-    )
-    xp = xp.to(tl.float32)
     if NORM:
         w_row = weight_ptr + layer * weight_stride_l
         w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
-        wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
         # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
         rstd = _rstd(tl.sum(x * x, axis=2), D, eps)[:, :, None]
         y = _cast(x * rstd * w, store_ty, SOFT_ROUND).to(tl.float32)
-        yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
     else:
         y = x
-        yp = xp
+    if GATHER:
+        yp = tl.gather(y, tl.broadcast_to(partner[None, None, :], y.shape), axis=2)
+    else:
+        xp = tl.load(
+            k_head[:, :, None] + partner[None, None, :], mask=head_ok[:, :, None] & rotary[None, None, :], other=0.0
+        )
+        xp = xp.to(tl.float32)
+        if NORM:
+            wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
+            yp = _cast(xp * rstd * wp, store_ty, SOFT_ROUND).to(tl.float32)
+        else:
+            yp = xp
     # NaN for a bad token, -0.0 (changes no bits) otherwise; pass-through dims are y itself.
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
@@ -323,7 +332,7 @@ def materialize_kv_kernel(
     SOFT_ROUND: tl.constexpr,
     NUM_LAYERS: tl.constexpr,
     LAYER_FAST: tl.constexpr,
-    FULL_ROW: tl.constexpr,
+    FULL_ROW: tl.constexpr,  # 0: K in pieces (`_k_part`); 1: one tile (`_k_row`); 2: one tile, partners gathered
     V_FIRST: tl.constexpr,  # K and V in one program: V's loads issued before K's stores (else after them)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
     WIDE: tl.constexpr,  # some index * stride of this layout passes int32 (`typedkv._launch.wide_offsets`)
@@ -378,7 +387,22 @@ def materialize_kv_kernel(
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if FULL_ROW:
             _k_row(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D
+                k_head,
+                head_ok,
+                tok,
+                tok_ok,
+                layer,
+                row_ok,
+                k_dst,
+                norm,
+                rope,
+                scale[0],
+                K_QUANT,
+                D,
+                R,
+                NORM,
+                BLOCK_D,
+                FULL_ROW == 2,
             )
         else:
             _k_part(

@@ -65,6 +65,10 @@ class KVConfig:
     block_t: int | None = None  # tokens per program
     split_kv: bool | None = None  # K and V in separate programs (grid axis 2)
     full_row: bool | None = None  # K as one tile (NeoX RoPE over part of the head only)
+    # K as one tile: each rotary dim's partner gathered from the normed row in registers
+    # (`tl.gather`) instead of loaded again from kv (an L1 hit; the same bits either way).
+    # benchmarks/partner_probe.py and peer_design.py --configs time the two.
+    partner_gather: bool = True
     layer_fast: bool = True  # a token's layers on neighbouring programs
     num_warps: int | None = None  # warps per program (None: by the tile's size, as measured)
     # K and V in one program (no split_kv): V's loads issued before K's part instead of after
@@ -207,7 +211,7 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        one_tile_k, config.v_first and not split, programmatic_launch(kv.device), wide,
+        (2 if config.partner_gather else 1) if one_tile_k else 0, config.v_first and not split, programmatic_launch(kv.device), wide,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
 
