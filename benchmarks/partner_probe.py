@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from peer_design import configured
 
-from typedkv import _bench, _launch
+from typedkv import _bench, _bench_e2e, _launch
 
 CASES = (
     (_bench.Case("L2 H8 D256 R64", 2, 8, 256, 64), (16, 256, 2048, 16384)),
@@ -66,11 +66,11 @@ def main() -> None:
                 for name, config in (("loaded", LOADED), ("gathered", GATHERED))
             }
             times = _bench.paired_gpu_time_us(calls, rounds=rounds)
-            ratios = [a / b for a, b in zip(times["loaded"], times["gathered"], strict=True)]
+            ratio = _bench_e2e.paired_ratio(times["loaded"], times["gathered"])
             print(
                 f"partner {case.name:>26} T={tokens:<6} loaded {statistics.median(times['loaded']):9.2f} us  "
                 f"gathered {statistics.median(times['gathered']):9.2f} us  loaded / gathered "
-                f"{statistics.median(ratios):5.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                f"{ratio.median:5.3f} ({ratio.low:.3f}-{ratio.high:.3f})"
             )
             del calls, inputs
             torch.cuda.empty_cache()

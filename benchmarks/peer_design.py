@@ -33,7 +33,7 @@ import triton.language as tl
 from peer_cases import PEER
 
 import typedkv
-from typedkv import _bench, _impl, _launch
+from typedkv import _bench, _bench_e2e, _impl, _launch
 
 
 @triton.jit
@@ -166,18 +166,18 @@ def main() -> None:
         times = _bench.paired_gpu_time_us(calls, rounds=rounds)
         for name in calls if sweep else ():
             if name.startswith("typedkv "):
-                variant = [d / o for o, d in zip(times["typedkv"], times[name], strict=True)]
+                variant = _bench_e2e.paired_ratio(times[name], times["typedkv"])
                 print(
                     f"config {case.name:>16} T={tokens:<5} {name:<16} {statistics.median(times[name]):8.2f} us, "
-                    f"the default faster by {statistics.median(variant):5.3f} ({min(variant):.3f}-{max(variant):.3f})"
+                    f"the default faster by {variant.median:5.3f} ({variant.low:.3f}-{variant.high:.3f})"
                 )
         best = min((name for name in calls if name.startswith("design")), key=lambda n: statistics.median(times[n]))
         ours, theirs = statistics.median(times["typedkv"]), statistics.median(times[best])
-        ratios = [d / o for o, d in zip(times["typedkv"], times[best], strict=True)]
+        faster = _bench_e2e.paired_ratio(times[best], times["typedkv"])
         print(
             f"design {case.name:>16} T={tokens:<5} typedkv {ours:8.2f} us {nbytes / ours / 1e3:7.1f} GB/s  "
             f"{best} {theirs:8.2f} us {nbytes / theirs / 1e3:7.1f} GB/s  typedkv faster by "
-            f"{statistics.median(ratios):5.3f} ({min(ratios):.3f}-{max(ratios):.3f})  peer's figure {peer:7.1f} GB/s"
+            f"{faster.median:5.3f} ({faster.low:.3f}-{faster.high:.3f})  peer's figure {peer:7.1f} GB/s"
         )
         del calls, inputs
         torch.cuda.empty_cache()

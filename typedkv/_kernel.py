@@ -387,23 +387,9 @@ def materialize_kv_kernel(
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if FULL_ROW:
             _k_row(
-                k_head,
-                head_ok,
-                tok,
-                tok_ok,
-                layer,
-                row_ok,
-                k_dst,
-                norm,
-                rope,
-                scale[0],
-                K_QUANT,
-                D,
-                R,
-                NORM,
-                BLOCK_D,
+                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D,
                 FULL_ROW == 2,
-            )
+            )  # fmt: skip
         else:
             _k_part(
                 k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT,
