@@ -177,12 +177,13 @@ def _k_row(
     Arguments as `_k_part`'s. Its pieces (two rotary halves, then the
     pass-through dims padded to a power of two) each get their own register
     layout when R is small beside D, and the norm then moves values between
-    layouts. Here the row is one ``[T, H, D]`` tile; each rotary dim's partner
-    (``d +- R/2``) comes from a second load of the same row (an L1 hit), so the
-    rotation needs no shuffle: ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])``
-    with ``j = d mod R/2``. ``GATHER``: the partner taken from the normed row in
-    registers instead (``tl.gather``), the same value (each dim is normed and
-    rounded on its own), with no second load of the row or of the norm weight.
+    layouts. Here the row is one ``[T, H, D]`` tile, and
+    ``o[d] = y[d] * cos[j] + y[partner] * (+-sin[j])`` with ``j = d mod R/2`` for
+    each rotary dim and its partner ``d +- R/2``. ``GATHER``: the partner is taken
+    from the normed row in registers (``tl.gather``); else from a second load of
+    the same row (an L1 hit) and of the norm weight, normed again. Both give the
+    same value, each dim being normed and rounded on its own; the gather saves a
+    predicated load per element of the tile (benchmarks/partner_probe.py).
     """
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
     SOFT_ROUND: tl.constexpr = QUANT[4]

@@ -211,7 +211,8 @@ def launch_params(
         _scale_mode(scales[1], v_dst),
         fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
         *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        (2 if config.partner_gather else 1) if one_tile_k else 0, config.v_first and not split, programmatic_launch(kv.device), wide,
+        (2 if config.partner_gather else 1) if one_tile_k else 0,  # FULL_ROW
+        config.v_first and not split, programmatic_launch(kv.device), wide,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
 
