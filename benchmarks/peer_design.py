@@ -106,7 +106,8 @@ def check(device: torch.device) -> None:
 
 
 # ``--configs``: typedkv's launch configurations timed beside its default (`typedkv._launch.KVConfig`):
-# warps per program, two tokens a program, K and V in separate programs, K's RoPE partners gathered.
+# warps per program, two tokens a program, K and V in separate programs, K's RoPE partners loaded again
+# (the default gathers them, `KVConfig.partner_gather`).
 CONFIGS = {
     "w1": _launch.KVConfig(num_warps=1),
     "w2": _launch.KVConfig(num_warps=2),
@@ -115,27 +116,32 @@ CONFIGS = {
     "bt2 w8": _launch.KVConfig(block_t=2, num_warps=8),
     "split w2": _launch.KVConfig(split_kv=True, num_warps=2),
     "split w4": _launch.KVConfig(split_kv=True, num_warps=4),
-    "gather": _launch.KVConfig(partner_gather=True),
-    "gather w2": _launch.KVConfig(partner_gather=True, num_warps=2),
+    "loaded": _launch.KVConfig(partner_gather=False),
+    "loaded w2": _launch.KVConfig(partner_gather=False, num_warps=2),
 }
 
 
 def configured(call: Callable[[], None], config: _launch.KVConfig) -> Callable[[], None]:
     """``call`` launched with ``config`` instead of the default: the configuration is set while the call
-    runs (its graph is captured then; replays do not run Python) and the layout's kept launch is
-    forgotten before and after, so that the call builds its own and the next call the default's."""
+    runs (its graph is captured then; replays do not run Python) and the kept launches of both ops
+    (dense and into pools) are forgotten before and after, so that the call builds its own and the
+    next call the default's."""
     defaults = _launch.launch_params.__kwdefaults__
     assert defaults is not None
+
+    def forget() -> None:
+        for op in (_impl.DENSE, _impl.POOL):
+            op.signature._plans.clear()
 
     def run() -> None:
         default = defaults["config"]
         defaults["config"] = config
-        _impl.DENSE.signature._plans.clear()
+        forget()
         try:
             call()
         finally:
             defaults["config"] = default
-            _impl.DENSE.signature._plans.clear()
+            forget()
 
     return run
 

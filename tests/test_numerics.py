@@ -46,6 +46,7 @@ subnormals count.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import zlib
@@ -354,7 +355,7 @@ def test_kernel_configs(
 
 
 @pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block_t", [1, 4])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
 def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool, dtype: torch.dtype) -> None:
@@ -363,14 +364,18 @@ def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool
     case = make_case(21, 2, 3, 80, 32, dtype, "neox", norm=norm)
     args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
     outs = []
+    full_row = list(inspect.signature(_launch.materialize_kv_kernel.fn).parameters).index("FULL_ROW")
     for gather in (False, True):
         k_out, v_out = torch.empty(case.out_shape, dtype=dtype), torch.empty(case.out_shape, dtype=dtype)
         strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
         config = _launch.KVConfig(block_t=block_t, full_row=True, partner_gather=gather)
-        launch = _launch.Launch(
-            *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
-            head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=True, config=config,
-        )  # fmt: skip
+        launch_args = (*args, k_out, strides[0], v_out, strides[1], None)
+        shape: dict[str, Any] = dict(
+            num_kv_heads=case.num_kv_heads, head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=True
+        )
+        # The switch reaches the kernel: FULL_ROW 2 gathers, 1 loads again.
+        assert _launch.launch_params(*launch_args, **shape, config=config)[1][full_row] == (2 if gather else 1)
+        launch = _launch.Launch(*launch_args, **shape, config=config)
         launch(_launch.varying(*args, k_out, v_out, None))
         assert_matches_reference(case, k_out, v_out)
         outs.append((k_out, v_out))
