@@ -17,8 +17,8 @@ typedkv faster), per round's median, with the peer's recorded figure beside. ``-
 design's K and V against typedkv's on fresh random inputs first (V bit-equal; K within four bf16
 ulps of its head's largest element: both round K after the norm, each in its own order), on CUDA
 or, under ``TRITON_INTERPRET=1``, on CPU tensors at small T. ``--configs``: typedkv's other launch
-configurations (`CONFIGS`: warps, tokens a program, K and V split) timed in the same rounds, each
-against the default. ``--case=NAME``: only the cases whose name holds NAME (``--case=D256``).
+configurations (`CONFIGS`: warps, tokens a program, K and V split, K's RoPE partners loaded again)
+timed in the same rounds, each against the default. ``--case=NAME``: only the cases whose name holds NAME (``--case=D256``).
 """
 
 from __future__ import annotations
