@@ -1,6 +1,7 @@
 """The standalone kernel against a kernel of the peer's design, timed side by side (a developer script).
 
-Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--check] [--configs] [--case=NAME] [rounds]``.
+Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--check] [--configs]
+[--case=NAME] [rounds]``.
 
 Issue 18's peer figures (`peer_cases.PEER`) were measured in an earlier run by a method not
 recorded. This script writes a kernel of that peer's design, our own code, and times it beside
