@@ -1,6 +1,6 @@
 """Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
 
-Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles | --grouping [--pools] | --weight-bands
+Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles[=NAME,...] | --grouping [--pools] | --weight-bands
 [--pools] | --small | --last-tile | --last-tile-large [--pools] | --rotation | --harness] [T ...]``.
 The end-to-end bench's draft, weights and timer (`typedkv._bench_e2e.run_e2e`, CUDA graphs,
 the implementations interleaved in rounds, medians of the per-round ratios), with this device's entry of `typedkv._fused_ws.PROJECTION_WS_FASTER` widened to every T,
@@ -8,9 +8,11 @@ so the materializer pinned to "fused" launches the warp-specialised kernel where
 rounds; per T and round, each / ``torch.mm`` alone: that kernel (dense, per-layer pools) and
 GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
 
-``--tiles``: each round twice, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (one head or two
-by T) and with its tiles of two heads at every T; T from 256 to 4096 unless given. (Until
-2026-12-04 the second was 64 tokens by two heads: slower from 1024 on, benchmarks/NOTES.md.)
+``--tiles``: each round three times, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (one head or two
+by T), with its tiles of two heads at every T and with tiles of one head at every T below the weight
+bands; ``--tiles=NAME,...`` times those of `TILES` named (``table``, ``2heads``, ``1head``). T from 256 to
+4096 unless given. (Until 2026-12-04 the second was 64 tokens by two heads: slower from 1024 on,
+benchmarks/NOTES.md.)
 
 ``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
@@ -61,7 +63,10 @@ from typedkv import KVMaterializer, _bench, _bench_e2e, _fused_ws
 
 TILES = {
     "table": _fused_ws.WS_TILES,
-    "2 heads": tuple((most, t) for most, t in _fused_ws.WS_TILES if t.block_n == _fused_ws.BLOCK_N),
+    "2heads": tuple((most, t) for most, t in _fused_ws.WS_TILES if t.block_n == _fused_ws.BLOCK_N),
+    # One head a tile (the last tile's epilogue in the epilogue warps, as the table's one-head rows from
+    # 897 on) at every T below the weight bands.
+    "1head": ((65535, _fused_ws._ONE_HEAD_LAST_EPI), _fused_ws.WS_TILES[-1]),
 }
 
 
@@ -278,7 +283,9 @@ def main() -> None:
     if "--rotation" in sys.argv:
         rotation([int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 1280, 1536, 1792])
         return
-    compare = "--tiles" in sys.argv
+    named = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--tiles=")]
+    compare = "--tiles" in sys.argv or bool(named)
+    variants = {name: TILES[name] for name in named[0]} if named else TILES
     given = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     default = [256, 512, 1024, 2048, 4096] if compare else [256, 512, 768, 1024, 1536, 2048, 4096, 16384, 65536]
     tokens = given or default
@@ -286,7 +293,7 @@ def main() -> None:
     _fused_ws.PROJECTION_WS_FASTER[torch.cuda.get_device_name(device)] = ((0, math.inf),)
     _print_header("tiles")
     for round_ in (1, 2):
-        for name, table in TILES.items() if compare else [("128x256", _fused_ws.WS_TILES)]:
+        for name, table in variants.items() if compare else [("128x256", _fused_ws.WS_TILES)]:
             _fused_ws.WS_TILES = table
             for row in _bench_e2e.run_e2e(_bench.paired_gpu_time_us, device, tokens)["rows"]:
                 _print_row(round_, name, row)
