@@ -2,10 +2,9 @@
 
 Run it alternately with two packages on PYTHONPATH (benchmarks/device_run.sh, step ``ab``): each
 line gives the case, T, microseconds and % of the copy roofline measured in the same process.
-``--v-last`` launches the K/V kernel with ``KVConfig(v_first=False)`` (V's loads after K's stores,
-the order before 2026-12-01; step ``ab_vfirst`` alternates it with the default in one checkout) and
-adds the paged cases; ``--paged`` adds them alone, ``--mla`` adds the MLA kernel's pages of 64 (bf16
-and FP8).
+``--v-last`` launches the K/V kernel with ``KVConfig(v_first=False)`` (V's loads after K's stores:
+docs/decisions/001-kv-kernel-launch-configuration.md) and adds the paged cases; ``--paged`` adds
+them alone, ``--mla`` adds the MLA kernel's pages of 64 (bf16 and FP8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Developer script for the H200: the fused projection kernel's launch configuration against ``torch.mm``.
+"""Developer script for a CUDA machine: the fused projection kernel's launch configuration against ``torch.mm``.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/fused_sweep.py [--pools [--sorted | --contiguous]]
 [--defaults [--pointer] | --v-stages | --early | --before-wait] [T ...]`` (``--defaults``: the default
@@ -17,6 +17,8 @@ configuration, microseconds (the rounds' median), and the median of its per-roun
 ``torch.mm`` (their range). The best
 configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
 kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
+The tables' figures and the alternatives measured against them: docs/decisions/004-projection-path-by-token-count.md
+and 005-fused-kernel-launch-tables.md.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 
 
 def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]]:
-    """The grid swept at ``num_tokens``: around the best of the last sweep (benchmarks/NOTES.md).
+    """The grid swept at ``num_tokens``: around the defaults (docs/decisions/005-fused-kernel-launch-tables.md).
 
     With ``--defaults`` on the command line: the default configuration alone.
 
@@ -53,10 +55,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     if "--before-wait" in sys.argv:
         # The default, then neither, the next kernel let launch after the weight loop, and that with
         # the first 128 or 256 columns of each head's weight rows asked of L2 before the wait for the
-        # prior kernel. 2026-12-04 (two processes, 7 rounds each): at T = 32-128 the signal with
-        # 128 columns gained 0.6-1.3 us a call, at 16 the signal alone; at the kernel's start the
-        # signal cost 6-7 us a call (1.27-1.34x torch.mm at T = 1-64), and 1024 columns of L2
-        # requests without it 1.3-2.1 us.
+        # prior kernel (docs/decisions/003-programmatic-dependent-launch.md).
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
             for columns, signal in [(0, False), (0, True), (128, True), (256, True)]
@@ -67,12 +66,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     if num_tokens <= 64:
         # The default, and K's pipeline deeper than V's (weights by TMA): a program's loads are
         # bound by their latency, so the deeper pipeline's K heads end their loop first and their
-        # epilogue overlaps V's last loads. 2026-12-01: K 9 stages of 64 columns, V 7 read 1.01x at
-        # T = 48 and 1.04-1.08x at 64, against 1.06x / 1.09-1.10x with K and V 4 stages of 128 columns
-        # (V 9: 1.09-1.14x; V shallower than those 4 stages of 128 columns: 1.1-1.9x).
-        # 2026-12-06, H100: 4 stages of 128 columns again (a plain GEMM, benchmarks/tile_rows_probe.py,
-        # read 1.00x torch.mm so, against 1.03x with 8 of 64): the fused kernel 1.023-1.029x at T = 48-64
-        # (V 3 stages 1.06x) against the H100 row's 0.992-1.010x; pools 1.040x against 1.016x.
+        # epilogue overlaps V's last loads (docs/decisions/005-fused-kernel-launch-tables.md).
         block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
         grid = {
             16: [(128, 6, None), (128, 6, 5), (128, 6, 4), (64, 12, 9), (64, 12, 8)],
@@ -85,10 +79,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         ]
     elif num_tokens <= 128:
         # The default (one program of 128 tokens a head, all in one wave, K 7 stages, V 6) and
-        # around it. 2026-12-01: 1.09-1.11x at T = 80-128, against 1.28-1.33x with the default
-        # before (64 tokens a program, 4 stages, bands of 8: two waves of programs). The shallower
-        # pipelines (K 6-5 stages, V 4) for the H100, whose best rows at T <= 64 are shallower than the
-        # H200's: there (2026-12-06) none beat the default here (1.05-1.06x; V 4 1.11-1.14x).
+        # around it, with the shallower pipelines (K 6-5 stages, V 4) that suit the H100 at T <= 64.
         return [(_launch.ProjectionConfig(), None)] + [
             (_launch.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
             for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5), (6, 4), (5, 4)]
@@ -98,8 +89,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         # of 8; one program per SM, 131 KB of shared memory, so its epilogue overlaps no loads), and
         # configurations that let two programs share an SM: 8 warps held to 128 registers with
         # <= 98 KB of shared memory (without the cap 149 registers allow one), and 4 warps (255
-        # registers, spilling). Two 98 KB programs of 64 tokens (127-137 registers) read 1.50-1.85x
-        # at T = 2048-16384 (2026-12-01).
+        # registers, spilling).
         return [
             (_launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m), maxnreg)
             for block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m, maxnreg in [

@@ -3,8 +3,9 @@
 Kernel launches (and the materializer's GEMM) are skipped and the calls take
 CPU tensors, so what is timed is the Python between the public call and Triton:
 checks, plan lookup, call bundles, argument lists. Run it for
-two checkouts, alternated, to compare versions before a GPU run
-(benchmarks/host_time.py measures the real thing on the GPU):
+two checkouts, alternated, to compare versions before a GPU run (on a GPU,
+``typedkv bench --only e2e`` prints each call's host time over a bare launch;
+docs/decisions/011-host-time.md says what was done about it):
 
     for i in 1 2 3; do
         PYTHONPATH=/tmp/old python benchmarks/host_overhead.py

@@ -1,11 +1,11 @@
-"""Developer script for the H200: the MLA kernel's launch configuration against the copy roofline.
+"""Developer script for a CUDA machine: the MLA kernel's launch configuration against the copy roofline.
 
 Not part of the package. Usage (on a CUDA machine): ``python benchmarks/mla_sweep.py``. For each
-MLA bench case at T = 16384 and 65536, each launch configuration of a short list around the last
-sweep's best (elements per program, warps) is timed as `typedkv bench` times (CUDA-graph replays
+MLA bench case at T = 16384 and 65536, each launch configuration of a short list around the
+default (elements per program, warps) is timed as `typedkv bench` times (CUDA-graph replays
 over rotating inputs) and printed as % of copy; the best is what `typedkv._launch.MLAConfig`'s
 defaults should be. The pool cases also run without the norm (the latent copied): a bound for the same scattered
-rows. Results feed benchmarks/NOTES.md.
+rows. The last run and the alternatives it ruled out: docs/decisions/010-mla-kernel-configuration.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""The standalone kernel at the cases where a peer kernel was measured (a developer script for the H200).
+"""The standalone kernel at the cases where a peer kernel was measured (a developer script for a CUDA machine).
 
 Not part of the package. Usage: ``python benchmarks/peer_cases.py [--sweep] [--no-pdl] [--fixed] [--tokens=T,...]
 [rounds]``. Each
 line: the case, T, microseconds and GB/s of `typedkv.materialize_kv` timed as `typedkv bench`
 times it (CUDA-graph replays over rotating inputs), beside the fastest peer kernel's GB/s recorded
-below (a FlagGems-sglang Triton kernel, measured on this GPU model in an earlier run) and the
-ratio of the two. The peer figures are not measured here. ``--sweep``: each case below
-T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V split, warps per program,
-two tokens per program, layer order), the configurations alternated within each round.
+below (a FlagGems-sglang Triton kernel, recorded on an H200 by a timing method not recorded) and
+the ratio of the two. The peer figures are not measured here (docs/decisions/012-peer-comparison.md).
+``--sweep``: each case below T = 2048 once per `typedkv._launch.KVConfig` of a small grid (K and V
+split, warps per program, two tokens per program, layer order), the configurations alternated within
+each round.
 ``--tokens=1024,128``: only the cases at those T. ``--no-pdl``: launches without programmatic
 dependent launch (`typedkv._launch.PROGRAMMATIC_LAUNCH`), for an A/B in separate processes.
 ``--fixed``: one input set, every call on the same tensors (what L2 holds from the call before counts,
@@ -23,7 +24,7 @@ import torch
 
 from typedkv import _bench, _impl, _launch
 
-# (case, T, the peer's GB/s), from the earlier H200 run.
+# (case, T, the peer's GB/s), as recorded on an H200.
 PEER = (
     (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 16, 386.0),
     (_bench.Case("L5 H8 D128", 5, 8, 128, 128), 64, 953.0),

@@ -3,12 +3,12 @@
 Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--check] [--configs]
 [--case=NAME] [rounds]``.
 
-Issue 18's peer figures (`peer_cases.PEER`) were measured in an earlier run by a method not
+The peer figures (`peer_cases.PEER`) were recorded elsewhere, by a timing method not
 recorded. This script writes a kernel of that peer's design, our own code, and times it beside
 `typedkv.materialize_kv` in one run, the two interleaved round by round
 (`typedkv._bench.paired_gpu_time_us`), over the same rotating input sets as ``typedkv bench``
-(``--fixed``: one input set, what L2 holds from the call before counts). The design, as the
-issue describes it: a grid of (T, L) programs, each the K and V of all heads of one token of
+(``--fixed``: one input set, what L2 holds from the call before counts). The design, as
+recorded with those figures: a grid of (T, L) programs, each the K and V of all heads of one token of
 one layer; K normed per head, then NeoX RoPE with each dimension's partner taken from registers
 by ``tl.gather``; T a compile-time constant (one compile per T). Each case runs it at 1, 2, 4
 and 8 warps and keeps the fastest, so the design gets its best launch here.

@@ -1,4 +1,4 @@
-"""Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script for the H200).
+"""Where the warp-specialised projection kernel beats GEMM + kernel: the T table's data (a developer script, Hopper).
 
 Not part of the package. Usage: ``python benchmarks/ws_sweep.py [--tiles[=NAME,...] | --grouping [--pools] | --weight-bands
 [--pools] | --small | --last-tile | --last-tile-large [--pools] | --rotation | --harness] [T ...]``.
@@ -11,8 +11,7 @@ GEMM + kernel (dense, per-layer pools). T from 256 to 65536 unless given.
 ``--tiles``: each round three times, the kernel with `typedkv._fused_ws.WS_TILES`' tiles (one head or two
 by T), with its tiles of two heads at every T and with tiles of one head at every T below the weight
 bands; ``--tiles=NAME,...`` times those of `TILES` named (``table``, ``2heads``, ``1head``). T from 256 to
-4096 unless given. (Until 2026-12-04 the second was 64 tokens by two heads: slower from 1024 on,
-benchmarks/NOTES.md.)
+4096 unless given.
 
 ``--grouping``: the kernel's dense call alone against ``torch.mm``, with `WS_TILES`' 128 x 256 tiles
 in bands of 1 to 32 token blocks (`Tiles.group_m`) and 2 or 3 ring slots, the variants alternated
@@ -26,7 +25,7 @@ first and last.
 
 ``--small``: the small and middle T, where the fused path is `typedkv._fused_kernel` (one program per
 head and token block) or GEMM + kernel. Against both and ``torch.mm``, the warp-specialised kernel
-with the tiles of `SMALL_TILES`: 64 tokens by one head or two, 128 by one or two (today's tiles), in
+with the tiles of `SMALL_TILES`: 64 tokens by one head or two, 128 by one or two (the table's tiles), in
 bands of 8 token blocks. Dense and per-layer pools, every variant of one T interleaved in rounds
 (`typedkv._bench.paired_gpu_time_us`); each variant's K and V first compared with the Triton
 kernel's. T 16, 32, 48 and 64 unless given.
@@ -39,13 +38,13 @@ warps or in the MMA warps, tiles of 128 tokens by two heads or one. T 1024, 1536
 ``--rotation``: the end-to-end bench's timing (the kernel with `WS_TILES`' tiles, GEMM + kernel) with one
 input set, as the bench runs above T = 256 (`typedkv._bench_e2e.ROTATE_UP_TO`), and with four in turn, as
 ``--last-tile`` runs: whether the input sets explain the two timings' disagreement. T 1024, 1280, 1536
-and 1792 unless given. On the H200 (2026-12-04, docs/performance.md) they did not: the same ratios
-either way.
+and 1792 unless given.
 
 ``--harness``: the kernel with `WS_TILES`' tiles timed both ways in one process (the end-to-end bench's
 `run_e2e`, and `small` with and without the Triton kernel's implementations), two rounds; T 1024 unless given.
-On the H200 (2026-12-04) they agreed within their rounds' spread at 1024 and 1792: the 4-7% apart of
-earlier runs was between device calls (machines), not between the two timings.
+
+What the last runs found, and the tables they chose: docs/decisions/007-warp-specialised-gluon-kernel.md,
+008-toward-the-gemm-alone.md and 013-end-to-end-timing.md.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ SMALL_TILES = {
 }
 
 # ``--last-tile``: a program's last tile's epilogue in the epilogue warps (as every other tile's) or in
-# the MMA warps, idle by then (`Tiles.last_in_mma`), with today's tiles and 128 x 128.
+# the MMA warps, idle by then (`Tiles.last_in_mma`), with the two-head tiles and 128 x 128.
 LAST_TILES = {
     f"{tiles.block_n} {where}": tiles._replace(last_in_mma=where == "mma")
     for tiles in (_fused_ws._TWO_HEADS, _fused_ws._ONE_HEAD)
