@@ -12,7 +12,9 @@ from __future__ import annotations
 import sys
 
 import typedkv
-from typedkv import _bench, _launch
+from typedkv.kv import launch as kv_launch
+from typedkv.tools import bench
+from typedkv.tools import cases as bench_cases
 
 NAMES = ("L5 H8 D128", "L5 H8 D128 pool", "L5 H8 D128 pool fp8")
 
@@ -29,11 +31,11 @@ def main() -> None:
     args = [a for a in args if a not in ("--paged", "--mla")]
     if v_last:
         # Every launch the ops build from here on takes the option (they cache one per layout).
-        defaults = _launch.launch_params.__kwdefaults__
+        defaults = kv_launch.launch_params.__kwdefaults__
         assert defaults is not None
-        defaults["config"] = _launch.KVConfig(v_first=False)
-    cases = [c for c in _bench.GPU_CASES if c.name in names]
-    result = _bench.run_gpu((2048, 16384, 65536), cases, compare=False)
+        defaults["config"] = kv_launch.KVConfig(v_first=False)
+    cases = [c for c in bench_cases.GPU_CASES if c.name in names]
+    result = bench.run_gpu((2048, 16384, 65536), cases, compare=False)
     tag = args[0] if args else typedkv.__file__
     for row in result["rows"]:
         print(

@@ -9,14 +9,14 @@ default, and the next kernel let launch after the weight loop and weight columns
 wait, on and off; with ``--pools``, ``--sorted`` sends the tokens to their random slots in increasing order, ``--contiguous`` to
 consecutive slots).
 For the end-to-end bench's draft (5 layers, 8 KV heads, head dim 128, hidden 4096, bf16), at each
-T every `typedkv._launch.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
+T every `typedkv.projection.tuning.ProjectionConfig` of a grid is timed as `typedkv bench` times its end-to-end
 section (CUDA-graph replays over rotating inputs, every variant of one T interleaved in rounds
-ordered by a balanced Latin square: `typedkv._bench.paired_gpu_time_us`), dense outputs, beside
+ordered by a balanced Latin square: `typedkv.tools.bench.paired_gpu_time_us`), dense outputs, beside
 ``torch.mm`` alone into a reused buffer and the GEMM + K/V kernel path. Each line: T, the
 configuration, microseconds (the rounds' median), and the median of its per-round ratios to
 ``torch.mm`` (their range). The best
 configuration per T range is what ``ProjectionConfig``'s defaults should be; where the fused
-kernel beats GEMM + kernel is what ``typedkv._launch.PROJECTION_FUSED_FASTER`` records.
+kernel beats GEMM + kernel is what ``typedkv.projection.tuning.TUNING`` records (``Tuning.fused_faster``).
 The tables' figures and the alternatives measured against them: docs/decisions/004-projection-path-by-token-count.md
 and 005-fused-kernel-launch-tables.md.
 """
@@ -29,13 +29,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from typedkv import KVMaterializer, _bench, _fused_impl, _launch
-from typedkv._bench_e2e import Draft, paired_ratio
+from typedkv import KVMaterializer
+from typedkv.projection import fused as fused_impl
+from typedkv.projection import launch as fused_launch
+from typedkv.projection import tuning
+from typedkv.tools import timing
+from typedkv.tools.bench_e2e import Draft, paired_ratio
 
 TOKENS = (16, 32, 48, 64, 1, 256, 2048, 16384)
 
 
-def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]]:
+def configs(num_tokens: int) -> list[tuple[tuning.ProjectionConfig, int | None]]:
     """The grid swept at ``num_tokens``: around the defaults (docs/decisions/005-fused-kernel-launch-tables.md).
 
     With ``--defaults`` on the command line: the default configuration alone.
@@ -44,11 +48,11 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
     """
     if "--defaults" in sys.argv:
         # With --pointer: the default configuration of weight tiles loaded by pointer (a weight off 16 bytes).
-        return [(_launch.ProjectionConfig(tma=False if "--pointer" in sys.argv else None), None)]
+        return [(tuning.ProjectionConfig(tma=False if "--pointer" in sys.argv else None), None)]
     if "--early" in sys.argv:
         # The default with K's RoPE rows, and the epilogue's other loads, before the loop or after it.
         return [
-            (_launch.ProjectionConfig(early_rope=rope, early_loads=loads), None)
+            (tuning.ProjectionConfig(early_rope=rope, early_loads=loads), None)
             for rope in (False, True)
             for loads in (False, True)
         ]
@@ -56,13 +60,13 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         # The default, then neither, the next kernel let launch after the weight loop, and that with
         # the first 128 or 256 columns of each head's weight rows asked of L2 before the wait for the
         # prior kernel (docs/decisions/003-programmatic-dependent-launch.md).
-        return [(_launch.ProjectionConfig(), None)] + [
-            (_launch.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
+        return [(tuning.ProjectionConfig(), None)] + [
+            (tuning.ProjectionConfig(l2_before_wait=columns, signal_next=signal), None)
             for columns, signal in [(0, False), (0, True), (128, True), (256, True)]
         ]
     if "--v-stages" in sys.argv:
         # The default, and the same with V's programs on a shallower pipeline than K's.
-        return [(_launch.ProjectionConfig(v_stages=v_stages), None) for v_stages in (None, 2, 3, 4)]
+        return [(tuning.ProjectionConfig(v_stages=v_stages), None) for v_stages in (None, 2, 3, 4)]
     if num_tokens <= 64:
         # The default, and K's pipeline deeper than V's (weights by TMA): a program's loads are
         # bound by their latency, so the deeper pipeline's K heads end their loop first and their
@@ -73,15 +77,15 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
             32: [(128, 5, None), (128, 5, 4), (128, 5, 3), (64, 11, 8), (64, 11, 7), (64, 9, 6)],
             64: [(64, 9, 7), (64, 9, 6), (64, 9, 5), (64, 9, 8), (64, 8, 6), (64, 8, 7)],
         }[block_m]
-        return [(_launch.ProjectionConfig(), None)] + [
-            (_launch.ProjectionConfig(block_m, block_k, 4, stages, None, None, True, v_stages=v_stages), None)
+        return [(tuning.ProjectionConfig(), None)] + [
+            (tuning.ProjectionConfig(block_m, block_k, 4, stages, None, None, True, v_stages=v_stages), None)
             for block_k, stages, v_stages in grid
         ]
     elif num_tokens <= 128:
         # The default (one program of 128 tokens a head, all in one wave, K 7 stages, V 6) and
         # around it, with the shallower pipelines (K 6-5 stages, V 4) that suit the H100 at T <= 64.
-        return [(_launch.ProjectionConfig(), None)] + [
-            (_launch.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
+        return [(tuning.ProjectionConfig(), None)] + [
+            (tuning.ProjectionConfig(128, 64, 8, stages, None, None, True, 1, v_stages), None)
             for stages, v_stages in [(7, 5), (7, 6), (7, 7), (6, 5), (6, 4), (5, 4)]
         ]
     else:
@@ -91,7 +95,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
         # <= 98 KB of shared memory (without the cap 149 registers allow one), and 4 warps (255
         # registers, spilling).
         return [
-            (_launch.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m), maxnreg)
+            (tuning.ProjectionConfig(block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m), maxnreg)
             for block_m, block_k, warps, stages, early_rope, early_loads, tma, group_m, maxnreg in [
                 (128, 64, 8, 4, False, False, False, 8, None),
                 (128, 64, 8, 4, False, False, True, 8, None),
@@ -103,7 +107,7 @@ def configs(num_tokens: int) -> list[tuple[_launch.ProjectionConfig, int | None]
             ]
         ]
     return [
-        (_launch.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads), None)
+        (tuning.ProjectionConfig(block_m, block_k, 4, stages, early_rope, early_loads), None)
         for block_m, block_k, stages in grid
         for early_rope in (False, True)
         for early_loads in (False, True)
@@ -170,7 +174,7 @@ def _sweep_pools(
         lambda h=h, p=p, c=c: gemm.into_pool(h, p, c, k_layers, v_layers)
         for h, p, c in zip(hidden, positions, cache_loc, strict=True)
     ]
-    defaults = _launch.projection_launch.__kwdefaults__
+    defaults = fused_launch.projection_launch.__kwdefaults__
     assert defaults is not None
     default = defaults["config"]
     fused: dict[str, Sequence[Callable[[], None]]] = {}
@@ -178,7 +182,7 @@ def _sweep_pools(
         if maxnreg is not None:
             continue  # the op builds its own launches: no register cap there
         defaults["config"] = config
-        _fused_impl._LAUNCHES.clear()
+        fused_impl._LAUNCHES.clear()
         m = KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=H)
         m.projection_path = "fused"
         calls = [
@@ -188,7 +192,7 @@ def _sweep_pools(
         calls[0]()  # the materializer keeps the launch built now, with this configuration
         fused[f"pools T={num_tokens:<6} {_config_text(config)}"] = calls
     defaults["config"] = default
-    _fused_impl._LAUNCHES.clear()
+    fused_impl._LAUNCHES.clear()
     torch.cuda.synchronize()
     _timed(mm, fused, two)
 
@@ -234,7 +238,7 @@ def _sweep(
     _timed(mm, fused, two)
 
 
-def _config_text(config: _launch.ProjectionConfig) -> str:
+def _config_text(config: tuning.ProjectionConfig) -> str:
     return (
         f"m={config.block_m} k={config.block_k} w={config.num_warps} s={config.num_stages} "
         f"early_rope={config.early_rope} early_loads={config.early_loads} tma={config.tma} group_m={config.group_m} v_stages={config.v_stages}"
@@ -252,9 +256,9 @@ def _timed(
     two: Sequence[Callable[[], None]],
 ) -> None:
     """torch.mm alone, each configuration's fused calls and GEMM + kernel timed interleaved in rounds
-    (`typedkv._bench.paired_gpu_time_us`); one line a configuration: its µs, torch.mm's and GEMM +
+    (`typedkv.tools.bench.paired_gpu_time_us`); one line a configuration: its µs, torch.mm's and GEMM +
     kernel's (medians of the rounds), and the medians of the per-round ratios to torch.mm (their range)."""
-    rounds = _bench.paired_gpu_time_us({"mm": mm, "two": two, **fused})
+    rounds = timing.paired_gpu_time_us({"mm": mm, "two": two, **fused})
     us_mm, us_two = statistics.median(rounds["mm"]), statistics.median(rounds["two"])
     two_ratio = _paired_ratio(rounds["two"], rounds["mm"])
     for label in fused:
@@ -282,7 +286,7 @@ def _fused(
     cos_sin: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
-    config: _launch.ProjectionConfig,
+    config: tuning.ProjectionConfig,
     maxnreg: int | None = None,
 ) -> Callable[[], None]:
     """One fused launch with ``config`` into dense ``[L, T, H, D]`` outputs (built here, as the ops cache theirs).
@@ -293,11 +297,11 @@ def _fused(
     L, T, H, D = k_out.shape
     flat = weight.reshape(-1, weight.shape[-1])
     strides = (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2))
-    launch = _launch.projection_launch(
+    launch = fused_launch.projection_launch(
         hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, strides, v_out, strides, None,
         num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=T, neox=True, config=config,
     )  # fmt: skip
-    values = _launch.projection_varying(
+    values = fused_launch.projection_varying(
         hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None, weight_blocks=launch.weight_blocks
     )
 

@@ -29,21 +29,22 @@ import torch
 os.environ.pop("TRITON_INTERPRET", None)
 
 import typedkv
-from typedkv import _launch
+from typedkv.core import launcher
+from typedkv.kv import launch as kv_launch
 
 
 def _no_launch() -> None:
     """Kernel launches and the materializers' GEMM become no-ops; CPU tensors take the kernel's path."""
-    _launch.use_kernel = lambda device: True  # type: ignore[assignment]
+    launcher.use_kernel = lambda device: True  # type: ignore[assignment]
     # The GEMM is looked up in _projection now, in the materializer module in older versions.
-    for name in ("typedkv._projection", "typedkv._materializer"):
+    for name in ("typedkv.projection.layers", "typedkv.projection.materializer"):
         try:
             module: Any = importlib.import_module(name)
         except ModuleNotFoundError:  # a version without that module
             continue
         module.gemm = lambda *args: None
     # The launch object is KernelLaunch now, Launch in older versions.
-    launch: Any = getattr(_launch, "KernelLaunch", None) or _launch.Launch
+    launch: Any = getattr(launcher, "KernelLaunch", None) or kv_launch.Launch
     launch.__call__ = lambda self, values, after_gemm=False: None
 
 

@@ -6,7 +6,7 @@ Not part of the package. Usage: ``python benchmarks/peer_design.py [--fixed] [--
 The peer figures (`peer_cases.PEER`) were recorded elsewhere, by a timing method not
 recorded. This script writes a kernel of that peer's design, our own code, and times it beside
 `typedkv.materialize_kv` in one run, the two interleaved round by round
-(`typedkv._bench.paired_gpu_time_us`), over the same rotating input sets as ``typedkv bench``
+(`typedkv.tools.bench.paired_gpu_time_us`), over the same rotating input sets as ``typedkv bench``
 (``--fixed``: one input set, what L2 holds from the call before counts). The design, as
 recorded with those figures: a grid of (T, L) programs, each the K and V of all heads of one token of
 one layer; K normed per head, then NeoX RoPE with each dimension's partner taken from registers
@@ -34,7 +34,9 @@ import triton.language as tl
 from peer_cases import PEER
 
 import typedkv
-from typedkv import _bench, _bench_e2e, _impl, _launch
+from typedkv.kv import impl as kv_impl
+from typedkv.kv import launch as kv_launch
+from typedkv.tools import bench_e2e, cases, timing
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def _design_kernel(
     tl.store(v_out + out, v)
 
 
-def design_call(case: _bench.Case, x: _bench.Inputs, num_warps: int) -> Callable[[], None]:
+def design_call(case: cases.Case, x: cases.Inputs, num_warps: int) -> Callable[[], None]:
     """One call of the peer's design on ``x`` (dense outputs, ``x.k_out`` and ``x.v_out``)."""
     T = x.kv.shape[0]
     L, H, D, R = case.num_layers, case.num_kv_heads, case.head_dim, case.rotary_dim
@@ -89,7 +91,7 @@ def check(device: torch.device) -> None:
     cases = {case.name: case for case, _, _ in PEER}.values()
     for case in cases:
         for tokens in (3, 17) if device.type == "cpu" else (1, 16, 300):
-            x = _bench.make_inputs(case, tokens, device)
+            x = cases.make_inputs(case, tokens, device)
             k, v = typedkv.materialize_kv(
                 x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, num_kv_heads=case.num_kv_heads,
             )  # fmt: skip
@@ -106,32 +108,32 @@ def check(device: torch.device) -> None:
             )
 
 
-# ``--configs``: typedkv's launch configurations timed beside its default (`typedkv._launch.KVConfig`):
+# ``--configs``: typedkv's launch configurations timed beside its default (`typedkv.kv.launch.KVConfig`):
 # warps per program, two tokens a program, K and V in separate programs, K's RoPE partners loaded again
 # (the default gathers them, `KVConfig.partner_gather`).
 CONFIGS = {
-    "w1": _launch.KVConfig(num_warps=1),
-    "w2": _launch.KVConfig(num_warps=2),
-    "w8": _launch.KVConfig(num_warps=8),
-    "bt2 w4": _launch.KVConfig(block_t=2, num_warps=4),
-    "bt2 w8": _launch.KVConfig(block_t=2, num_warps=8),
-    "split w2": _launch.KVConfig(split_kv=True, num_warps=2),
-    "split w4": _launch.KVConfig(split_kv=True, num_warps=4),
-    "loaded": _launch.KVConfig(partner_gather=False),
-    "loaded w2": _launch.KVConfig(partner_gather=False, num_warps=2),
+    "w1": kv_launch.KVConfig(num_warps=1),
+    "w2": kv_launch.KVConfig(num_warps=2),
+    "w8": kv_launch.KVConfig(num_warps=8),
+    "bt2 w4": kv_launch.KVConfig(block_t=2, num_warps=4),
+    "bt2 w8": kv_launch.KVConfig(block_t=2, num_warps=8),
+    "split w2": kv_launch.KVConfig(split_kv=True, num_warps=2),
+    "split w4": kv_launch.KVConfig(split_kv=True, num_warps=4),
+    "loaded": kv_launch.KVConfig(partner_gather=False),
+    "loaded w2": kv_launch.KVConfig(partner_gather=False, num_warps=2),
 }
 
 
-def configured(call: Callable[[], None], config: _launch.KVConfig) -> Callable[[], None]:
+def configured(call: Callable[[], None], config: kv_launch.KVConfig) -> Callable[[], None]:
     """``call`` launched with ``config`` instead of the default: the configuration is set while the call
     runs (its graph is captured then; replays do not run Python) and the kept launches of both ops
     (dense and into pools) are forgotten before and after, so that the call builds its own and the
     next call the default's."""
-    defaults = _launch.launch_params.__kwdefaults__
+    defaults = kv_launch.launch_params.__kwdefaults__
     assert defaults is not None
 
     def forget() -> None:
-        for op in (_impl.DENSE, _impl.POOL):
+        for op in (kv_impl.DENSE, kv_impl.POOL):
             op.signature._plans.clear()
 
     def run() -> None:
@@ -162,25 +164,25 @@ def main() -> None:
     for case, tokens, peer in PEER:
         if only not in case.name:
             continue
-        nbytes = _bench.bytes_moved(case, tokens)
-        sets = 1 if fixed else _bench.rotating_sets(nbytes)
-        inputs = [_bench.make_inputs(case, tokens, device) for _ in range(sets)]
-        calls = {"typedkv": [_bench.typedkv_call(case, x) for x in inputs]}
+        nbytes = cases.bytes_moved(case, tokens)
+        sets = 1 if fixed else cases.rotating_sets(nbytes)
+        inputs = [cases.make_inputs(case, tokens, device) for _ in range(sets)]
+        calls = {"typedkv": [cases.typedkv_call(case, x) for x in inputs]}
         for name, config in CONFIGS.items() if sweep else ():
-            calls[f"typedkv {name}"] = [configured(_bench.typedkv_call(case, x), config) for x in inputs]
+            calls[f"typedkv {name}"] = [configured(cases.typedkv_call(case, x), config) for x in inputs]
         for warps in (1, 2, 4, 8):
             calls[f"design w{warps}"] = [design_call(case, x, warps) for x in inputs]
-        times = _bench.paired_gpu_time_us(calls, rounds=rounds)
+        times = timing.paired_gpu_time_us(calls, rounds=rounds)
         for name in calls if sweep else ():
             if name.startswith("typedkv "):
-                variant = _bench_e2e.paired_ratio(times[name], times["typedkv"])
+                variant = bench_e2e.paired_ratio(times[name], times["typedkv"])
                 print(
                     f"config {case.name:>16} T={tokens:<5} {name:<16} {statistics.median(times[name]):8.2f} us, "
                     f"the default faster by {variant.median:5.3f} ({variant.low:.3f}-{variant.high:.3f})"
                 )
         best = min((name for name in calls if name.startswith("design")), key=lambda n: statistics.median(times[n]))
         ours, theirs = statistics.median(times["typedkv"]), statistics.median(times[best])
-        faster = _bench_e2e.paired_ratio(times[best], times["typedkv"])
+        faster = bench_e2e.paired_ratio(times[best], times["typedkv"])
         print(
             f"design {case.name:>16} T={tokens:<5} typedkv {ours:8.2f} us {nbytes / ours / 1e3:7.1f} GB/s  "
             f"{best} {theirs:8.2f} us {nbytes / theirs / 1e3:7.1f} GB/s  typedkv faster by "

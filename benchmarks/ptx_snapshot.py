@@ -42,7 +42,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("ptx_snapshot.py compiles kernels: run it without TRITON_INTERPRET=1")
 
 import typedkv
-from typedkv import _launch
+from typedkv.core import launcher
+from typedkv.projection import launch as fused_launch
 
 _TYPES = {
     torch.bfloat16: "bf16",
@@ -61,18 +62,18 @@ Captured = tuple[Any, tuple[int, int, int], tuple[Any, ...], int]
 def capture(call: Callable[[], object]) -> list[Captured]:
     """The launches ``call`` makes, as ``(kernel, grid, arguments, num_warps)``, none of them run."""
     seen: list[Captured] = []
-    use_kernel, run = _launch.use_kernel, _launch.KernelLaunch.__call__
+    use_kernel, run = launcher.use_kernel, launcher.KernelLaunch.__call__
 
     def record(self: Any, values: tuple[Any, ...], after_gemm: bool = False) -> None:
         seen.append((self.kernel, self.grid, self.arguments(values), self.num_warps))
 
-    _launch.use_kernel = lambda device: True  # type: ignore[assignment]
-    _launch.KernelLaunch.__call__ = record  # type: ignore[method-assign]
+    launcher.use_kernel = lambda device: True  # type: ignore[assignment]
+    launcher.KernelLaunch.__call__ = record  # type: ignore[method-assign]
     try:
         call()
     finally:
-        _launch.use_kernel = use_kernel  # type: ignore[assignment]
-        _launch.KernelLaunch.__call__ = run  # type: ignore[method-assign]
+        launcher.use_kernel = use_kernel  # type: ignore[assignment]
+        launcher.KernelLaunch.__call__ = run  # type: ignore[method-assign]
     return seen
 
 
@@ -81,7 +82,7 @@ def compile_ptx(kernel: Any, params: tuple[Any, ...], num_warps: int) -> str:
     compiler: Any = importlib.import_module("triton.compiler")
     backends: Any = importlib.import_module("triton.backends.compiler")
     names = list(inspect.signature(kernel.fn).parameters)
-    constexpr_at = _launch._constexpr_indices(kernel)
+    constexpr_at = launcher._constexpr_indices(kernel)
     unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
     signature: dict[str, Any] = {}
     constexprs: dict[tuple[int, ...], Any] = {}
@@ -332,8 +333,8 @@ def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
 def as_on_hopper(set_attribute: Callable[[Any, str, Any], object]) -> None:
     """Launch the fused kernel as on an H200: weight tiles by TMA where they can be, pipelines sized to its
     227 KB of shared memory. ``set_attribute``: ``setattr``, or a test's ``monkeypatch.setattr``."""
-    set_attribute(_launch, "_tma_device", lambda device: True)
-    set_attribute(_launch, "_shared_memory", lambda device: 232448)
+    set_attribute(fused_launch, "_tma_device", lambda device: True)
+    set_attribute(fused_launch, "_shared_memory", lambda device: 232448)
 
 
 def main() -> None:

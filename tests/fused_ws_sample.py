@@ -1,8 +1,8 @@
 """The warp-specialised fused kernel's calls as a plain script, for ``compute-sanitizer``.
 
-`typedkv._fused_ws` (Gluon, Hopper) runs the fused path from the T its measured table
+`typedkv.projection.warp_specialized` (Gluon, Hopper) runs the fused path from the T its measured table
 gives; here the table is widened to every T, and each tile set the kernel is launched
-with (`typedkv._fused_ws.WS_TILES`' sets, and two heads with the last tile in the
+with (`typedkv.projection.warp_specialized.WS_TILES`' sets, and two heads with the last tile in the
 epilogue warps) takes every call in turn. Each set writes dense outputs (T = 1, 300
 with positions outside the cos/sin cache, and a T where every program takes three
 tiles or more, so that the ring and the staging tile carry from tile to tile) and
@@ -39,34 +39,34 @@ from test_fused_projection import Draft, H, L, _layers
 from ws_launches import counted_launches, runs_here, taken_everywhere
 
 import typedkv
-from typedkv import _fused_ws
+from typedkv.projection import warp_specialized
 
-D = _fused_ws.HEAD_DIM
+D = warp_specialized.HEAD_DIM
 SLOTS = 512  # pool slots: 32 pages of 16
 PAGE = 16
 
 
-def tile_sets() -> dict[str, _fused_ws.Tiles]:
+def tile_sets() -> dict[str, warp_specialized.Tiles]:
     """Every tile set `WS_TILES` launches with, by a name, and two heads with the last tile in the epilogue warps."""
     sets = {}
-    for _, shape in _fused_ws.WS_TILES:
+    for _, shape in warp_specialized.WS_TILES:
         heads = "two heads" if shape.block_n == 2 * D else "one head"
         last = "MMA" if shape.last_in_mma else "epilogue"
         bands = f", bands of {shape.group_n} weight tiles" if shape.group_n else ""
         sets[f"{heads}, last tile in the {last} warps{bands}"] = shape
-    two_heads = _fused_ws.WS_TILES[-2][1]
+    two_heads = warp_specialized.WS_TILES[-2][1]
     sets.setdefault("two heads, last tile in the epilogue warps", two_heads._replace(last_in_mma=False))
     return sets
 
 
-def several_tiles_a_program(shape: _fused_ws.Tiles) -> int:
+def several_tiles_a_program(shape: warp_specialized.Tiles) -> int:
     """A T at which every program takes three tiles or more (one tile a token block and ``block_n`` weight rows)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles_n = L * 2 * H * D // shape.block_n
     return shape.block_m * (3 * sms // tiles_n + 1)
 
 
-def dense_cases(shape: _fused_ws.Tiles) -> Iterator[tuple[str, dict[str, Any], int]]:
+def dense_cases(shape: warp_specialized.Tiles) -> Iterator[tuple[str, dict[str, Any], int]]:
     yield "T=1 rope only", {"norm": False, "hidden": 256}, 1
     # hidden 1000: the last k-step runs past the hidden and weight columns (TMA fills zeros).
     yield "T=300 hidden=1000", {"hidden": 1000}, 300
@@ -74,7 +74,7 @@ def dense_cases(shape: _fused_ws.Tiles) -> Iterator[tuple[str, dict[str, Any], i
     yield f"T={num_tokens} (three tiles a program or more)", {"hidden": 256}, num_tokens
 
 
-def run_dense(shape: _fused_ws.Tiles, launches: list[int]) -> None:
+def run_dense(shape: warp_specialized.Tiles, launches: list[int]) -> None:
     for name, kw, num_tokens in dense_cases(shape):
         draft = Draft(torch.bfloat16, head_dim=D, rotary_dim=D, **kw)
         draft.m.to("cuda")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with taken_everywhere(torch.cuda.get_device_name()), counted_launches() as launches:
         for index, (label, shape) in enumerate(tile_sets().items()):
-            _fused_ws.WS_TILES = ((math.inf, shape),)
+            warp_specialized.WS_TILES = ((math.inf, shape),)
             layouts = POOL_LAYOUTS if index == 0 else POOL_LAYOUTS_AFTER
             run_dense(shape, launches)
             run_pools(layouts, launches)

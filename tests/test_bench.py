@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from typedkv import _bench, _bench_e2e
+from typedkv.tools import bench, bench_e2e, cases, host, plot, timing
 
 
 def _result(cases: list[str], impls: tuple[str, ...] = ("typedkv",)) -> dict[str, Any]:
@@ -26,19 +26,19 @@ def _result(cases: list[str], impls: tuple[str, ...] = ("typedkv",)) -> dict[str
 
 
 def test_cases_land_in_their_panels() -> None:
-    names = [c.name for c in _bench.GPU_CASES]
-    panels = _bench.plot_series(_result(names))
+    names = [c.name for c in cases.GPU_CASES]
+    panels = plot.plot_series(_result(names))
     labels = [[label for label, _ in panel] for panel in panels]
-    assert labels[0] == [c.name for c in _bench.GPU_CASES if not c.pool and not c.kv_lora_rank]
-    assert labels[1] == [c.name for c in _bench.GPU_CASES if c.pool and not c.kv_lora_rank]
-    assert labels[2] == [c.name for c in _bench.GPU_CASES if c.kv_lora_rank]
+    assert labels[0] == [c.name for c in cases.GPU_CASES if not c.pool and not c.kv_lora_rank]
+    assert labels[1] == [c.name for c in cases.GPU_CASES if c.pool and not c.kv_lora_rank]
+    assert labels[2] == [c.name for c in cases.GPU_CASES if c.kv_lora_rank]
     assert labels[3] == labels[4] == []
 
 
 def test_speedups_and_end_to_end_ratios() -> None:
     result = _result(["L5 H8 D128"], ("typedkv", "eager", "compile"))
     result["e2e"] = {"rows": [{"tokens": 16, "us": {"mm": 20.0, "typedkv": 22.0, "typedkv_pool": 25.0}}]}
-    panels = _bench.plot_series(result)
+    panels = plot.plot_series(result)
     assert panels[3] == [
         ("L5 H8 D128: eager", [(16, 2.0), (256, 2.0)]),
         ("L5 H8 D128: compile", [(16, 3.0), (256, 3.0)]),
@@ -52,23 +52,23 @@ def test_end_to_end_panel_takes_the_recorded_ratio() -> None:
     result = _result(["L5 H8 D128"])
     us = {"mm": 20.0, "typedkv": 22.0, "typedkv_pool": 25.0}
     result["e2e"] = {"rows": [{"tokens": 16, "us": us, "ratio": {"typedkv / mm": 1.05, "typedkv_fused / x": 9.0}}]}
-    assert _bench.plot_series(result)[4] == [("typedkv / mm", [(16, 1.05)]), ("typedkv_pool / mm", [(16, 1.25)])]
+    assert plot.plot_series(result)[4] == [("typedkv / mm", [(16, 1.05)]), ("typedkv_pool / mm", [(16, 1.25)])]
 
 
 def test_every_panel_fits_its_distinct_styles() -> None:
     """Ten colours, two line styles: no panel of the full bench (with every baseline) repeats a style."""
-    result = _result([c.name for c in _bench.GPU_CASES], ("typedkv", "eager", "compile", "staging"))
-    compared = {c.name for c in (_bench.MAIN, _bench.POOL, _bench.MLA_MAIN, _bench.MLA_POOL)}
+    result = _result([c.name for c in cases.GPU_CASES], ("typedkv", "eager", "compile", "staging"))
+    compared = {c.name for c in (cases.MAIN, cases.POOL, cases.MLA_MAIN, cases.MLA_POOL)}
     result["rows"] = [
         {**row, "us": {k: v for k, v in row["us"].items() if k == "typedkv" or row["case"] in compared}}
         for row in result["rows"]
     ]
-    for panel in _bench.plot_series(result):
+    for panel in plot.plot_series(result):
         assert len(panel) <= 20
 
 
 def test_unknown_case_names_by_their_words() -> None:
-    panels = _bench.plot_series(_result(["L7 H2 D64", "L7 H2 D64 HND B32", "MLA L2 C256 R32"]))
+    panels = plot.plot_series(_result(["L7 H2 D64", "L7 H2 D64 HND B32", "MLA L2 C256 R32"]))
     assert [[label for label, _ in panel] for panel in panels[:3]] == [
         ["L7 H2 D64"],
         ["L7 H2 D64 HND B32"],
@@ -79,13 +79,13 @@ def test_unknown_case_names_by_their_words() -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     result = _result(["L5 H8 D128", "L5 H8 D128 pool"], ("typedkv", "eager"))
-    assert _bench.plot(result, tmp_path / "bench.png")
+    assert plot.plot(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_public_call_has_a_host_time_line() -> None:
     """The host-time section times each public function and materializer method: each call runs."""
-    calls = _bench.public_calls(torch.device("cpu"), num_tokens=4)
+    calls = host.public_calls(torch.device("cpu"), num_tokens=4)
     assert set(calls) == {
         "materialize_kv", "into_pool_stacked", "into_pool_per_layer", "materializer_call",
         "materializer_into_pool_per_layer", "materialize_mla_kv", "mla_into_pool_paged", "mla_into_pool_per_layer",
@@ -110,15 +110,15 @@ def test_host_ratio_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def bare() -> None: ...
 
-    monkeypatch.setattr(_bench, "host_time_us", scripted)
-    assert _bench.paired_host_time_us(call, bare, rounds=5, calls=10) == (50.0, 40.0, 1.5)
+    monkeypatch.setattr(timing, "host_time_us", scripted)
+    assert timing.paired_host_time_us(call, bare, rounds=5, calls=10) == (50.0, 40.0, 1.5)
     assert order == ["call", "bare"] * 5
 
 
 def test_rounds_follow_a_balanced_latin_square() -> None:
     """Williams's rows: for three implementations three rotations, then the same backwards."""
     impls = ["mm", "typedkv", "typedkv_pool"]
-    assert [_bench.round_order(impls, r) for r in range(7)] == [
+    assert [timing.round_order(impls, r) for r in range(7)] == [
         ["mm", "typedkv", "typedkv_pool"],
         ["typedkv", "typedkv_pool", "mm"],
         ["typedkv_pool", "mm", "typedkv"],
@@ -135,7 +135,7 @@ def test_each_implementation_follows_every_other_as_often(n: int) -> None:
     """Where the GPU is held at its power limit, what ran just before sets an implementation's clock:
     over a full square (n rounds, 2n for odd n) each runs first, and after each other one, equally often."""
     impls = [f"impl{k}" for k in range(n)]
-    rows = [_bench.round_order(impls, r) for r in range(n if n % 2 == 0 else 2 * n)]
+    rows = [timing.round_order(impls, r) for r in range(n if n % 2 == 0 else 2 * n)]
     assert all(sorted(row) == sorted(impls) for row in rows)
     firsts = Counter(row[0] for row in rows)
     pairs = Counter(pair for row in rows for pair in itertools.pairwise(row))
@@ -167,9 +167,9 @@ def test_paired_gpu_timer_captures_all_then_times_in_round_order(monkeypatch: py
 
     def b() -> None: ...
 
-    monkeypatch.setattr(_bench, "_captured", captured)
-    monkeypatch.setattr(_bench, "_replay_us", replay_us)
-    times = _bench.paired_gpu_time_us({"mm": [mm], "a": [a], "b": [b]}, rounds=3, replays=3, min_calls=8)
+    monkeypatch.setattr(timing, "_captured", captured)
+    monkeypatch.setattr(timing, "_replay_us", replay_us)
+    times = timing.paired_gpu_time_us({"mm": [mm], "a": [a], "b": [b]}, rounds=3, replays=3, min_calls=8)
     assert times == {"mm": [10.0, 11.0, 12.0], "a": [20.0, 21.0, 22.0], "b": [30.0, 31.0, 32.0]}
     assert events == [
         "capture mm", "capture a", "capture b",
@@ -181,9 +181,9 @@ def test_paired_gpu_timer_captures_all_then_times_in_round_order(monkeypatch: py
 
 def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
     """Rounds' ratios 1.2, 1.1 and 1.5: the median 1.2, not the ratio of the medians (22 / 20 = 1.1)."""
-    assert _bench_e2e.paired_ratio([12.0, 22.0, 60.0], [10.0, 20.0, 40.0]) == pytest.approx((1.2, 1.1, 1.5))
+    assert bench_e2e.paired_ratio([12.0, 22.0, 60.0], [10.0, 20.0, 40.0]) == pytest.approx((1.2, 1.1, 1.5))
     with pytest.raises(ValueError):
-        _bench_e2e.paired_ratio([1.0, 2.0], [1.0])  # rounds that do not pair up
+        bench_e2e.paired_ratio([1.0, 2.0], [1.0])  # rounds that do not pair up
 
 
 def test_end_to_end_rows_from_the_rounds() -> None:
@@ -197,8 +197,8 @@ def test_end_to_end_rows_from_the_rounds() -> None:
         timed.append(set(calls))
         return {impl: rounds.get(impl, [12.0, 22.0, 60.0]) for impl in calls}
 
-    tiny = _bench_e2e.Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32)
-    result = _bench_e2e.run_e2e(timer, torch.device("cpu"), (1, 5), tiny)
+    tiny = bench_e2e.Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32)
+    result = bench_e2e.run_e2e(timer, torch.device("cpu"), (1, 5), tiny)
     ours = {f"typedkv{pool}{path}" for pool in ("", "_pool") for path in ("", "_gemm", "_fused")}
     assert timed == [{"mm", *ours}] * 2
     row = result["rows"][0]
@@ -209,7 +209,7 @@ def test_end_to_end_rows_from_the_rounds() -> None:
     assert row["ratio"]["typedkv_fused / typedkv_gemm"] == 0.5  # rounds 0.5, 1.0, 0.5
     assert row["ratio_range"]["typedkv_fused / typedkv_gemm"] == [0.5, 1.0]
     assert set(row["ratio_range"]) == set(row["ratio"])
-    table = _bench_e2e.e2e_table(result)
+    table = bench_e2e.e2e_table(result)
     assert "range over the rounds" in table and "1.100-1.500" in table
 
 
@@ -217,11 +217,11 @@ def test_only_picks_cases_on_the_cpu_too(monkeypatch: pytest.MonkeyPatch, tmp_pa
     """``typedkv bench --only TEXT`` runs the cases whose name holds TEXT on a CPU machine as well, and an
     ``--only`` that names no case is an error that lists the cases, not an empty table."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(_bench, "CPU_TOKENS", (16,))
-    monkeypatch.setattr(_bench, "plot", lambda result, path: False)
-    assert _bench.main(tmp_path, quick=True, compare=False, only="pool") == 0
+    monkeypatch.setattr(bench, "CPU_TOKENS", (16,))
+    monkeypatch.setattr(bench, "plot", lambda result, path: False)
+    assert bench.main(tmp_path, quick=True, compare=False, only="pool") == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["case"] for r in rows] == ["L2 H2 D64 pool"]
     (tmp_path / "bench.json").unlink()
-    assert _bench.main(tmp_path, quick=True, compare=False, only="HND") == 2
+    assert bench.main(tmp_path, quick=True, compare=False, only="HND") == 2
     assert not (tmp_path / "bench.json").exists()

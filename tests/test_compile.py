@@ -22,7 +22,9 @@ from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
 import typedkv
-from typedkv import _api, _impl, _torch_ops
+from typedkv.core import torch_ops
+from typedkv.kv import api as kv_api
+from typedkv.kv import impl as kv_impl
 
 # Noise from torch itself: inductor's imports, and the note that caches are off (see conftest's fresh_compile).
 pytestmark = [
@@ -227,7 +229,7 @@ def test_shared_allocation_warns(layout: str) -> None:
     _, k_pool, v_pool = shared()
     with pytest.warns(UserWarning, match=re.escape(first)):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(kv, k_pool, v_pool)
-    if _torch_ops._torch_version() < (2, 13):
+    if torch_ops._torch_version() < (2, 13):
         return
     torch._dynamo.reset()
     memory, k_pool, v_pool = shared()
@@ -377,7 +379,7 @@ def test_debug_mode_checks_values_when_the_graph_runs() -> None:
 # ----------------------------------------------------------------- opcheck
 
 
-# The schemas, as torch sees them: derived from the public signatures (typedkv._torch_ops), printed here.
+# The schemas, as torch sees them: derived from the public signatures (typedkv.core.torch_ops), printed here.
 SCHEMAS = """
 typedkv::materialize_kv_out(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a8!) k_out, Tensor(a9!) v_out) -> ()
 typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
@@ -387,21 +389,21 @@ typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? 
 
 def test_schemas() -> None:
     """Every torch op's schema, derived from its public signature, is the one printed above."""
-    ops = [*_api.DENSE_OPS.ops, *_api.POOL_OPS.ops]
+    ops = [*kv_api.DENSE_OPS.ops, *kv_api.POOL_OPS.ops]
     assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
 
 
 def test_call_bundles_follow_the_signatures() -> None:
     """The call bundles the public functions build by position have the signatures' parameters, in order."""
-    for fn, call in ((typedkv.materialize_kv, _impl.DenseCall), (typedkv.materialize_kv_into_pool, _impl.PoolCall)):
+    for fn, call in ((typedkv.materialize_kv, kv_impl.DenseCall), (typedkv.materialize_kv_into_pool, kv_impl.PoolCall)):
         assert call._fields == tuple(inspect.signature(fn).parameters), fn.__name__
 
 
 def test_opcheck() -> None:
     """torch.library.opcheck: schema (mutations as declared), fake tensors, autograd registration, AOT dispatch."""
     x = make_inputs()
-    (dense,) = _api.DENSE_OPS.ops
-    stacked, listed = _api.POOL_OPS.ops
+    (dense,) = kv_api.DENSE_OPS.ops
+    stacked, listed = kv_api.POOL_OPS.ops
     common = (x.kv, x.k_norm_weight)
     rest = (x.cos_sin_cache, x.positions)
     torch.library.opcheck(

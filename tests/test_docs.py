@@ -136,7 +136,7 @@ def check_docstring(name: str, doc: str, signature: inspect.Signature) -> list[s
 
 def _attribute_docstring(name: str) -> str | None:
     """The string literal after a module-level ``name = ...`` in the package (a type alias's docs)."""
-    for path in sorted((ROOT / "typedkv").glob("*.py")):
+    for path in sorted((ROOT / "typedkv").rglob("*.py")):
         body = ast.parse(path.read_text()).body
         for node, after in itertools.pairwise(body):
             targets = node.targets if isinstance(node, ast.Assign) else []

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _config
+from typedkv.core import config
 
 T, L, H, D, P, S, HIDDEN = 5, 3, 2, 16, 32, 12, 24
 
@@ -271,12 +271,12 @@ def test_version_flag() -> None:
 def test_debug_flag_spellings(text: str, on: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _config.parse_flag("TYPEDKV_DEBUG", text) is on
+        assert config.parse_flag("TYPEDKV_DEBUG", text) is on
 
 
 def test_debug_flag_unknown_value_warns() -> None:
     with pytest.warns(RuntimeWarning, match=r"TYPEDKV_DEBUG='maybe' is not a flag value .*: debug mode stays off"):
-        assert _config.parse_flag("TYPEDKV_DEBUG", "maybe") is False
+        assert config.parse_flag("TYPEDKV_DEBUG", "maybe") is False
     run = subprocess.run(
         [sys.executable, "-c", "import typedkv; print(typedkv.debug_enabled())"],
         capture_output=True, text=True, check=False, env={**os.environ, "TYPEDKV_DEBUG": "2"},

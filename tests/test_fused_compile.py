@@ -19,9 +19,10 @@ from test_fused_projection import Draft, H, L, assert_matches_oracle
 from torch import Tensor
 
 import typedkv
-from typedkv import _launch, _materializer
+from typedkv.core import launcher
+from typedkv.projection import paths
 
-INTERPRETED = _launch.INTERPRETED
+INTERPRETED = launcher.INTERPRETED
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_compile"),
@@ -29,7 +30,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled"),
 ]
 
-FUSED_OPS = {op._opoverload for op in (*_materializer._FUSED_OPS.ops, *_materializer._FUSED_POOL_OPS.ops)}
+FUSED_OPS = {op._opoverload for op in (*paths.FUSED_OPS.ops, *paths.FUSED_POOL_OPS.ops)}
 
 
 def pinned(**kw: Any) -> Draft:
@@ -72,7 +73,7 @@ def test_compiled_into_pool(listed: bool) -> None:
     def into_pool(x: Tensor, k_pool: Any, v_pool: Any) -> None:
         draft.m.into_pool(x, positions, cache_loc, k_pool, v_pool)
 
-    # Separate allocations: views of one allocation are copied around the op by inductor (typedkv._torch_ops).
+    # Separate allocations: views of one allocation are copied around the op by inductor (typedkv.core.torch_ops).
     k_layers = [torch.zeros(8, H, 16, dtype=torch.float16) for _ in range(L)]
     v_layers = [torch.zeros(8, H, 16, dtype=torch.float16) for _ in range(L)]
     k_pool, v_pool = torch.zeros(L, 8, H, 16, dtype=torch.float16), torch.zeros(L, 8, H, 16, dtype=torch.float16)
@@ -119,7 +120,7 @@ def test_misuse_rejected_while_tracing() -> None:
 
 
 # The fused ops' schemas: the projection's arguments in kv's place, then the public function's
-# (typedkv._fused_impl.declaration reads them from materialize_kv / materialize_kv_into_pool).
+# (typedkv.projection.fused.declaration reads them from materialize_kv / materialize_kv_into_pool).
 SCHEMAS = """
 typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a11!) k_out, Tensor(a12!) v_out) -> ()
 typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
@@ -128,7 +129,7 @@ typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_b
 
 
 def test_schemas() -> None:
-    ops = [*_materializer._FUSED_OPS.ops, *_materializer._FUSED_POOL_OPS.ops]
+    ops = [*paths.FUSED_OPS.ops, *paths.FUSED_POOL_OPS.ops]
     assert "\n".join(str(op._opoverload._schema) for op in ops) == SCHEMAS.strip()
 
 
@@ -139,12 +140,13 @@ def test_op_signatures_follow_the_public_functions() -> None:
     """
     import inspect
 
-    from typedkv import _api, _impl
-    from typedkv._fused_impl import FUSED, FUSED_POOL, Projection
+    from typedkv.kv import api as kv_api
+    from typedkv.kv import impl as kv_impl
+    from typedkv.projection.fused import FUSED, FUSED_POOL, Projection
 
     for fused, public, op, call in (
-        (FUSED, _api.materialize_kv, _impl.DENSE, _impl.DenseCall),
-        (FUSED_POOL, _api.materialize_kv_into_pool, _impl.POOL, _impl.PoolCall),
+        (FUSED, kv_api.materialize_kv, kv_impl.DENSE, kv_impl.DenseCall),
+        (FUSED_POOL, kv_api.materialize_kv_into_pool, kv_impl.POOL, kv_impl.PoolCall),
     ):
         params = list(inspect.signature(public).parameters)
         assert op.call is call and call._fields == tuple(params)
@@ -158,8 +160,8 @@ def test_opcheck() -> None:
     draft = pinned()
     m = draft.m
     x, positions = draft.call(3)
-    (dense,) = _materializer._FUSED_OPS.ops
-    stacked, listed = _materializer._FUSED_POOL_OPS.ops
+    (dense,) = paths.FUSED_OPS.ops
+    stacked, listed = paths.FUSED_POOL_OPS.ops
     head = (x, m.kv_weight, m.kv_bias, L, m.k_norm_weight, 1e-6, None, m.cos_sin_cache, positions)
     out = torch.empty(L, 3, H, 16, dtype=torch.float16)
     torch.library.opcheck(dense, (*head, H, "neox", out, out.clone()))

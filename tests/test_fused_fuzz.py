@@ -40,8 +40,9 @@ from test_fused_projection import DTYPES, INTERPRETED, Draft, H, L, Oracle, P, a
 from torch import Tensor
 
 import typedkv
-from typedkv import _launch, _projection
-from typedkv._materializer import ProjectionPath
+from typedkv.projection import layers as projection_layers
+from typedkv.projection import tuning
+from typedkv.projection.dispatch import ProjectionPath
 
 GUARD = 0x35  # a byte finite in every storage and FP8 dtype
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -186,7 +187,7 @@ def test_gemm_path_with_v_from_the_gemm_holds_the_oracle(mode: str, data: st.Dat
     # Without a bias (the GEMM that writes V takes none); outputs given as views stay GEMM + kernel.
     case = data.draw(cases(mode == "production", pool=False).filter(lambda c: not c.bias))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((1, math.inf),))
+        patch.setitem(tuning.TUNING, *tuning.measured("cpu", split_gemm_faster=((1, math.inf),)))
         draft = check_dense(case, CPU, "gemm")
     event(f"ways: {sorted(kept.way for kept in draft.m._plans.values())}")
 
@@ -260,7 +261,7 @@ def _projections_agree(draft: Draft, hidden: Tensor, device: torch.device) -> Te
     if draft.bias is not None:
         exact = exact + draft.bias
     out = torch.empty(hidden.shape[0], L * rows, dtype=draft.dtype, device=device)
-    _projection.gemm(hidden.to(device), m.kv_weight, m.kv_bias, out)
+    projection_layers.gemm(hidden.to(device), m.kv_weight, m.kv_bias, out)
     agree = (out.cpu().view(-1, L, rows) == exact.to(draft.dtype)).all(-1).T
     assert device.type != "cpu" or agree.all(), "the CPU's GEMM rounded a projection twice"
     return agree

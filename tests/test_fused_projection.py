@@ -47,9 +47,12 @@ from reference64 import materialize_kv64
 from torch import Tensor
 
 import typedkv
-from typedkv import _fused_impl, _launch
+from typedkv.core import launcher
+from typedkv.projection import fused as fused_impl
+from typedkv.projection import launch as fused_launch
+from typedkv.projection import tuning
 
-INTERPRETED = _launch.INTERPRETED
+INTERPRETED = launcher.INTERPRETED
 # The interpreter's tl.dot is wrong on bfloat16 inputs; the reference takes all three.
 DTYPES = (torch.float16, torch.float32) if INTERPRETED else (torch.float16, torch.float32, torch.bfloat16)
 ULPS = {torch.float16: 1.0, torch.bfloat16: 1.0, torch.float32: 32.0}
@@ -246,14 +249,14 @@ def test_no_tokens() -> None:
 
 
 def ways(m: typedkv.KVMaterializer) -> set[str]:
-    """How the layouts a materializer has checked compute (`typedkv._materializer._Way`)."""
+    """How the layouts a materializer has checked compute (`typedkv.projection.dispatch.Way`)."""
     return {kept.way for kept in m._plans.values()}
 
 
 @pytest.fixture
 def split_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GEMM path writes V straight into dense outputs at every T >= 1 on CPU tensors (where there is a kernel)."""
-    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((1, float("inf")),))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", split_gemm_faster=((1, float("inf")),)))
 
 
 SPLIT = "split" if INTERPRETED else "gemm"  # plain CPU has no kernel: GEMM + reference
@@ -270,7 +273,7 @@ def test_split_grid(
 ) -> None:
     """V by two batched GEMMs (V's straight into v_out), then the kernel on K alone: the oracle's K and V.
 
-    With a bias, GEMM + kernel (`typedkv._projection.split_gemm` takes none).
+    With a bias, GEMM + kernel (`typedkv.projection.layers.split_gemm` takes none).
     """
     draft = Draft(dtype, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style, norm=norm, bias=bias)
     draft.m.projection_path = "gemm"
@@ -312,7 +315,7 @@ def test_split_outputs_given() -> None:
 @pytest.mark.usefixtures("split_on_cpu")
 def test_split_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only T in the table's range, dense outputs only, and never where the fused path is taken."""
-    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((8, 16),))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", split_gemm_faster=((8, 16),)))
     draft = Draft(torch.float16)
     x, positions = draft.call(12)
     draft.m(x[:7], positions[:7])
@@ -325,14 +328,14 @@ def test_split_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> No
     draft.m.projection_path = "fused"
     draft.m(x, positions)
     assert ways(draft.m) == {"gemm", SPLIT, "fused" if INTERPRETED else "gemm"}
-    assert not _launch.split_gemm_faster(torch.device("cpu"), 16)
-    assert _launch.split_gemm_faster(torch.device("cpu"), 8)
+    assert not tuning.split_gemm_faster(torch.device("cpu"), 16)
+    assert tuning.split_gemm_faster(torch.device("cpu"), 8)
 
 
 @pytest.mark.usefixtures("split_on_cpu")
 def test_split_no_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """T = 0 in the table's range: empty outputs, no GEMM."""
-    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ((0, float("inf")),))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", split_gemm_faster=((0, float("inf")),)))
     draft = Draft(torch.float16)
     k, v = draft.m(*draft.call(0))
     assert k.shape == v.shape == (L, 0, H, draft.head_dim)
@@ -434,10 +437,10 @@ def test_early_loads_match_gemm_path(layout: str, early_loads: bool, monkeypatch
     Per-layer eps, pass-through dims, per-layer pools (a layer table) and FP8 with
     ``[L]`` scales: every load it moves, and the same bits as GEMM + kernel.
     """
-    defaults = _launch.projection_launch.__kwdefaults__
+    defaults = fused_launch.projection_launch.__kwdefaults__
     assert defaults is not None
-    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(early_loads=early_loads))
-    monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})  # no launch built with the default kept
+    monkeypatch.setitem(defaults, "config", tuning.ProjectionConfig(early_loads=early_loads))
+    monkeypatch.setattr(fused_impl, "_LAUNCHES", {})  # no launch built with the default kept
     draft = Draft(torch.float16, rotary_dim=8, eps=torch.tensor([1e-6, 0.5, 4.0]))
     x, positions = draft.call(10)
     for pool_dtype, scales in ((torch.float16, _SCALES["none"]), (torch.float8_e4m3fn, _SCALES["tensor"])):
@@ -508,14 +511,14 @@ def test_path_set_again_applies_to_a_layout_seen_before() -> None:
 
 def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """'auto' takes the fused path where the table (per device name, [low, high) token counts) says so."""
-    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER, "cpu", ((1, 8),))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_faster=((1, 8),)))
     draft = Draft(torch.float16)
     draft.m(*draft.call(4))
     assert (draft.m._workspace is None) == INTERPRETED  # fused, where there is a kernel
     draft.m(*draft.call(8))
     assert draft.m._workspace is not None  # 8 is past the range: GEMM + kernel
-    assert not _launch.projection_fused_faster(torch.device("cpu"), 8)
-    assert _launch.projection_fused_faster(torch.device("cpu"), 7)
+    assert not tuning.projection_fused_faster(torch.device("cpu"), 8)
+    assert tuning.projection_fused_faster(torch.device("cpu"), 7)
 
 
 @pytest.mark.parametrize(
@@ -526,10 +529,10 @@ def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_auto_reads_the_tma_table_where_the_weight_loads_by_tma(
     monkeypatch: pytest.MonkeyPatch, rope_style: typedkv.RopeStyle, offset: int, tma: bool
 ) -> None:
-    """'auto' reads `PROJECTION_FUSED_FASTER_TMA` where the fused kernel's weight tiles would load by TMA
-    (NeoX, pieces of powers of two >= 16 rows, the weight on 16 bytes), `PROJECTION_FUSED_FASTER` elsewhere."""
-    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER, "cpu", ((1, 4),))
-    monkeypatch.setitem(_launch.PROJECTION_FUSED_FASTER_TMA, "cpu", ((1, 12),))
+    """'auto' reads `Tuning.fused_faster_tma` where the fused kernel's weight tiles would load by TMA
+    (NeoX, pieces of powers of two >= 16 rows, the weight on 16 bytes), `Tuning.fused_faster` elsewhere."""
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_faster=((1, 4),)))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_faster_tma=((1, 12),)))
     draft = Draft(torch.float16, head_dim=32, rotary_dim=32, rope_style=rope_style)
     if offset:
         weight = draft.m.kv_weight
@@ -538,8 +541,8 @@ def test_auto_reads_the_tma_table_where_the_weight_loads_by_tma(
     x, positions = draft.call(8)  # in the TMA table's range, past the other's
     assert_matches_oracle(draft.m(x, positions), draft.oracle(x, positions), torch.float16)
     assert (draft.m._workspace is None) == (INTERPRETED and tma)  # fused, where there is a kernel
-    assert _launch.projection_fused_faster(torch.device("cpu"), 8, tma=True)
-    assert not _launch.projection_fused_faster(torch.device("cpu"), 8, tma=False)
+    assert tuning.projection_fused_faster(torch.device("cpu"), 8, tma=True)
+    assert not tuning.projection_fused_faster(torch.device("cpu"), 8, tma=False)
 
 
 @pytest.mark.production
@@ -612,7 +615,7 @@ def test_misuse_same_error_split(case: str) -> None:
     reference = Draft(torch.float16)
     reference.m.projection_path = "gemm"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(_launch.SPLIT_GEMM_FASTER, "cpu", ())
+        patch.setitem(tuning.TUNING, *tuning.measured("cpu", split_gemm_faster=()))
         with pytest.raises(typedkv.InputError) as want:
             _misuses(reference)[case](reference.m)
     assert str(info.value) == str(want.value)
@@ -641,17 +644,17 @@ def test_misuse_writes_nothing() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        _launch.ProjectionConfig(block_m=16, block_k=16, num_stages=1),
-        _launch.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
-        _launch.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
-        _launch.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
-        _launch.ProjectionConfig(block_m=32, block_k=32, early_rope=False, early_loads=True),
-        _launch.ProjectionConfig(block_m=16, block_k=32, group_m=2),
-        _launch.ProjectionConfig(block_m=32, block_k=32, num_stages=3, v_stages=2),
+        tuning.ProjectionConfig(block_m=16, block_k=16, num_stages=1),
+        tuning.ProjectionConfig(block_m=32, block_k=32, num_warps=2),
+        tuning.ProjectionConfig(block_m=64, block_k=128, num_stages=4),
+        tuning.ProjectionConfig(block_m=16, block_k=32, early_rope=True),
+        tuning.ProjectionConfig(block_m=32, block_k=32, early_rope=False, early_loads=True),
+        tuning.ProjectionConfig(block_m=16, block_k=32, group_m=2),
+        tuning.ProjectionConfig(block_m=32, block_k=32, num_stages=3, v_stages=2),
     ],
     ids=["m16-k16", "m32-k32", "m64-k128", "m16-early-rope", "m32-early-loads", "m16-bands-of-2", "m32-v-shallower"],
 )
-def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
+def test_launch_configurations_agree(config: tuning.ProjectionConfig) -> None:
     """Every launch configuration computes the same K and V (sweeps pick among them by speed alone)."""
     draft = Draft(torch.float16, rotary_dim=8, rope_style="gptj", bias=True, hidden=80)
     x, positions = draft.call(37)
@@ -659,16 +662,16 @@ def test_launch_configurations_agree(config: _launch.ProjectionConfig) -> None:
     bias = draft.m.kv_bias
     norm = draft.m.k_norm_weight
     results = []
-    for cfg in (_launch.ProjectionConfig(), config):
+    for cfg in (tuning.ProjectionConfig(), config):
         k_out, v_out = torch.empty(2, L, 37, H, 16, dtype=torch.float16)
-        launch = _launch.projection_launch(
+        launch = fused_launch.projection_launch(
             x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None,
             k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
             v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
             None, num_layers=L, num_kv_heads=H, head_dim=16, page_size=1, num_rows=37, neox=False, config=cfg,
         )  # fmt: skip
         launch(
-            _launch.projection_varying(
+            fused_launch.projection_varying(
                 x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None, k_out, v_out, None
             )
         )
@@ -700,7 +703,7 @@ def test_weight_tiles_by_tma_equal_by_pointer(
     for tma in (False, True):
         # Bands of two of the three token blocks (the last band short) with TMA: the same programs' work.
         # With TMA also the RoPE rows and the epilogue's other loads before the loop, or not.
-        config = _launch.ProjectionConfig(
+        config = tuning.ProjectionConfig(
             block_m=16,
             block_k=32,
             early_rope=early and tma,
@@ -711,7 +714,7 @@ def test_weight_tiles_by_tma_equal_by_pointer(
         launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
         assert (launch.weight_blocks is not None) == tma
         launch(
-            _launch.projection_varying(
+            fused_launch.projection_varying(
                 x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions,
                 slots, k_dst, v_dst, None, weight_blocks=launch.weight_blocks,
             )
@@ -724,8 +727,8 @@ def test_weight_tiles_by_tma_equal_by_pointer(
 
 
 def _launch_for(
-    draft: Draft, x: Tensor, positions: Tensor, config: _launch.ProjectionConfig, pools: bool
-) -> tuple[_launch.ProjectionLaunch, Tensor, Tensor, Tensor | None]:
+    draft: Draft, x: Tensor, positions: Tensor, config: tuning.ProjectionConfig, pools: bool
+) -> tuple[fused_launch.ProjectionLaunch, Tensor, Tensor, Tensor | None]:
     """The fused launch of ``draft`` into dense outputs, or into stacked pools at reversed slots."""
     T, D, dtype = x.shape[0], draft.head_dim, draft.dtype
     if pools:
@@ -734,7 +737,7 @@ def _launch_for(
     else:
         k_dst, v_dst = torch.empty(2, L, T, H, D, dtype=dtype)
         slots = None
-    launch = _launch.projection_launch(
+    launch = fused_launch.projection_launch(
         x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots,
         k_dst, (k_dst.stride(0), k_dst.stride(1), 0, k_dst.stride(2)),
         v_dst, (v_dst.stride(0), v_dst.stride(1), 0, v_dst.stride(2)),
@@ -759,7 +762,7 @@ def test_weight_off_16_bytes_then_on_then_off() -> None:
         m.kv_weight = weight
         assert_matches_oracle(m(x, positions), want, torch.float16)
     launches = [launch for kept in m._plans.values() for launch in kept.launches.values()]
-    blocks = [launch.weight_blocks for launch in launches if isinstance(launch, _launch.ProjectionLaunch)]
+    blocks = [launch.weight_blocks for launch in launches if isinstance(launch, fused_launch.ProjectionLaunch)]
     assert len(blocks) == len(launches)
     assert sorted(b is not None for b in blocks) == [False, True]
 
@@ -773,17 +776,17 @@ def test_weight_tiles_by_pointer_where_tma_cannot(head_dim: int, rotary_dim: int
     """TMA only where every tile is whole rows of a power of two >= 16 and the weight starts on 16 bytes."""
     rows = L * 2 * H * head_dim
     weight = torch.zeros(rows * 80 + offset, dtype=torch.float16)[offset:].view(rows, 80)
-    blocks = _launch.weight_blocks(weight, head_dim, rotary_dim, rope_style == "neox")
-    aligned = _launch.weight_aligned(weight)
+    blocks = fused_launch.weight_blocks(weight, head_dim, rotary_dim, rope_style == "neox")
+    aligned = fused_launch.weight_aligned(weight)
     possible = (head_dim, rotary_dim, rope_style, offset) == (32, 32, "neox", 0)
-    assert (blocks is not None and aligned) == (possible and _launch._tma_device(weight.device))
+    assert (blocks is not None and aligned) == (possible and fused_launch._tma_device(weight.device))
 
 
 def test_default_blocks_fit_shared_memory() -> None:
     """Defaults come from the measured table by T (RoPE rows loaded early up to T = 16, the other loads up to 32);
     the pipeline, then block_k, shrink to fit shared memory."""
     h200 = 227 * 1024
-    default = _launch.ProjectionConfig()
+    default = tuning.ProjectionConfig()
     assert default.blocks(1, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, 0, False)
     assert default.blocks(16, 128, 2, h200) == (16, 128, 5, True, True, False, 1, 4, 5, 0, False)
     assert default.blocks(17, 128, 2, h200) == (32, 128, 5, False, True, False, 1, 4, 5, 0, False)
@@ -803,7 +806,7 @@ def test_default_blocks_fit_shared_memory() -> None:
     assert default.blocks(129, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, 0, True)
     assert default.blocks(256, 128, 2, h200, tma_possible=True) == (64, 64, 3, False, False, True, 8, 4, 3, 0, True)
     assert default.blocks(257, 128, 2, h200, tma_possible=True) == (128, 64, 4, False, False, True, 8, 8, 4, 0, False)
-    no_tma = _launch.ProjectionConfig(tma=False)
+    no_tma = tuning.ProjectionConfig(tma=False)
     assert no_tma.blocks(65, 128, 2, h200, tma_possible=True) == (128, 64, 3, False, False, False, 1, 4, 3, 0, False)
     # Head dim 256 in bf16, or float32 inputs: fewer stages.
     assert default.blocks(16, 256, 2, h200) == (16, 128, 3, True, True, False, 1, 4, 3, 0, False)
@@ -815,23 +818,24 @@ def test_default_blocks_fit_shared_memory() -> None:
     small = default.blocks(48, 128, 2, 48 * 1024, tma_possible=True)
     assert small == (64, 64, 2, False, False, True, 1, 4, 2, 128, True)
     # Fields given are kept as given; V's depth is K's unless given, where K's is.
-    pinned = _launch.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
+    pinned = tuning.ProjectionConfig(block_m=64, block_k=256, num_stages=6, early_rope=False, early_loads=False)
     assert pinned.blocks(16, 256, 4, 48 * 1024) == (64, 256, 6, False, False, False, 1, 4, 6, 0, False)
     pinned_tma = pinned.blocks(48, 256, 4, 48 * 1024, tma_possible=True)
     assert pinned_tma == (64, 256, 6, False, False, True, 1, 4, 6, 128, True)
-    shallow_v = _launch.ProjectionConfig(v_stages=3)
+    shallow_v = tuning.ProjectionConfig(v_stages=3)
     assert shallow_v.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 3, 128, True)
     # Up to T = 256 by TMA the next kernel is let launch after the weight loop, and from 17 to 128 a program
     # asks L2 for its first 128 weight columns before it waits for the prior kernel; either may be pinned.
-    quiet = _launch.ProjectionConfig(l2_before_wait=0, signal_next=False)
+    quiet = tuning.ProjectionConfig(l2_before_wait=0, signal_next=False)
     assert quiet.blocks(64, 128, 2, h200, tma_possible=True) == (64, 64, 8, False, False, True, 1, 4, 7, 0, False)
 
 
-def test_tma_blocks_by_device() -> None:
+def test_tma_blocks_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device measured apart (the H100) takes its own TMA rows up to T = 64, the shared ones above; its table
     cuts T where the shared one does (a new T compiles nothing there either); weights by pointer ignore it."""
     h100, h200_shared = "NVIDIA H100 80GB HBM3", 227 * 1024
-    default = _launch.ProjectionConfig()
+    default = tuning.ProjectionConfig()
+    monkeypatch.setattr(tuning, "TRITON_RELEASE", (3, 6))  # the release the tables were measured under
 
     def tma(num_tokens: int, name: str) -> tuple[int | bool | None, ...]:
         return default.blocks(num_tokens, 128, 2, h200_shared, tma_possible=True, device_name=name)
@@ -843,9 +847,7 @@ def test_tma_blocks_by_device() -> None:
         assert tma(num_tokens, h100) != tma(num_tokens, "NVIDIA H200") == tma(num_tokens, "")
     for num_tokens in (65, 128, 129, 256, 257, 65536):
         assert tma(num_tokens, h100) == tma(num_tokens, "NVIDIA H200")
-    assert [most for most, _ in _launch.PROJECTION_BLOCKS_TMA_BY_DEVICE[h100]] == [
-        most for most, _ in _launch.PROJECTION_BLOCKS_TMA
-    ]
+    assert [most for most, _ in tuning.tuning_of(h100).blocks_tma] == [most for most, _ in tuning.PROJECTION_BLOCKS_TMA]
     assert default.blocks(16, 128, 2, h200_shared, device_name=h100) == default.blocks(16, 128, 2, h200_shared)
 
 
@@ -874,3 +876,28 @@ def test_kept_layouts_hold_no_replaced_weights() -> None:
     assert len(stand_ins) == 2
     assert all(t.untyped_storage().data_ptr() != old for t in stand_ins)
     assert_matches_oracle(got, draft.oracle(x, positions), torch.float16)
+
+
+@pytest.mark.parametrize("release", [(3, 5), (3, 9), (4, 0)])
+def test_an_unmeasured_device_or_triton_release_gets_the_safe_default(
+    monkeypatch: pytest.MonkeyPatch, release: tuple[int, int]
+) -> None:
+    """Where nothing was measured -- a GPU no table names, or a measured GPU under another Triton release --
+    "auto" takes GEMM + kernel at every T and the fused kernel launches with the shared rows."""
+    monkeypatch.setattr(tuning, "TRITON_RELEASE", release)
+    measured_gpus = {name for name, _ in tuning.TUNING}
+    assert measured_gpus and all(found == (3, 6) for _, found in tuning.TUNING)
+    for name in (*sorted(measured_gpus), "NVIDIA B200", "cpu"):
+        entry = tuning.tuning_of(name)
+        assert entry is tuning.DEFAULT, name
+        assert not any(entry.fused_faster + entry.fused_faster_tma + entry.split_gemm_faster)
+        assert not entry.warp_specialized_faster
+        assert entry.blocks == tuning.PROJECTION_BLOCKS and entry.blocks_tma == tuning.PROJECTION_BLOCKS_TMA
+    cpu = torch.device("cpu")
+    for num_tokens in (1, 16, 64, 128, 2048, 65536):
+        assert not tuning.projection_fused_faster(cpu, num_tokens, tma=True)
+        assert not tuning.split_gemm_faster(cpu, num_tokens)
+        assert not tuning.warp_specialized_faster(cpu, num_tokens)
+    # Under the release they were measured with, the same GPUs read their own entries.
+    monkeypatch.setattr(tuning, "TRITON_RELEASE", (3, 6))
+    assert all(tuning.tuning_of(name) is tuning.TUNING[name, (3, 6)] for name in measured_gpus)

@@ -1,6 +1,6 @@
 """Where the warp-specialised fused projection may run, checked without a GPU.
 
-Its kernel (Gluon, `typedkv._fused_ws_kernel`) runs on the GPU only:
+Its kernel (Gluon, `typedkv.projection.warp_specialized_kernel`) runs on the GPU only:
 tests/test_gpu_fused_ws.py checks what it computes. Here: the Triton releases it
 is taken under, and the layouts it takes (its module's list), each condition alone.
 """
@@ -15,14 +15,15 @@ import torch
 import triton
 
 import typedkv
-from typedkv import _fused_ws, _launch
+from typedkv.core import launcher
+from typedkv.projection import tuning, warp_specialized
 
 
 @pytest.fixture
 def fresh_available() -> Iterator[None]:
-    _fused_ws.available.cache_clear()
+    warp_specialized.available.cache_clear()
     yield
-    _fused_ws.available.cache_clear()
+    warp_specialized.available.cache_clear()
 
 
 @pytest.mark.usefixtures("fresh_available")
@@ -32,10 +33,10 @@ def test_available_only_under_the_releases_it_is_written_for(
 ) -> None:
     """Gluon's API changes between releases (3.9 has no `async_copy_shared_to_global`): another release keeps the
     fused path's other kernel rather than failing to compile."""
-    if _fused_ws.gl is None:
+    if warp_specialized.gl is None:
         pytest.skip("no Gluon in this Triton")
     monkeypatch.setattr(triton, "__version__", version)
-    assert _fused_ws.available() is taken
+    assert warp_specialized.available() is taken
 
 
 # ------------------------------------------------------------------ where it may run
@@ -46,8 +47,8 @@ T, HIDDEN, L, H, D, P = 64, 512, 5, 8, 128, 32
 @pytest.fixture
 def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's device and release conditions met, so that the layout conditions alone decide (on CPU tensors)."""
-    monkeypatch.setattr(_fused_ws, "available", lambda: True)
-    monkeypatch.setattr(_fused_ws, "_hopper", lambda device: True)
+    monkeypatch.setattr(warp_specialized, "available", lambda: True)
+    monkeypatch.setattr(warp_specialized, "_hopper", lambda device: True)
 
 
 def _dense(**change: Any) -> bool:
@@ -63,7 +64,7 @@ def _dense(**change: Any) -> bool:
         "head_dim": D,
         "neox": True,
     } | change
-    return _fused_ws.launchable(**args)
+    return warp_specialized.launchable(**args)
 
 
 @pytest.mark.usefixtures("on_hopper")
@@ -112,7 +113,7 @@ def test_launchable_pool_takes_pools_of_hiddens_dtype_without_scales() -> None:
     weight = torch.empty(L * 2 * H * D, HIDDEN, dtype=torch.bfloat16)
 
     def pool(k_pool: Any, scales: tuple[Any, Any] = (None, None)) -> bool:
-        return _fused_ws.launchable_pool(
+        return warp_specialized.launchable_pool(
             hidden, weight, None, torch.empty(P, D), k_pool, scales, num_kv_heads=H, head_dim=D, neox=True
         )
 
@@ -127,12 +128,12 @@ def test_launchable_pool_takes_pools_of_hiddens_dtype_without_scales() -> None:
 def test_launchable_needs_hopper_and_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """On this CPU (no Hopper), or under another Triton release, the kernel is never taken."""
     assert not _dense()
-    monkeypatch.setattr(_fused_ws, "_hopper", lambda device: True)
-    monkeypatch.setattr(_fused_ws, "available", lambda: False)
+    monkeypatch.setattr(warp_specialized, "_hopper", lambda device: True)
+    monkeypatch.setattr(warp_specialized, "available", lambda: False)
     assert not _dense()
 
 
-@pytest.mark.skipif(not _launch.INTERPRETED, reason="the fused path runs CPU tensors under the interpreter only")
+@pytest.mark.skipif(not launcher.INTERPRETED, reason="the fused path runs CPU tensors under the interpreter only")
 @pytest.mark.usefixtures("on_hopper")
 def test_taken_or_not_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether a layout's calls take the kernel is decided at its first call (host time per call): later calls
@@ -145,9 +146,11 @@ def test_taken_or_not_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
         asked.append(num_tokens)
         return True
 
-    monkeypatch.setattr(_fused_ws, "faster", faster)
-    monkeypatch.setattr(_fused_ws, "launch", lambda hidden, *args: launched.append(("dense", hidden.shape[0])))
-    monkeypatch.setattr(_fused_ws, "launch_pool", lambda hidden, *args: launched.append(("pool", hidden.shape[0])))
+    monkeypatch.setattr(warp_specialized, "faster", faster)
+    monkeypatch.setattr(warp_specialized, "launch", lambda hidden, *args: launched.append(("dense", hidden.shape[0])))
+    monkeypatch.setattr(
+        warp_specialized, "launch_pool", lambda hidden, *args: launched.append(("pool", hidden.shape[0]))
+    )
     heads, layers, width, slots = 2, 3, 64, 16
     g = torch.Generator().manual_seed(0)
     m = typedkv.KVMaterializer(
@@ -175,8 +178,8 @@ def test_the_sanitizer_sample_covers_every_tile_set(capsys: pytest.CaptureFixtur
     import ws_launches
 
     sets = fused_ws_sample.tile_sets()
-    assert {shape for _, shape in _fused_ws.WS_TILES} <= set(sets.values())
-    assert any(not shape.last_in_mma and shape.block_n == 2 * _fused_ws.HEAD_DIM for shape in sets.values())
+    assert {shape for _, shape in warp_specialized.WS_TILES} <= set(sets.values())
+    assert any(not shape.last_in_mma and shape.block_n == 2 * warp_specialized.HEAD_DIM for shape in sets.values())
     assert len(set(sets.values())) == len(sets)
     if ws_launches.runs_here():
         pytest.skip("the GPU suite runs it here")
@@ -191,16 +194,18 @@ def test_widened_table_and_counted_launches_are_put_back(monkeypatch: pytest.Mon
     from ws_launches import counted_launches, taken_everywhere
 
     launched: list[tuple[int, tuple[Any, ...]]] = []
-    monkeypatch.setattr(_fused_ws, "_launch_kernel", lambda hidden, *args: launched.append((hidden.shape[0], args)))
-    table, launch, cpu = _fused_ws.PROJECTION_WS_FASTER, _fused_ws._launch_kernel, torch.device("cpu")
-    assert not _launch._measured_faster(table, cpu, 1)
-    with taken_everywhere(_launch._device_name(cpu)), counted_launches() as seen:
-        assert all(_launch._measured_faster(_fused_ws.PROJECTION_WS_FASTER, cpu, t) for t in (1, 17, 2**20))
-        _fused_ws._launch_kernel(torch.empty(7, 2), "rest")  # type: ignore[arg-type, call-arg]
-        _fused_ws._launch_kernel(torch.empty(3, 2), "rest")  # type: ignore[arg-type, call-arg]
+    monkeypatch.setattr(
+        warp_specialized, "_launch_kernel", lambda hidden, *args: launched.append((hidden.shape[0], args))
+    )
+    table, launch, cpu = tuning.TUNING, warp_specialized._launch_kernel, torch.device("cpu")
+    assert not tuning.warp_specialized_faster(cpu, 1)
+    with taken_everywhere(launcher.device_name(cpu)), counted_launches() as seen:
+        assert all(tuning.warp_specialized_faster(cpu, t) for t in (1, 17, 2**20))
+        warp_specialized._launch_kernel(torch.empty(7, 2), "rest")  # type: ignore[arg-type, call-arg]
+        warp_specialized._launch_kernel(torch.empty(3, 2), "rest")  # type: ignore[arg-type, call-arg]
     assert seen == [7, 3]
     assert launched == [(7, ("rest",)), (3, ("rest",))]
-    assert _fused_ws.PROJECTION_WS_FASTER is table and _fused_ws._launch_kernel is launch
+    assert tuning.TUNING is table and warp_specialized._launch_kernel is launch
     with pytest.raises(RuntimeError), taken_everywhere("cpu"), counted_launches():
         raise RuntimeError
-    assert _fused_ws.PROJECTION_WS_FASTER is table and _fused_ws._launch_kernel is launch
+    assert tuning.TUNING is table and warp_specialized._launch_kernel is launch

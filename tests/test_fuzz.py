@@ -84,7 +84,8 @@ from test_pool import FP8, LAYOUTS, to_fp8
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _launch
+from typedkv import RopeStyle
+from typedkv.core import launcher
 
 STORAGE = (torch.bfloat16, torch.float16, torch.float32)
 PARAM_FLOATS = (*STORAGE, torch.float64)
@@ -105,7 +106,7 @@ MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
 # Examples per test (and per mode); see the module docstring for the budget.
 # TYPEDKV_FUZZ_EXAMPLES=N runs N instead, on the CPU and the GPU (a longer or a shorter hunt).
 _EXAMPLES = os.environ.get("TYPEDKV_FUZZ_EXAMPLES")
-CPU_EXAMPLES = int(_EXAMPLES or (25 if _launch.INTERPRETED else 60))
+CPU_EXAMPLES = int(_EXAMPLES or (25 if launcher.INTERPRETED else 60))
 GPU_EXAMPLES = int(_EXAMPLES or 200)
 CPU_TOKENS = 7  # T <= 7 leaves partial token blocks for BLOCK_T in {2, 4}
 GPU_TOKENS = 40

@@ -33,7 +33,9 @@ from test_pool import (
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _reference
+from typedkv import RopeStyle
+from typedkv.core import reference as core_reference
+from typedkv.kv import reference as kv_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +91,8 @@ def test_programmatic_launch_reads_the_prior_kernels_output_cuda() -> None:
     """Each call's kv written by the kernel just before it on the stream (a programmatic dependent launch on
     Hopper: launched while that kernel runs, waiting for it before the first load): the reference's K/V,
     eagerly and in a replayed CUDA graph, the two inputs alternating."""
-    from typedkv import _impl, _launch
+    from typedkv.core import launcher
+    from typedkv.kv import impl as kv_impl
 
     base = cuda(make_case(4096, 5, 8, 128, 128, torch.bfloat16, seed=1))
     cases = [base, replace(base, kv=cuda(make_case(4096, 5, 8, 128, 128, torch.bfloat16, seed=2)).kv)]
@@ -107,9 +110,9 @@ def test_programmatic_launch_reads_the_prior_kernels_output_cuda() -> None:
     for i in range(6):
         step(i)
         assert torch.equal(k_out, want[i % 2][0]) and torch.equal(v_out, want[i % 2][1])
-    launches = [plan.launch for plan in _impl.DENSE.signature._plans.values() if plan.launch is not None]
+    launches = [plan.launch for plan in kv_impl.DENSE.signature._plans.values() if plan.launch is not None]
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert launches and all(launch.programmatic is (hopper and _launch.PROGRAMMATIC_LAUNCH) for launch in launches)
+    assert launches and all(launch.programmatic is (hopper and launcher.PROGRAMMATIC_LAUNCH) for launch in launches)
     assert all(launch.compiled.metadata.launch_pdl is launch.programmatic for launch in launches if launch.compiled)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -127,17 +130,18 @@ def test_direct_launches_through_the_c_launch_cuda(monkeypatch: pytest.MonkeyPat
     launcher's C launch itself: the reference's K and V on new data at every call."""
     import triton
 
-    from typedkv import _impl, _launch
+    from typedkv.core import launcher
+    from typedkv.kv import impl as kv_impl
 
     found: list[Any] = []
-    unwrapped = _launch._unwrapped_launch
+    unwrapped = launcher._unwrapped_launch
 
     def recorded(compiled: Any, slots: tuple[int, ...]) -> Any:
         found.append(unwrapped(compiled, slots))
         return found[-1]
 
-    monkeypatch.setattr(_launch, "_unwrapped_launch", recorded)
-    _impl.DENSE.signature._plans.clear()
+    monkeypatch.setattr(launcher, "_unwrapped_launch", recorded)
+    kv_impl.DENSE.signature._plans.clear()
     for seed in range(4):
         case = cuda(make_case(40, 3, 2, 128, 64, torch.bfloat16, seed=seed))
         k, v = case.run()
@@ -322,9 +326,11 @@ def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str, rotary_dim: i
         case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, k_pool, v_pool,
         num_kv_heads=2, k_scale=scale, v_scale=scale,
     )  # fmt: skip
-    k32, v = _reference.rmsnorm_rope(case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, 2, True)
-    want_k = _reference.quantize(k32 if fmt.itemsize == 1 else k32.to(case.kv.dtype), scale, fmt)
-    want_v = _reference.quantize(v, scale, fmt)
+    k32, v = kv_reference.rmsnorm_rope(
+        case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, 2, True
+    )
+    want_k = core_reference.quantize(k32 if fmt.itemsize == 1 else k32.to(case.kv.dtype), scale, fmt)
+    want_v = core_reference.quantize(v, scale, fmt)
     k_got = torch.stack(list(k_pool)) if isinstance(k_pool, list) else k_pool
     v_got = torch.stack(list(v_pool)) if isinstance(v_pool, list) else v_pool
     keep = slots >= 0
@@ -365,7 +371,7 @@ def test_fp8_special_values_cuda(fmt: torch.dtype) -> None:
         gpu.kv, gpu.k_norm_weight, gpu.eps, gpu.cos_sin_cache, gpu.positions, slots, k_pool, v_pool,
         num_kv_heads=H, k_scale=k_scale, v_scale=4.0,
     )  # fmt: skip
-    want_v = _reference.quantize(kv[:, :, H * D :].reshape(T, L, H, D).transpose(0, 1), 4.0, fmt)
+    want_v = core_reference.quantize(kv[:, :, H * D :].reshape(T, L, H, D).transpose(0, 1), 4.0, fmt)
     got_v = v_pool[:, slots].cpu()
     assert torch.equal(got_v.view(torch.uint8), want_v.contiguous().view(torch.uint8))
     fmax = torch.finfo(fmt).max
@@ -574,18 +580,19 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
     """T is not specialised on: once a layout's three regimes (K and V split on 8 warps at the
     smallest T, split on 4, or not split) ran, no new T compiles the kernel again (a kernel with
     T a constexpr would compile at each)."""
-    from typedkv import _bench, _launch
+    from typedkv.kv import kernel as kv_kernel
+    from typedkv.tools import cases
 
     def call(num_tokens: int) -> None:
-        x = _bench.make_inputs(_bench.MAIN, num_tokens, torch.device("cuda"))
+        x = cases.make_inputs(cases.MAIN, num_tokens, torch.device("cuda"))
         typedkv.materialize_kv(
             x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, num_kv_heads=8, k_out=x.k_out, v_out=x.v_out
         )
 
     for num_tokens in (16, 256, 8192):
         call(num_tokens)
-    before = compiled_variants(_launch.materialize_kv_kernel)
+    before = compiled_variants(kv_kernel.materialize_kv_kernel)
     for num_tokens in (1, 17, 100, 999, 5000, 12345):
         call(num_tokens)
     torch.cuda.synchronize()
-    assert compiled_variants(_launch.materialize_kv_kernel) == before
+    assert compiled_variants(kv_kernel.materialize_kv_kernel) == before

@@ -59,12 +59,14 @@ def cpu(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 def weight_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused kernel's weight tiles by pointer, or by TMA wherever the layout allows (as the defaults on
     Hopper): each test so marked runs both ways."""
-    from typedkv import _fused_impl, _launch
+    from typedkv.projection import fused as fused_impl
+    from typedkv.projection import launch as fused_launch
+    from typedkv.projection import tuning
 
-    defaults = _launch.projection_launch.__kwdefaults__
+    defaults = fused_launch.projection_launch.__kwdefaults__
     assert defaults is not None
-    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(tma=request.param == "tma"))
-    _fused_impl._LAUNCHES.clear()
+    monkeypatch.setitem(defaults, "config", tuning.ProjectionConfig(tma=request.param == "tma"))
+    fused_impl._LAUNCHES.clear()
 
 
 # ------------------------------------------------------------------ results
@@ -174,20 +176,23 @@ def test_weight_descriptors_encoded_per_address_cuda(
     """Direct launches pass the weight's TMA descriptors encoded once per weight address: each call after the
     first (new data each time) holds the oracle, a weight changed in place is read anew, a weight moved to
     another address is encoded anew, and on Triton 3.6 no call after the first encodes again."""
-    from typedkv import _fused_impl, _launch
+    from typedkv.core import launcher
+    from typedkv.projection import fused as fused_impl
+    from typedkv.projection import launch as fused_launch
+    from typedkv.projection import tuning
 
-    defaults = _launch.projection_launch.__kwdefaults__
+    defaults = fused_launch.projection_launch.__kwdefaults__
     assert defaults is not None
-    monkeypatch.setitem(defaults, "config", _launch.ProjectionConfig(tma=True))
-    _fused_impl._LAUNCHES.clear()
+    monkeypatch.setitem(defaults, "config", tuning.ProjectionConfig(tma=True))
+    fused_impl._LAUNCHES.clear()
     encoded: list[Any] = []
-    encode = _launch._encode_descriptor
+    encode = launcher.encode_descriptor
 
     def counted(descriptor: Any, meta: Any) -> list[Any]:
         encoded.append(descriptor)
         return encode(descriptor, meta)
 
-    monkeypatch.setattr(_launch, "_encode_descriptor", counted)
+    monkeypatch.setattr(launcher, "encode_descriptor", counted)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=rotary_dim, hidden=256, bias=True)
     k_pool = torch.zeros(L, S, H, 128, dtype=torch.bfloat16, device="cuda")
     v_pool = torch.zeros_like(k_pool)
@@ -372,13 +377,13 @@ def test_cuda_graph_fused(pool: bool) -> None:
 @pytest.mark.parametrize("num_tokens", [16, 64])
 def test_next_kernel_reads_the_fused_output_cuda(num_tokens: int) -> None:
     """On Hopper the fused kernel lets the next kernel launch once its weight loops are done
-    (`typedkv._launch.ProjectionConfig.signal_next`): a programmatic launch right after it that reads its K and V
+    (`typedkv.projection.tuning.ProjectionConfig.signal_next`): a programmatic launch right after it that reads its K and V
     reads them whole, eagerly and in a replayed graph, the two inputs alternating.
 
     K and V are written as views of one ``[T, L, 2, H, D]`` buffer, which `typedkv.materialize_kv` then
     takes as its kv (its kernel waits for the prior one's end before its first load).
     """
-    from typedkv import _launch
+    from typedkv.core import launcher
 
     typedkv.set_debug(False)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=4096)
@@ -420,7 +425,7 @@ def test_next_kernel_reads_the_fused_output_cuda(num_tokens: int) -> None:
     ptx = [launch.compiled.asm["ptx"] for launch in kept.launches.values() if launch.compiled is not None]
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert ptx and all(
-        ("griddepcontrol.launch_dependents" in text) is (hopper and _launch.PROGRAMMATIC_LAUNCH) for text in ptx
+        ("griddepcontrol.launch_dependents" in text) is (hopper and launcher.PROGRAMMATIC_LAUNCH) for text in ptx
     )
 
 
@@ -498,7 +503,7 @@ def test_fused_sample_under_memcheck() -> None:
 def test_weights_by_tma_above_64_tokens_cuda() -> None:
     """On Hopper the defaults load the weight's tiles by TMA above T = 16 (here 300) where the layout allows: the
     oracle's K and V; GPT-J pairs (rows not consecutive) load by pointer."""
-    from typedkv import _launch
+    from typedkv.projection import launch as fused_launch
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
@@ -507,22 +512,22 @@ def test_weights_by_tma_above_64_tokens_cuda() -> None:
         x, positions, xc, pc = cuda_call(draft, 300)
         assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
         launches = [launch for kept in draft.m._plans.values() for launch in kept.launches.values()]
-        blocks = [launch.weight_blocks for launch in launches if isinstance(launch, _launch.ProjectionLaunch)]
+        blocks = [launch.weight_blocks for launch in launches if isinstance(launch, fused_launch.ProjectionLaunch)]
         assert len(blocks) == len(launches)
         assert [b is not None for b in blocks] == [by_tma]
 
 
 def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None:
     """On a device the measured tables know, "auto" takes the fused kernel exactly where the table of its weight
-    tiles' way says: by TMA (NeoX, `PROJECTION_FUSED_FASTER_TMA`) at T = 48 and 100, by pointer (GPT-J pairs,
-    `PROJECTION_FUSED_FASTER`) at 48 on the H100 and at neither on the H200; GEMM + kernel elsewhere."""
-    from typedkv import _launch
+    tiles' way says: by TMA (NeoX, `Tuning.fused_faster_tma`) at T = 48 and 100, by pointer (GPT-J pairs,
+    `Tuning.fused_faster`) at 48 on the H100 and at neither on the H200; GEMM + kernel elsewhere."""
+    from typedkv.projection import tuning
 
-    if torch.cuda.get_device_name() not in _launch.PROJECTION_FUSED_FASTER_TMA:
+    if not tuning.tuning_of(torch.cuda.get_device_name()).fused_faster_tma:
         pytest.skip("no measured table for this device")
     device = torch.device("cuda")
     cases = [(style, t) for style in ("neox", "gptj") for t in (48, 100)]
-    fused_ways = {case: _launch.projection_fused_faster(device, case[1], tma=case[0] == "neox") for case in cases}
+    fused_ways = {case: tuning.projection_fused_faster(device, case[1], tma=case[0] == "neox") for case in cases}
     # Both ways must be seen, or the test would not show that "auto" follows the tables.
     assert len(set(fused_ways.values())) == 2, fused_ways
     for rope_style, num_tokens in cases:
@@ -537,16 +542,16 @@ def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None
 def test_new_token_count_compiles_nothing_fused() -> None:
     """The fused kernel compiles once per launch configuration (the T ranges of `PROJECTION_BLOCKS` and
     `PROJECTION_BLOCKS_TMA`), never per T."""
-    from typedkv import _launch
+    from typedkv.projection import kernel as fused_kernel
 
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
     for num_tokens in (16, 32, 64, 128, 256, 512):  # one T in each range of the tables
         draft.m(*cuda_call(draft, num_tokens)[2:])
-    before = compiled_variants(_launch.project_kv_kernel)
+    before = compiled_variants(fused_kernel.project_kv_kernel)
     for num_tokens in (1, 9, 17, 33, 65, 129, 257, 1000):
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
-    assert compiled_variants(_launch.project_kv_kernel) == before
+    assert compiled_variants(fused_kernel.project_kv_kernel) == before
 
 
 @pytest.mark.usefixtures("weight_loads")
@@ -576,9 +581,11 @@ def test_per_layer_pools_off_16_bytes_after_aligned_cuda() -> None:
 @pytest.fixture
 def split_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GEMM path writes V straight into dense outputs at every T on this GPU (the H200's table says T >= 2048)."""
-    from typedkv import _launch
+    from typedkv.projection import tuning
 
-    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, torch.cuda.get_device_name(), ((1, float("inf")),))
+    monkeypatch.setitem(
+        tuning.TUNING, *tuning.measured(torch.cuda.get_device_name(), split_gemm_faster=((1, float("inf")),))
+    )
 
 
 def _ways(m: typedkv.KVMaterializer) -> set[str]:
@@ -630,10 +637,10 @@ def test_split_matches_gemm_path_on_random_inputs_cuda(monkeypatch: pytest.Monke
     x = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()
     positions = torch.randint(0, P, (2048,), device="cuda", generator=g)
     got = m(x, positions)
-    from typedkv import _fused_ws, _launch
+    from typedkv.projection import tuning
 
-    monkeypatch.setitem(_launch.SPLIT_GEMM_FASTER, torch.cuda.get_device_name(), ())
-    monkeypatch.setitem(_fused_ws.PROJECTION_WS_FASTER, torch.cuda.get_device_name(), ())
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured(torch.cuda.get_device_name(), split_gemm_faster=()))
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured(torch.cuda.get_device_name(), warp_specialized_faster=()))
     m.projection_path = "auto"  # a new key: the layout checked again, and now GEMM + kernel
     want = m(x, positions)
     assert _ways(m) == {"split", "gemm"}

@@ -1,6 +1,6 @@
 """GPU suite of the warp-specialised fused projection (``pytest -m gpu``; Hopper with Triton 3.6's Gluon).
 
-`typedkv._fused_ws` runs the fused path of dense calls it can run from the T the
+`typedkv.projection.warp_specialized` runs the fused path of dense calls it can run from the T the
 measured table gives (H200: 2048). Here the table is widened to every T
 (`ws_everywhere`) so that small calls exercise it, and each test counts the
 kernel's launches, so that a test of this kernel cannot pass on another one.
@@ -30,7 +30,7 @@ from torch import Tensor
 from ws_launches import counted_launches, runs_here, taken_everywhere
 
 import typedkv
-from typedkv import _fused_ws, _fused_ws_kernel
+from typedkv.projection import tuning, warp_specialized, warp_specialized_kernel
 
 pytestmark = [pytest.mark.gpu]
 
@@ -149,12 +149,12 @@ def test_several_tiles_a_program_cuda(
     H200): the ring and the staging tile carried from tile to tile. Production mode; into pools, 500 of the
     tokens spread over the batch have slots, the others -1; every other row keeps its fill. ``group_n`` 4:
     the tiles in bands of 4 weight tiles (`Tiles.group_n`), the last band of 2 (6 weight tiles here)."""
-    shape = _fused_ws.WS_TILES[-1][1]._replace(group_n=group_n)
-    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, shape),))
+    shape = warp_specialized.WS_TILES[-1][1]._replace(group_n=group_n)
+    monkeypatch.setattr(warp_specialized, "WS_TILES", ((math.inf, shape),))
     typedkv.set_debug(False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles_n = L * 2 * H * 128 // _fused_ws.WS_TILES[-1][1].block_n
-    num_tokens = _fused_ws.WS_TILES[-1][1].block_m * (3 * sms // tiles_n + 1)
+    tiles_n = L * 2 * H * 128 // warp_specialized.WS_TILES[-1][1].block_n
+    num_tokens = warp_specialized.WS_TILES[-1][1].block_m * (3 * sms // tiles_n + 1)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=256)
     x, positions, xc, pc = cuda_call(draft, num_tokens)
     g = torch.Generator().manual_seed(3)
@@ -169,11 +169,11 @@ def test_several_tiles_a_program_cuda(
 # (--weight-bands; 4 of the 6 here, then 2); two heads or one with each program's last tile's epilogue
 # in the epilogue warps (--last-tile; `WS_TILES` has both).
 OTHER_TILES = {
-    "64x256": _fused_ws.Tiles(64, 4, 8, 4, 2),
-    "64x128": _fused_ws.Tiles(64, 8, 1, 4, 1, 128),
-    "128x128": _fused_ws.Tiles(128, 5, 8, 8, 1, 128),
-    "weight-bands": _fused_ws.WS_TILES[-1][1]._replace(group_n=4),
-    "last-in-epilogue": _fused_ws.WS_TILES[-1][1]._replace(last_in_mma=False),
+    "64x256": warp_specialized.Tiles(64, 4, 8, 4, 2),
+    "64x128": warp_specialized.Tiles(64, 8, 1, 4, 1, 128),
+    "128x128": warp_specialized.Tiles(128, 5, 8, 8, 1, 128),
+    "weight-bands": warp_specialized.WS_TILES[-1][1]._replace(group_n=4),
+    "last-in-epilogue": warp_specialized.WS_TILES[-1][1]._replace(last_in_mma=False),
 }
 OTHER_TILES["128x128 last-in-epilogue"] = OTHER_TILES["128x128"]._replace(last_in_mma=False)
 
@@ -187,7 +187,7 @@ def test_other_tiles_cuda(
 ) -> None:
     """`OTHER_TILES`: the oracle's K and V, dense and into pools (every other pool row keeps its fill); at
     T = 300 a program takes several tiles (its ring carried from one tile to the next)."""
-    monkeypatch.setattr(_fused_ws, "WS_TILES", ((math.inf, OTHER_TILES[tiles]),))
+    monkeypatch.setattr(warp_specialized, "WS_TILES", ((math.inf, OTHER_TILES[tiles]),))
     typedkv.set_debug(False)
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=1000)
     x, positions, xc, pc = cuda_call(draft, num_tokens)
@@ -247,11 +247,11 @@ def test_auto_takes_it_from_the_measured_t_cuda(launches: list[int]) -> None:
     """On a device the table knows, "auto" takes this kernel exactly at the T its row holds (the oracle's K and V,
     no GEMM output): on the H200 at T = 760, 2048 and 2112, not at 300, 1024 or 2560; on the H100 at 760, 1024 and 2048,
     not at 300, 2112 or 2560; into per-layer pools too."""
-    if torch.cuda.get_device_name() not in _fused_ws.PROJECTION_WS_FASTER:
+    if not tuning.tuning_of(torch.cuda.get_device_name()).warp_specialized_faster:
         pytest.skip("no measured table for this device")
     device = torch.device("cuda")
     sizes = (300, 760, 1024, 2112, 2560, 2048)  # 2048 last: the pool call below reuses its inputs
-    taken = [t for t in sizes if _fused_ws.faster(device, t)]
+    taken = [t for t in sizes if warp_specialized.faster(device, t)]
     # Both ways must be seen, or the test would not show that "auto" follows the table.
     assert taken and len(taken) < len(sizes), taken
     draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512)
@@ -282,7 +282,7 @@ def test_matches_gemm_path_on_random_inputs_cuda(launches: list[int]) -> None:
     torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=2e-2)
     # The fused path takes this kernel where the device's table says it is faster (the H200 at 2048);
     # elsewhere it takes the tiled fused kernel, which the comparison above checked instead.
-    assert launches == ([2048] if _fused_ws.faster(x.device, 2048) else [])
+    assert launches == ([2048] if warp_specialized.faster(x.device, 2048) else [])
 
 
 @pytest.mark.usefixtures("ws_everywhere")
@@ -292,14 +292,14 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
     draft = cuda_draft(torch.bfloat16, head_dim=128, rotary_dim=128, hidden=512)
     # Each range of the table below 65536: its tiles compile at its first T; later its last T (or one
     # 300 on) and other T compile nothing.
-    bounds = [0] + [int(most) for most, _ in _fused_ws.WS_TILES[:-1]]
+    bounds = [0] + [int(most) for most, _ in warp_specialized.WS_TILES[:-1]]
     for num_tokens in (low + 1 for low in bounds[:-1]):
         draft.m(*cuda_call(draft, num_tokens)[2:])
-    before = compiled_variants(_fused_ws_kernel.project_kv_ws_kernel)
+    before = compiled_variants(warp_specialized_kernel.project_kv_ws_kernel)
     for num_tokens in (17, 130, 1000, *(min(high, low + 300) for low, high in itertools.pairwise(bounds))):
         draft.m(*cuda_call(draft, num_tokens)[2:])
     torch.cuda.synchronize()
-    assert compiled_variants(_fused_ws_kernel.project_kv_ws_kernel) == before
+    assert compiled_variants(warp_specialized_kernel.project_kv_ws_kernel) == before
 
 
 # Not racecheck: on this kernel (Triton 3.6, compute-sanitizer 2025.3.1, H200) it reports a hazard at every

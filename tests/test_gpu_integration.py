@@ -20,8 +20,8 @@ from torch import Tensor
 from torch._inductor.utils import run_and_get_code
 
 import typedkv
-import typedkv._torch_ops
-from typedkv._materializer import ProjectionPath
+import typedkv.core.torch_ops
+from typedkv.projection.dispatch import ProjectionPath
 
 L, H, D, HIDDEN, P, S = 4, 2, 128, 256, 4096, 512
 DTYPE = torch.bfloat16
@@ -127,7 +127,7 @@ def test_compiled_pool_cuda(layout: str) -> None:
 
 
 @pytest.mark.skipif(
-    typedkv._torch_ops._torch_version() < (2, 13),
+    typedkv.core.torch_ops._torch_version() < (2, 13),
     reason="pytorch/pytorch#139628: before torch 2.13 inductor's copy of pools sharing an allocation reads "
     "out of bounds (typedkv warns while tracing; tests/test_compile.py checks the warning)",
 )

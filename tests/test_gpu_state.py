@@ -1,4 +1,4 @@
-"""The bench's record of the GPU's clock and power (`typedkv._gpu_state`), against a scripted NVML."""
+"""The bench's record of the GPU's clock and power (`typedkv.tools.gpu_state`), against a scripted NVML."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from typedkv import _bench_e2e, _gpu_state
+from typedkv.tools import bench_e2e, gpu_state
 
 
 def _fake_nvml(clocks: list[int], reasons: int = 0x4) -> SimpleNamespace:
@@ -40,7 +40,7 @@ def _fake_nvml(clocks: list[int], reasons: int = 0x4) -> SimpleNamespace:
 def test_summary_of_samples() -> None:
     """Median and lowest clock, median power, the share held at the power limit, every reason seen once."""
     samples = [(1980, 120.0, 0), (1500, 690.0, 0x4), (1550, 695.0, 0x4 | 0x40), (1400, 700.0, 0x4)]
-    assert _gpu_state.summary(samples) == {
+    assert gpu_state.summary(samples) == {
         "samples": 4,
         "sm_mhz": 1525.0,
         "sm_mhz_low": 1400,
@@ -48,14 +48,14 @@ def test_summary_of_samples() -> None:
         "at_power_limit": 0.75,
         "reasons": ["power limit", "hardware thermal"],
     }
-    assert _gpu_state.summary([]) == {"samples": 0}
+    assert gpu_state.summary([]) == {"samples": 0}
 
 
 def test_samples_only_inside_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread reads the device while a window is open and not after; the window's summary is what it read."""
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([1500, 1400, 1600]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    state = _gpu_state.GpuState.open(torch.device("cuda", 0))
+    state = gpu_state.GpuState.open(torch.device("cuda", 0))
     assert state is not None
     try:
         assert state.limits() == {"max_sm_mhz": 1980.0, "power_limit_w": 700.0}
@@ -78,24 +78,24 @@ def test_samples_only_inside_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_nothing_to_read_gives_no_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA device, no ``pynvml``, an NVML that finds no driver, or a renumbered device not found: None."""
-    assert _gpu_state.GpuState.open(torch.device("cpu")) is None
+    assert gpu_state.GpuState.open(torch.device("cpu")) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
-    assert _gpu_state.GpuState.open(torch.device("cuda", 0)) is None
+    assert gpu_state.GpuState.open(torch.device("cuda", 0)) is None
 
     def no_driver() -> None:
         raise RuntimeError("NVML Shared Library Not Found")
 
     monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=no_driver))
-    assert _gpu_state.GpuState.open(torch.device("cuda", 0)) is None
+    assert gpu_state.GpuState.open(torch.device("cuda", 0)) is None
     renumbered = _fake_nvml([1500])
     renumbered.nvmlDeviceGetCount = lambda: 1
     renumbered.nvmlDeviceGetUUID = lambda handle: "GPU-another-one"
     monkeypatch.setitem(sys.modules, "pynvml", renumbered)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid="this-one"))
-    assert _gpu_state.GpuState.open(torch.device("cuda", 0)) is None
+    assert gpu_state.GpuState.open(torch.device("cuda", 0)) is None
     renumbered.nvmlDeviceGetUUID = lambda handle: "GPU-this-one"
-    found = _gpu_state.GpuState.open(torch.device("cuda", 0))
+    found = gpu_state.GpuState.open(torch.device("cuda", 0))
     assert found is not None
     found.close()
 
@@ -105,7 +105,7 @@ def test_end_to_end_rows_record_the_gpu_state(monkeypatch: pytest.MonkeyPatch) -
     captured), and the table prints it."""
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([1545]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    state = _gpu_state.GpuState.open(torch.device("cuda", 0))
+    state = gpu_state.GpuState.open(torch.device("cuda", 0))
     assert state is not None
 
     def timer(calls: Any, sampling: Any = None) -> dict[str, list[float]]:
@@ -116,19 +116,19 @@ def test_end_to_end_rows_record_the_gpu_state(monkeypatch: pytest.MonkeyPatch) -
                 time.sleep(0.01)
         return {impl: [10.0, 11.0] for impl in calls}
 
-    tiny = _bench_e2e.Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32)
+    tiny = bench_e2e.Draft(num_layers=2, num_kv_heads=2, head_dim=64, hidden=64, num_heads=4, dtype=torch.float32)
     try:
-        result = _bench_e2e.run_e2e(timer, torch.device("cpu"), (1, 5), tiny, gpu_state=state)
+        result = bench_e2e.run_e2e(timer, torch.device("cpu"), (1, 5), tiny, gpu_state=state)
         result["gpu"] = state.limits()
     finally:
         state.close()
     for row in result["rows"]:
         assert row["gpu"]["sm_mhz"] == 1545 and row["gpu"]["at_power_limit"] == 1.0
-    table = _bench_e2e.e2e_table(result)
+    table = bench_e2e.e2e_table(result)
     assert "highest SM clock 1980.0 MHz, power limit 700.0 W" in table
     assert "  1545 (1545) MHz   690.0 W  100%  power limit" in table
     del result["rows"][0]["gpu"], result["rows"][1]["gpu"]
-    assert "the GPU while each T was timed" not in _bench_e2e.e2e_table(result)
+    assert "the GPU while each T was timed" not in bench_e2e.e2e_table(result)
 
 
 def test_a_failing_query_ends_the_sampling_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +142,7 @@ def test_a_failing_query_ends_the_sampling_quietly(monkeypatch: pytest.MonkeyPat
     nvml.nvmlDeviceGetEnforcedPowerLimit = gone
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    state = _gpu_state.GpuState.open(torch.device("cuda", 0))
+    state = gpu_state.GpuState.open(torch.device("cuda", 0))
     assert state is not None
     with state.window() as window:
         state._thread.join(timeout=5)
@@ -155,7 +155,7 @@ def test_a_failing_query_ends_the_sampling_quietly(monkeypatch: pytest.MonkeyPat
 def test_reads_the_real_gpu_cuda() -> None:
     """On a CUDA machine with NVML: the limits and a window over a few matrix products read plausible values."""
     pytest.importorskip("pynvml")
-    state = _gpu_state.GpuState.open(torch.device("cuda"))
+    state = gpu_state.GpuState.open(torch.device("cuda"))
     assert state is not None
     try:
         limits = state.limits()

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from typedkv import _launch
+from typedkv.core import launcher
 
-pytestmark = pytest.mark.skipif(_launch.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
+pytestmark = pytest.mark.skipif(launcher.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
 
 _TOOL = Path(__file__).parents[1] / "benchmarks" / "ptx_snapshot.py"
 
@@ -35,7 +35,7 @@ def _snapshot() -> ModuleType:
 
 
 def _case_names() -> list[str]:
-    if _launch.INTERPRETED:
+    if launcher.INTERPRETED:
         return []
     # The small batch splits K and V into programs of their own; the large one does not.
     return [name for name in _snapshot().cases() if "-T16-" in name or "T8192-neox-R64" in name]
@@ -50,7 +50,7 @@ def test_launch_compiles_for_hopper(case: str) -> None:
     assert f".entry {kernel.fn.__name__}" in ptx
     if "bf16" in case or case.startswith("dense"):
         # Rows move in vectors: 16 bytes a thread at a time, or 8 where the smallest batches' K and V
-        # programs take 8 warps (`typedkv._launch.launch_params`) over a head row of 8 * 128 elements.
+        # programs take 8 warps (`typedkv.kv.launch.launch_params`) over a head row of 8 * 128 elements.
         widths = ("v4", "v2") if num_warps == 8 else ("v4",)
         assert any(f"ld.global.{w}" in ptx or f"ld.global.nc.{w}" in ptx for w in widths)
 
@@ -67,7 +67,7 @@ def test_snapshot_ignores_source_locations() -> None:
 def test_fused_early_rope_compiles_for_hopper(case: str) -> None:
     """The fused kernel compiles with its RoPE rows loaded before the GEMM loop and after it (`ProjectionConfig`).
 
-    The defaults load them early up to T = 16 only (`typedkv._launch.PROJECTION_BLOCKS`);
+    The defaults load them early up to T = 16 only (`typedkv.projection.tuning.PROJECTION_BLOCKS`);
     the other order is compiled here too, and differs.
     """
     pytest.importorskip("triton.backends.nvidia")
@@ -87,7 +87,7 @@ def test_fused_early_rope_compiles_for_hopper(case: str) -> None:
 def test_v_first_issues_every_load_before_a_store(case: str) -> None:
     """`KVConfig.v_first`, K and V in one program: V's loads come before K's first store in the PTX.
 
-    On by default (measured faster on the H200, `typedkv._launch.KVConfig`); the compiler
+    On by default (measured faster on the H200, `typedkv.kv.launch.KVConfig`); the compiler
     keeps a load after a store that may alias it, which is what the option is for.
     """
     pytest.importorskip("triton.backends.nvidia")
@@ -108,7 +108,7 @@ def test_v_first_issues_every_load_before_a_store(case: str) -> None:
 def test_fused_early_loads_compiles_for_hopper(case: str) -> None:
     """`ProjectionConfig.early_loads` (the epilogue's table entry, scales, eps, norm weights before the loop).
 
-    On by default up to T = 32 (`typedkv._launch.PROJECTION_BLOCKS`); both ways compile for
+    On by default up to T = 32 (`typedkv.projection.tuning.PROJECTION_BLOCKS`); both ways compile for
     sm_90, and differ.
     """
     pytest.importorskip("triton.backends.nvidia")
@@ -126,7 +126,7 @@ def test_fused_early_loads_compiles_for_hopper(case: str) -> None:
 
 @pytest.mark.parametrize("case", ["dense-T16-neox-R128", "fused-T16-list-fp8e4nv-tensor", "mla-T16-dense-bf16"])
 def test_programmatic_launch_waits_first(case: str) -> None:
-    """On Hopper every launch is a programmatic dependent one (`typedkv._launch.programmatic_launch`):
+    """On Hopper every launch is a programmatic dependent one (`typedkv.core.launcher.programmatic_launch`):
     the kernel's first instruction that touches memory is ``griddepcontrol.wait`` (WAIT_PRIOR), and
     without it there is none (the CPU capture here, as on GPUs before Hopper)."""
     pytest.importorskip("triton.backends.nvidia")
@@ -168,9 +168,9 @@ def test_only_a_kernel_that_waits_launches_programmatically() -> None:
     snapshot = _snapshot()
     ((kernel, grid, params, num_warps),) = snapshot.capture(snapshot.cases()["dense-T16-neox-R128"])
     at = kernel.arg_names.index("WAIT_PRIOR")
-    assert _launch.KernelLaunch(kernel, grid, (*params[:at], True, *params[at + 1 :]), num_warps).programmatic
-    assert not _launch.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
-    assert not _launch.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic
+    assert launcher.KernelLaunch(kernel, grid, (*params[:at], True, *params[at + 1 :]), num_warps).programmatic
+    assert not launcher.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
+    assert not launcher.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic
 
 
 @pytest.mark.parametrize("num_tokens", [16, 64])
@@ -181,12 +181,12 @@ def test_fused_overlaps_its_neighbours_on_hopper(num_tokens: int, where: str, mo
     its first weight columns before it waits for the prior kernel (`ProjectionConfig.l2_before_wait`): nothing
     but those requests comes before the wait, and no weight tile is loaded after the signal."""
     pytest.importorskip("triton.backends.nvidia")
-    from typedkv import _fused_impl
+    from typedkv.projection import fused as fused_impl
 
     snapshot = _snapshot()
     snapshot.as_on_hopper(monkeypatch.setattr)
-    monkeypatch.setattr(_launch, "programmatic_launch", lambda device: True)
-    monkeypatch.setattr(_fused_impl, "_LAUNCHES", {})
+    monkeypatch.setattr(launcher, "programmatic_launch", lambda device: True)
+    monkeypatch.setattr(fused_impl, "_LAUNCHES", {})
     pool = None if where == "dense" else snapshot._pool_alloc(num_tokens, where, torch.bfloat16, None)
     ((kernel, _, params, num_warps),) = snapshot.capture(snapshot._fused(num_tokens, pool=pool))
     names = kernel.arg_names

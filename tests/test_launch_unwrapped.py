@@ -1,4 +1,4 @@
-"""A direct launch through Triton 3.6's C launch (`typedkv._launch._unwrapped_launch`), on stand-ins.
+"""A direct launch through Triton 3.6's C launch (`typedkv.core.launcher._unwrapped_launch`), on stand-ins.
 
 On a GPU with Triton 3.6 a layout's later calls skip its launcher's per-launch Python: the
 C launch takes Triton's 13 leading arguments, then the kernel's, each TMA descriptor as
@@ -17,7 +17,9 @@ import pytest
 import torch
 from test_fused_projection import INTERPRETED, Draft, _launch_for
 
-from typedkv import _launch
+from typedkv.core import launcher
+from typedkv.projection import launch as fused_launch
+from typedkv.projection import tuning
 
 
 class _Run:
@@ -54,30 +56,30 @@ def triton36(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         return [("map", arg.base.data_ptr(), tuple(arg.block_shape)), *arg.shape, *arg.strides]
 
     driver = types.SimpleNamespace(_BASE_ARGS_FORMAT_LEN=13, make_tensordesc_arg=make_tensordesc_arg)
-    monkeypatch.setattr(_launch, "_nvidia_driver", lambda: driver)
+    monkeypatch.setattr(launcher, "_nvidia_driver", lambda: driver)
     return encoded
 
 
 @pytest.mark.usefixtures("triton36")
 def test_launchers_taken_on_triton_36() -> None:
     c_launch = len  # a C function: no __code__
-    assert _launch._unwrapped_launch(_compiled(_Run(c_launch)), ()) == (c_launch, [], (False, True))
+    assert launcher._unwrapped_launch(_compiled(_Run(c_launch)), ()) == (c_launch, [], (False, True))
     # A launcher that asks for scratch memory, or a launch in Python where no descriptor is taken: Triton's own.
-    assert _launch._unwrapped_launch(_compiled(_Run(c_launch, scratch=64)), ()) is None
-    assert _launch._unwrapped_launch(_compiled(_Run(lambda *args: None)), ()) is None
+    assert launcher._unwrapped_launch(_compiled(_Run(c_launch, scratch=64)), ()) is None
+    assert launcher._unwrapped_launch(_compiled(_Run(lambda *args: None)), ()) is None
     metas = [{"swizzle": 3}, {"swizzle": 3}]
     wrapped = _wrapped(c_launch, {5, 7}, metas)
-    assert _launch._unwrapped_launch(_compiled(_Run(wrapped)), (5, 7)) == (c_launch, metas, (False, True))
+    assert launcher._unwrapped_launch(_compiled(_Run(wrapped)), (5, 7)) == (c_launch, metas, (False, True))
     # Descriptors elsewhere than the launch's, or without their metadata: Triton's own.
-    assert _launch._unwrapped_launch(_compiled(_Run(wrapped)), (5, 8)) is None
-    assert _launch._unwrapped_launch(_compiled(_Run(_wrapped(c_launch, {5, 7}, [None, None]))), (5, 7)) is None
+    assert launcher._unwrapped_launch(_compiled(_Run(wrapped)), (5, 8)) is None
+    assert launcher._unwrapped_launch(_compiled(_Run(_wrapped(c_launch, {5, 7}, [None, None]))), (5, 7)) is None
 
 
 def test_no_launcher_taken_from_another_triton() -> None:
     """The installed Triton's driver module as it is (here not 3.6's layout unless Triton 3.6 is installed)."""
     import triton
 
-    found = _launch._unwrapped_launch(_compiled(_Run(len)), ())
+    found = launcher._unwrapped_launch(_compiled(_Run(len)), ())
     assert (found is not None) == triton.__version__.startswith("3.6.")
 
 
@@ -90,7 +92,7 @@ def test_fused_launch_passes_each_descriptor_encoded(
     encoding, shape and strides; encoded at the first launch from a weight address, not again."""
     draft = Draft(torch.float16, head_dim=head_dim, rotary_dim=rotary_dim, hidden=80)
     x, positions = draft.call(37)
-    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, _launch.ProjectionConfig(tma=True), False)
+    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
     slots_at = launch._descriptor_slots
     assert len(slots_at) == pieces
 
@@ -103,7 +105,7 @@ def test_fused_launch_passes_each_descriptor_encoded(
     compiled = _compiled(_Run(_wrapped(c_launch, set(slots_at), metas)))
 
     def direct(weight: torch.Tensor) -> tuple[Any, ...]:
-        values = _launch.projection_varying(
+        values = fused_launch.projection_varying(
             x, weight, None, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots, k_dst, v_dst, None,
             weight_blocks=launch.weight_blocks,
         )  # fmt: skip
@@ -133,13 +135,13 @@ def test_fused_launch_passes_each_descriptor_encoded(
 def test_fused_launch_through_another_launcher_passes_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the launcher is not Triton 3.6's, a direct launch calls it as Triton does: the weight's descriptors
     made, nothing encoded."""
-    monkeypatch.setattr(_launch, "_nvidia_driver", lambda: types.SimpleNamespace())  # no 3.6 layout
+    monkeypatch.setattr(launcher, "_nvidia_driver", lambda: types.SimpleNamespace())  # no 3.6 layout
     draft = Draft(torch.float16, head_dim=64, rotary_dim=32, hidden=80)
     x, positions = draft.call(37)
-    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, _launch.ProjectionConfig(tma=True), False)
+    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
     seen: list[tuple[Any, ...]] = []
     compiled = types.SimpleNamespace(run=lambda *args: seen.append(args), function=1234, packed_metadata="meta")
-    values = _launch.projection_varying(
+    values = fused_launch.projection_varying(
         x, draft.m.kv_weight, None, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots, k_dst, v_dst,
         None, weight_blocks=launch.weight_blocks,
     )  # fmt: skip
@@ -151,7 +153,7 @@ def test_fused_launch_through_another_launcher_passes_descriptors(monkeypatch: p
     assert len(made) == len(want)
     for i, (got, expected) in enumerate(zip(made, want, strict=True)):
         if i in launch._descriptor_slots:
-            assert isinstance(got, _launch.TensorDescriptor) and got.base is draft.m.kv_weight
+            assert isinstance(got, launcher.TensorDescriptor) and got.base is draft.m.kv_weight
             assert list(got.block_shape) == list(expected.block_shape)
         else:
             assert got is expected

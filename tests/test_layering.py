@@ -1,38 +1,67 @@
-"""Imports inside typedkv point one way: public face -> torch ops -> checked implementation ->
-checking -> launch -> kernel, with no circle. Engine adapters (``typedkv/integrations/``) sit
-apart: they use the public ``typedkv`` namespace only, and nothing in the core imports them.
+"""Imports inside typedkv follow the package's folders, and point one way, with no circle.
 
-Read from the source of every module, subpackages included (every import a module runs, at its
-top or inside a function, relative or absolute; imports under ``if TYPE_CHECKING:`` run for type
-checkers only and are left out). A module is named by its path in the package, dotted:
-``_ops``, ``integrations.sglang``; a package by its ``__init__`` (``__init__`` is ``typedkv``).
+- ``core/`` is what every kernel family uses: it imports no family.
+- A family (``kv/``, ``mla/``) imports core and itself; ``projection/`` (the materializers) may also use
+  the kv and mla families; ``rope`` is core's too.
+- ``__init__`` is the table of contents: it imports the public names, from the modules that define them.
+- ``tools/`` (bench, demo, command line) is never imported by the library: ``import typedkv`` does not load
+  it. It may use the families (a benchmark times the raw kernel launch and the reference beside the ops).
+- ``integrations/`` (engine adapters) use the public ``typedkv`` namespace only.
+
+Inside the package, modules are layered (public face -> torch ops -> checked implementation -> checking ->
+launch -> kernel): each imports only modules of later layers. Read from the source of every module (every
+import a module runs, at its top or inside a function, relative or absolute; imports under
+``if TYPE_CHECKING:`` run for type checkers only and are left out). A module is named by its dotted path
+in the package: ``kv.api``, ``integrations.sglang``; a package by its ``__init__``.
 """
 
 from __future__ import annotations
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "typedkv"
 ADAPTERS = "integrations"
+TOOLS = "tools"
+FAMILIES = ("kv", "mla")
 
-# Each core module may import only modules of later layers (or of its own layer, with no circle).
+# What each folder may import, besides itself ("" is the package's top level: __init__, __main__, rope).
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "kv": {"core"},
+    "mla": {"core"},
+    "projection": {"core", "kv", "mla"},
+    "rope": {"core"},
+    TOOLS: {"core", "kv", "mla", "projection", "rope", "__init__"},
+}
+
+# Each module may import only modules of later layers (or of its own layer, with no circle).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "__main__", "_cli"),
-    ("_demo", "_bench", "_bench_e2e", "_gpu_state"),
-    ("_materializer", "_mla_materializer"),
-    ("_projection",),  # what the materializers share
-    ("_api", "_rope_tables", "_mla"),  # the public face
-    ("_torch_ops",),  # the torch ops
-    ("_impl", "_mla_impl", "_fused_impl"),  # the checked implementation
-    ("_device_tables", "_value_checks"),
-    ("_checking",),
-    ("_annotations", "_messages", "_memory"),
-    ("_reference", "_launch", "_fused_ws"),
-    ("_kernel", "_mla_kernel", "_fused_kernel", "_fused_ws_kernel"),
-    ("_epilogue",),  # the jit pieces the kernels share
-    ("_config", "_errors", "_types"),
+    ("__main__",),
+    ("tools.__init__", "tools.cli"),
+    ("tools.bench",),
+    ("tools.demo", "tools.host", "tools.plot", "tools.bench_e2e"),
+    ("tools.cases", "tools.timing", "tools.gpu_state"),
+    ("__init__",),
+    ("projection.__init__", "projection.materializer", "projection.mla_materializer"),
+    ("projection.paths", "projection.dispatch", "projection.layers"),  # what the materializers share
+    ("kv.__init__", "mla.__init__", "kv.api", "mla.api", "rope"),  # the public face
+    ("core.torch_ops",),  # the torch ops
+    ("kv.impl", "mla.impl", "projection.fused", "projection.warp_specialized"),  # the checked implementations
+    ("core.implementation", "core.device_tables", "core.value_checks"),
+    ("core.signature",),
+    ("core.checking",),
+    ("core.hints", "core.messages", "core.memory"),
+    ("kv.reference", "mla.reference", "core.reference"),
+    ("kv.launch", "mla.launch", "projection.launch"),
+    ("projection.tuning",),
+    ("core.launcher", "core.launch_args"),
+    ("kv.kernel", "mla.kernel", "projection.kernel", "projection.warp_specialized_kernel"),
+    ("core.epilogue",),  # the jit pieces the kernels share
+    ("core.__init__", "core.config", "core.errors", "core.tensor_types"),
 )
 
 
@@ -147,11 +176,12 @@ def test_adapters_use_the_public_namespace_only() -> None:
 
 
 def test_the_checker_sees_imports() -> None:
-    """The reader itself: _api imports _torch_ops and _impl; _impl imports _launch; the sglang adapter typedkv."""
+    """The reader itself: kv.api imports the torch ops and kv.impl; kv.impl imports kv.launch; the sglang
+    adapter typedkv."""
     graph = _graph()
-    assert {"_torch_ops", "_impl"} <= graph["_api"]
-    assert "_launch" in graph["_impl"] and "_api" not in graph["_torch_ops"]
-    assert graph["integrations.sglang"] == {"__init__"}
+    assert {"core.torch_ops", "kv.impl"} <= graph["kv.api"]
+    assert "kv.launch" in graph["kv.impl"] and "kv.api" not in graph["core.torch_ops"]
+    assert graph["integrations.sglang"] == {"__init__", "integrations.sglang_objects"}
 
 
 def test_the_checker_reads_every_spelling() -> None:
@@ -159,22 +189,24 @@ def test_the_checker_reads_every_spelling() -> None:
     known = set(_modules())
     source = """
 import typedkv
-import typedkv._api
-from typedkv import _impl, InputError
-from typedkv._checking import Signature
-from .. import _launch
-from .._kernel import something
+import typedkv.kv.api
+from typedkv import InputError
+from typedkv.kv import impl
+from typedkv.core.signature import Signature
+from ..kv import launch
+from ..kv.kernel import something
 from ..integrations import sglang
 from . import sglang as again
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
-    from .._torch_ops import hidden
+    from ..core.torch_ops import hidden
 def later():
-    from typedkv._reference import rmsnorm_rope
+    from typedkv.kv.reference import rmsnorm_rope
 """
     found = runtime_imports(source, "integrations.example", known)
     assert found == {
-        "__init__", "_api", "_impl", "_checking", "_launch", "_kernel", "integrations.sglang", "_reference",
+        "__init__", "kv.api", "kv.impl", "core.signature", "kv.launch", "kv.kernel", "integrations.sglang",
+        "kv.reference",
     }  # fmt: skip
 
 
@@ -188,10 +220,62 @@ SPELLINGS = {"kv_layout": 7, "v_scale": 10, "k_scale": 10}
 def test_pool_parameters_are_spelled_where_they_are_used_only() -> None:
     import re
 
-    core = [path for name, path in _modules().items() if not name.startswith((ADAPTERS, "_bench"))]
+    core = [path for name, path in _modules().items() if not name.startswith((ADAPTERS, TOOLS))]
     for word, most in SPELLINGS.items():
         pattern = re.compile(rf"\b{word}\b")
         found = {path.name: len(pattern.findall(path.read_text())) for path in core}
         total = sum(found.values())
         where = {name: n for name, n in found.items() if n}
         assert total <= most, f"{word} is spelled {total} times (at most {most}): {where}"
+
+
+def _folder(module: str) -> str:
+    """The folder a module lives in ("" for the top level), ``rope`` standing for itself."""
+    head = module.split(".")[0]
+    return head if "." in module or head == "rope" else ""
+
+
+def test_folders_import_only_what_they_may() -> None:
+    found = [
+        f"{module} imports {other}"
+        for module, imports in _graph().items()
+        if _folder(module) in MAY_IMPORT
+        for other in imports
+        if _folder(other) != _folder(module)
+        and _folder(other) not in MAY_IMPORT[_folder(module)]
+        and not (other == "__init__" and "__init__" in MAY_IMPORT[_folder(module)])
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_families_do_not_import_each_other() -> None:
+    found = [
+        f"{module} imports {other}"
+        for module, imports in _graph().items()
+        if _folder(module) in FAMILIES
+        for other in imports
+        if _folder(other) in FAMILIES and _folder(other) != _folder(module)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_nothing_in_the_library_imports_the_tools() -> None:
+    found = [
+        f"{module} imports {other}"
+        for module, imports in _graph().items()
+        if _folder(module) != TOOLS and module != "__main__"
+        for other in imports
+        if _folder(other) == TOOLS
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_import_typedkv_loads_no_tool() -> None:
+    """What the graph says, seen in a fresh interpreter: the tools are not loaded by ``import typedkv``."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, typedkv; print(sorted(m for m in sys.modules if m.startswith('typedkv')))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "typedkv.tools" not in loaded and "typedkv.kv.api" in loaded

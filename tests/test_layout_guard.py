@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import typedkv
-from typedkv import InputError, _checking
-from typedkv._checking import CheckedLayouts, LayoutGuard, fingerprint
+from typedkv import InputError
+from typedkv.core import checking
+from typedkv.core.checking import CheckedLayouts, LayoutGuard, fingerprint
 
 
 def _args() -> tuple[Any, ...]:
@@ -78,7 +79,7 @@ SAME_FINGERPRINT = ("a subclass", "requires_grad")
 
 def test_this_torch_has_the_guard() -> None:
     # torch 2.11 and 2.13 do; without it every call pays the fingerprint (correct, slower on a CUDA host).
-    assert _checking._TENSOR_GUARDS is not None
+    assert checking._TENSOR_GUARDS is not None
 
 
 def test_the_same_layout_matches_another_call_of_it() -> None:
@@ -121,7 +122,7 @@ def test_a_tensor_changed_in_place_misses(change: str) -> None:
 
 NESTED_CHILD = """
 import torch
-from typedkv._checking import LayoutGuard
+from typedkv.core.checking import LayoutGuard
 kept = (torch.ones(2, 3), [torch.zeros(4), torch.zeros(4)], 2)
 guard = LayoutGuard.of(kept)
 nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(3)])
@@ -200,7 +201,7 @@ def test_cache_remakes_a_guard_the_thread_state_changed() -> None:
 
 
 def test_cache_without_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checking, "_TENSOR_GUARDS", None)
+    monkeypatch.setattr(checking, "_TENSOR_GUARDS", None)
     layouts: CheckedLayouts[str] = CheckedLayouts(8)
     layouts.keep(_args(), "plan")
     assert layouts.get(_args()) == "plan"

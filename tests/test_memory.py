@@ -1,4 +1,4 @@
-"""What a call writes lies apart from what it reads, and from each other (`typedkv._memory`).
+"""What a call writes lies apart from what it reads, and from each other (`typedkv.core.memory`).
 
 A written tensor sharing memory with a read one, or two written tensors sharing an
 element, would race in the kernel and give a wrong answer with no error: every op
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _memory
+from typedkv.core import memory
 
 L, T, H, D, P, S = 3, 4, 2, 16, 16, 16
 DTYPE = torch.float32
@@ -100,10 +100,10 @@ def test_shares_element_agrees_with_the_elements_themselves(same_layout: bool) -
         a = _random_view(buffer, rng, None)
         b = _random_view(buffer, rng, (tuple(a.shape), tuple(a.stride())) if same_layout else None)
         shared = bool(_elements(a) & _elements(b))
-        got = _memory.shares_element(a, b)
+        got = memory.shares_element(a, b)
         if same_layout:
             assert got == shared, (a.shape, a.stride(), a.data_ptr() - b.data_ptr())
-            exact += not shared and _memory.span(a) == _memory.span(b)
+            exact += not shared and memory.span(a) == memory.span(b)
         else:
             assert got or not shared
     if same_layout:
@@ -124,7 +124,7 @@ def test_overlaps_itself_agrees_with_the_elements_themselves() -> None:
         for dim, stride in enumerate(strides):
             offsets = offsets + torch.arange(shape[dim]).reshape([-1 if d == dim else 1 for d in range(dims)]) * stride
         overlap = len(set(offsets.flatten().tolist())) < offsets.numel()
-        assert _memory.overlaps_itself(view) == overlap, (shape, strides)
+        assert memory.overlaps_itself(view) == overlap, (shape, strides)
         folded += overlap and 0 not in strides
     assert folded  # overlaps without a stride of 0 were among them
 
@@ -143,7 +143,7 @@ def _folded(shape: tuple[int, ...], dtype: torch.dtype = DTYPE) -> Tensor:
 def test_outputs_whose_elements_overlap_are_rejected_before_anything_is_written() -> None:
     a = _inputs()
     k_out, v_out = _folded((L, T, H, D)), torch.randn(L, T, H, D)
-    assert _memory.overlaps_itself(k_out) and 0 not in k_out.stride()
+    assert memory.overlaps_itself(k_out) and 0 not in k_out.stride()
     before = k_out.clone(), v_out.clone()
     with pytest.raises(
         typedkv.InputError,
@@ -174,10 +174,10 @@ def test_pools_whose_elements_overlap_are_rejected_before_anything_is_written() 
 
 def test_interleaved_halves_of_a_combined_cache_share_no_element() -> None:
     cache = torch.zeros(4, 2, 8, H, D)  # [N, 2, B, H, D]: K and V interleaved page by page
-    assert not _memory.shares_element(cache[:, 0], cache[:, 1])
-    assert _memory.shares_element(cache[:, 0], cache[:, 0])
+    assert not memory.shares_element(cache[:, 0], cache[:, 1])
+    assert memory.shares_element(cache[:, 0], cache[:, 0])
     shifted = cache.flatten()[1:].as_strided(cache[:, 1].shape, cache[:, 1].stride())
-    assert _memory.shares_element(cache[:, 0], shifted)
+    assert memory.shares_element(cache[:, 0], shifted)
 
 
 def test_dense_outputs_over_kv_are_rejected_before_anything_is_written() -> None:
@@ -373,7 +373,7 @@ def test_materializer_outputs_over_hidden(path: str) -> None:
     k_ref, _ = m(hidden.clone(), positions)
     k_out = memory[:n].view(L, T, H, D)
     before = memory.clone()
-    takes_fused = path == "fused" and typedkv._launch.use_kernel(hidden.device)
+    takes_fused = path == "fused" and typedkv.core.launcher.use_kernel(hidden.device)
     if takes_fused:
         with pytest.raises(typedkv.InputError, match=r"^k_out: expected memory apart from hidden"):
             m(hidden, positions, k_out=k_out)

@@ -4,7 +4,7 @@ checked, outputs of the right shapes returned, nothing to write into pools -- an
 `InputError` a real device gets.
 
 Meta tensors have no memory (each storage's address is 0), so the check that outputs lie apart from the
-inputs (`typedkv._memory`) takes no part there: it would see every pair of tensors overlap.
+inputs (`typedkv.core.memory`) takes no part there: it would see every pair of tensors overlap.
 """
 
 from __future__ import annotations

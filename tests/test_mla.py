@@ -27,9 +27,12 @@ from reference64 import materialize_mla_kv64, rotation_pairs
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _bench, _launch, _reference
+from typedkv import RopeStyle
+from typedkv.core import launcher
+from typedkv.mla import reference as mla_reference
+from typedkv.tools import cases
 
-INTERPRETED = _launch.INTERPRETED
+INTERPRETED = launcher.INTERPRETED
 STORAGE = (torch.bfloat16, torch.float16, torch.float32)
 STYLES: tuple[RopeStyle, ...] = ("gptj", "neox")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -85,7 +88,7 @@ class Inputs:
     def rows_float32(self) -> Tensor:
         """The rows before the store's rounding: what an FP8 pool quantizes."""
         eps = self.eps if isinstance(self.eps, (float, Tensor)) else torch.tensor(self.eps)
-        return _reference.mla_rows(
+        return mla_reference.mla_rows(
             self.ckv, self.kv_norm_weight, eps, self.cos_sin_cache, self.positions, self.rope_style == "neox"
         )
 
@@ -433,15 +436,15 @@ def test_layer_alignment_changes_between_calls(mode: str) -> None:
         run_pool(inputs, layout, _slots(5, 9, 5), 9)
 
 
-@pytest.mark.parametrize("name", [c.name for c in _bench.GPU_CASES if c.kv_lora_rank and c.pool != "fp8"])
+@pytest.mark.parametrize("name", [c.name for c in cases.GPU_CASES if c.kv_lora_rank and c.pool != "fp8"])
 def test_bench_cases_match_their_eager_baseline(name: str) -> None:
     """`typedkv bench --only MLA` times what it claims: its typedkv call writes what the eager baseline writes."""
-    case = next(c for c in _bench.GPU_CASES if c.name == name)
-    x = _bench.make_inputs(case, 8, torch.device("cpu"))
-    _bench.typedkv_call(case, x)()
+    case = next(c for c in cases.GPU_CASES if c.name == name)
+    x = cases.make_inputs(case, 8, torch.device("cpu"))
+    cases.typedkv_call(case, x)()
     target = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])[:, x.slots] if case.pool else x.k_out
     got = target.clone()
-    _bench.eager_call(case, x)()
+    cases.eager_call(case, x)()
     target = x.k_pool.view(case.num_layers, -1, x.k_pool.shape[-1])[:, x.slots] if case.pool else x.k_out
     # The kernel's float32 norm may round one ulp away from PyTorch's (under TRITON_INTERPRET=1).
     got, want = got.float(), target.float()

@@ -16,7 +16,8 @@ from test_compile import compiled, graph_ops
 from torch import Tensor
 
 import typedkv
-from typedkv import _mla, _mla_impl
+from typedkv.mla import api as mla_api
+from typedkv.mla import impl as mla_impl
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_compile"),
@@ -111,7 +112,7 @@ def test_misuse_rejected_while_tracing() -> None:
 
 def test_schemas() -> None:
     """The ops' schemas, derived from the annotations: what torch.compile and CUDA graphs see."""
-    schemas = {str(op._opoverload._schema) for ops in (_mla.DENSE_OPS, _mla.POOL_OPS) for op in ops.ops}
+    schemas = {str(op._opoverload._schema) for ops in (mla_api.DENSE_OPS, mla_api.POOL_OPS) for op in ops.ops}
     common = "Tensor ckv, Tensor? kv_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions"
     assert schemas == {
         f"typedkv::materialize_mla_kv_out({common}, str rope_style, Tensor(a7!) out) -> ()",
@@ -125,15 +126,15 @@ def test_schemas() -> None:
 def test_call_bundles_follow_the_signatures() -> None:
     """The call bundles the public functions build by position have the signatures' parameters, in order."""
     for fn, call in (
-        (typedkv.materialize_mla_kv, _mla_impl.DenseCall),
-        (typedkv.materialize_mla_kv_into_pool, _mla_impl.PoolCall),
+        (typedkv.materialize_mla_kv, mla_impl.DenseCall),
+        (typedkv.materialize_mla_kv_into_pool, mla_impl.PoolCall),
     ):
         assert call._fields == tuple(inspect.signature(fn).parameters), fn.__name__
 
 
 def test_opcheck() -> None:
-    (dense,) = _mla.DENSE_OPS.ops
-    stacked, listed = _mla.POOL_OPS.ops
+    (dense,) = mla_api.DENSE_OPS.ops
+    stacked, listed = mla_api.POOL_OPS.ops
     torch.library.opcheck(dense, (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)))
     torch.library.opcheck(
         stacked, (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None)

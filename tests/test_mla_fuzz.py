@@ -35,11 +35,12 @@ from test_mla import _BITS, LAYOUTS, PAGE, SENTINEL, STORAGE, STYLES, Inputs, _p
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _launch
+from typedkv import RopeStyle
+from typedkv.core import launcher
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
-EXAMPLES = int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES") or (25 if _launch.INTERPRETED else 60))
+EXAMPLES = int(os.environ.get("TYPEDKV_FUZZ_EXAMPLES") or (25 if launcher.INTERPRETED else 60))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import triton
 
-from typedkv import _launch, _mla_kernel
+from typedkv.core import launcher
+from typedkv.mla import kernel as mla_kernel
 
-pytestmark = pytest.mark.skipif(_launch.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
+pytestmark = pytest.mark.skipif(launcher.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
 
 _DIVISIBLE = (
     "ckv_stride_t",
@@ -38,7 +39,7 @@ def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0
     # Triton's compiler API, untyped in stubs/ (typedkv itself never calls it).
     compiler: Any = importlib.import_module("triton.compiler")
     backends: Any = importlib.import_module("triton.backends.compiler")
-    kernel = _mla_kernel.materialize_mla_kv_kernel
+    kernel = mla_kernel.materialize_mla_kv_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     fp8 = {"fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}.get(dst, (0.0, 0, 0))
     const = {

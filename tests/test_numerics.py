@@ -62,7 +62,10 @@ from reference64 import materialize_kv64, rotation_pairs
 from torch import Tensor
 
 import typedkv
-from typedkv import RopeStyle, _launch
+from typedkv import RopeStyle
+from typedkv.core import launcher
+from typedkv.kv import kernel as kv_kernel
+from typedkv.kv import launch as kv_launch
 
 STORAGE = (torch.bfloat16, torch.float16, torch.float32)
 STYLES: tuple[RopeStyle, ...] = ("neox", "gptj")
@@ -320,7 +323,7 @@ _KERNEL_CONFIGS = [
 ]
 
 
-@pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
+@pytest.mark.skipif(not launcher.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("rope_style", STYLES)
 @pytest.mark.parametrize(
     ("block_t", "split_kv", "layer_fast", "full_row", "v_first"),
@@ -336,7 +339,7 @@ def test_kernel_configs(
     block_t: int, split_kv: bool, layer_fast: bool, full_row: bool, v_first: bool, rope_style: RopeStyle, norm: bool
 ) -> None:
     """Every launch configuration computes the same thing, partial token blocks included."""
-    config = _launch.KVConfig(
+    config = kv_launch.KVConfig(
         block_t=block_t, split_kv=split_kv, full_row=full_row, layer_fast=layer_fast, v_first=v_first
     )
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
@@ -344,17 +347,17 @@ def test_kernel_configs(
     k_out, v_out = torch.empty(case.out_shape, dtype=case.kv.dtype), torch.empty(case.out_shape, dtype=case.kv.dtype)
     strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
     args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
-    launch = _launch.Launch(
+    launch = kv_launch.Launch(
         *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
         head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=rope_style == "neox", config=config,
     )  # fmt: skip
     # The configuration asked for is the one launched: programs per token block and layer, K/V split.
     assert launch.grid == (-(-21 // block_t) * 2, 1, 2 if split_kv else 1)
-    launch(_launch.varying(*args, k_out, v_out, None))
+    launch(kv_launch.varying(*args, k_out, v_out, None))
     assert_matches_reference(case, k_out, v_out)
 
 
-@pytest.mark.skipif(not _launch.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
+@pytest.mark.skipif(not launcher.INTERPRETED, reason="launches the kernel itself: TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block_t", [1, 4])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
@@ -364,19 +367,19 @@ def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool
     case = make_case(21, 2, 3, 80, 32, dtype, "neox", norm=norm)
     args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
     outs = []
-    full_row = list(inspect.signature(_launch.materialize_kv_kernel.fn).parameters).index("FULL_ROW")
+    full_row = list(inspect.signature(kv_kernel.materialize_kv_kernel.fn).parameters).index("FULL_ROW")
     for gather in (False, True):
         k_out, v_out = torch.empty(case.out_shape, dtype=dtype), torch.empty(case.out_shape, dtype=dtype)
         strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
-        config = _launch.KVConfig(block_t=block_t, full_row=True, partner_gather=gather)
+        config = kv_launch.KVConfig(block_t=block_t, full_row=True, partner_gather=gather)
         launch_args = (*args, k_out, strides[0], v_out, strides[1], None)
         shape: dict[str, Any] = dict(
             num_kv_heads=case.num_kv_heads, head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=True
         )
         # The switch reaches the kernel: FULL_ROW 2 gathers, 1 loads again.
-        assert _launch.launch_params(*launch_args, **shape, config=config)[1][full_row] == (2 if gather else 1)
-        launch = _launch.Launch(*launch_args, **shape, config=config)
-        launch(_launch.varying(*args, k_out, v_out, None))
+        assert kv_launch.launch_params(*launch_args, **shape, config=config)[1][full_row] == (2 if gather else 1)
+        launch = kv_launch.Launch(*launch_args, **shape, config=config)
+        launch(kv_launch.varying(*args, k_out, v_out, None))
         assert_matches_reference(case, k_out, v_out)
         outs.append((k_out, v_out))
     assert_bitwise_equal(outs[0][0], outs[1][0], "k")
@@ -386,23 +389,23 @@ def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool
 @pytest.mark.parametrize(
     ("num_tokens", "num_layers", "config", "warps"),
     [
-        (16, 5, _launch.KVConfig(), 8),  # 160 K/V programs: the fewest take 8 warps
-        (64, 5, _launch.KVConfig(), 8),
-        (256, 1, _launch.KVConfig(), 8),
-        (256, 5, _launch.KVConfig(), 4),  # 2560 programs
-        (128, 8, _launch.KVConfig(), 4),
-        (8192, 5, _launch.KVConfig(), 4),  # K and V in one program
-        (16, 5, _launch.KVConfig(num_warps=2), 2),  # a configuration's own is kept
+        (16, 5, kv_launch.KVConfig(), 8),  # 160 K/V programs: the fewest take 8 warps
+        (64, 5, kv_launch.KVConfig(), 8),
+        (256, 1, kv_launch.KVConfig(), 8),
+        (256, 5, kv_launch.KVConfig(), 4),  # 2560 programs
+        (128, 8, kv_launch.KVConfig(), 4),
+        (8192, 5, kv_launch.KVConfig(), 4),  # K and V in one program
+        (16, 5, kv_launch.KVConfig(num_warps=2), 2),  # a configuration's own is kept
     ],
 )
-def test_launch_warps(num_tokens: int, num_layers: int, config: _launch.KVConfig, warps: int) -> None:
-    """The K/V kernel's warps per program, as measured on the H200 (`typedkv._launch.launch_params`)."""
+def test_launch_warps(num_tokens: int, num_layers: int, config: kv_launch.KVConfig, warps: int) -> None:
+    """The K/V kernel's warps per program, as measured on the H200 (`typedkv.kv.launch.launch_params`)."""
     H, D = 8, 128
     kv = torch.empty(num_tokens, num_layers, 2 * H * D, dtype=torch.bfloat16)
     out = torch.empty(num_layers, num_tokens, H, D, dtype=torch.bfloat16)
     strides = (out.stride(0), out.stride(1), 0, out.stride(2))
     positions = torch.zeros(num_tokens, dtype=torch.int64)
-    _, _, num_warps = _launch.launch_params(
+    _, _, num_warps = kv_launch.launch_params(
         kv, None, 1e-6, torch.empty(8, D), positions, None, out, strides, out, strides, None,
         num_kv_heads=H, head_dim=D, page_size=1, num_rows=num_tokens, neox=True, config=config,
     )  # fmt: skip
@@ -846,8 +849,8 @@ def test_property_tokens_independent(case: Case, data: st.DataObject) -> None:
 
 def test_interpreter_detected() -> None:
     """The suite knows which path it tests: the kernel under TRITON_INTERPRET=1, else the reference."""
-    assert _launch.INTERPRETED == (os.environ.get("TRITON_INTERPRET", "0") == "1")
-    assert _launch.use_kernel(torch.device("cpu")) == _launch.INTERPRETED
+    assert launcher.INTERPRETED == (os.environ.get("TRITON_INTERPRET", "0") == "1")
+    assert launcher.use_kernel(torch.device("cpu")) == launcher.INTERPRETED
 
 
 class _CountingKernel:
@@ -867,12 +870,12 @@ class _CountingKernel:
 
 @pytest.fixture
 def counting_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_CountingKernel]:
-    counter = _CountingKernel(_launch.materialize_kv_kernel)
-    monkeypatch.setattr(_launch, "materialize_kv_kernel", counter)
+    counter = _CountingKernel(kv_kernel.materialize_kv_kernel)
+    monkeypatch.setattr(kv_launch, "materialize_kv_kernel", counter)
     yield counter
 
 
-@pytest.mark.skipif(not _launch.INTERPRETED, reason="the kernel runs on CPU only under TRITON_INTERPRET=1")
+@pytest.mark.skipif(not launcher.INTERPRETED, reason="the kernel runs on CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("num_tokens", [0, 1, 33])
 def test_one_launch_per_call(counting_kernel: _CountingKernel, num_tokens: int) -> None:
     """One launch covers every layer (none for T == 0), and it computes the right thing."""

@@ -4,7 +4,7 @@ The oracle is the dense op: row ``cache_loc[t]`` of layer ``l``'s pool must hold
 ``materialize_kv(...)[l, t]`` bit for bit (16/32-bit pools). FP8 pools store
 ``saturate(x / scale)`` of the *float32* K (the kernel quantizes K before any
 rounding to kv's dtype), so their K oracle is the float32 K -- the dense op itself
-for float32 kv, ``typedkv._reference.rmsnorm_rope`` otherwise -- cast with torch;
+for float32 kv, ``typedkv.kv.reference.rmsnorm_rope`` otherwise -- cast with torch;
 V is the kv slice divided by the scale. As documented, the division is
 ``x * (1 / scale)`` in float32 (`to_fp8`).
 
@@ -32,9 +32,10 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _launch, _reference
+from typedkv.core import launcher
+from typedkv.kv import reference as kv_reference
 
-INTERPRETED = _launch.INTERPRETED
+INTERPRETED = launcher.INTERPRETED
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SENTINEL = 0xA5  # a finite value in every pool dtype, never what the op writes here
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -119,7 +120,7 @@ class Inputs:
         """K before any rounding to kv's dtype: what an FP8 pool quantizes."""
         if self.kv.dtype == torch.float32:
             return self.dense()[0]
-        k, _ = _reference.rmsnorm_rope(
+        k, _ = kv_reference.rmsnorm_rope(
             self.kv,
             self.k_norm_weight,
             self.eps,

@@ -61,7 +61,8 @@ def _op_schemas() -> dict[str, list[str]]:
         packet = getattr(namespace, name)
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
-        schemas[name] = sorted(str(getattr(packet, overload)._schema) for overload in packet.overloads())
+        overloads: list[str] = packet.overloads()  # type: ignore[no-untyped-call]
+        schemas[name] = sorted(str(getattr(packet, overload)._schema) for overload in overloads)
     return schemas
 
 

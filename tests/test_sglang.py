@@ -40,9 +40,9 @@ from test_docs import check_callable, check_docstring, code_blocks, titled_block
 from torch import Tensor
 
 import typedkv
-from typedkv._bench_e2e import Draft, e2e_table, load_sglang, run_e2e
 from typedkv.integrations import sglang as adapter
 from typedkv.integrations.sglang import FusedKVMaterializeHelper
+from typedkv.tools.bench_e2e import Draft, e2e_table, load_sglang, run_e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_VERSION = "0.5.23"

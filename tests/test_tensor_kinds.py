@@ -1,7 +1,7 @@
 """Tensors of another kind than strided -- sparse (COO, CSR, CSC, BSR, BSC), MKL-DNN, nested (``torch.nested``,
 strided or jagged layout) -- in any tensor argument of any public call, list items too: an `InputError` that names
 the argument, says what it got and what to pass instead, before anything is written. On a layout's first call, and
-after a warm call of the same layout, when a plan cache's fast path (`typedkv._checking.LayoutGuard`) sees the call
+after a warm call of the same layout, when a plan cache's fast path (`typedkv.core.checking.LayoutGuard`) sees the call
 first.
 
 That fast path hands the call's tensors to torch's C++ ``TensorGuards``, which reads a tensor's sizes and strides
@@ -27,7 +27,12 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv import _checking, _fused_impl, _impl, _mla_impl, _projection, _rope_tables
+from typedkv import rope
+from typedkv.core import checking, implementation, signature
+from typedkv.kv import impl as kv_impl
+from typedkv.mla import impl as mla_impl
+from typedkv.projection import fused as fused_impl
+from typedkv.projection import layers as projection_layers
 
 T, L, H, D, P, S, HIDDEN, C, R = 3, 2, 1, 8, 16, 8, 16, 8, 8
 BF16 = torch.bfloat16
@@ -252,11 +257,11 @@ def written_tensors(args: dict[str, Any]) -> Iterator[Tensor]:
 
 def forget_layouts() -> None:
     """Every plan cache of the package emptied: the next call of any layout is its first."""
-    for module in (_impl, _mla_impl, _fused_impl, _projection, _rope_tables):
+    for module in (kv_impl, mla_impl, fused_impl, projection_layers, rope):
         for value in vars(module).values():
-            if isinstance(value, _impl.Implementation):
+            if isinstance(value, implementation.Implementation):
                 value.signature._plans.clear()
-            elif isinstance(value, _checking.Signature):
+            elif isinstance(value, signature.Signature):
                 value._plans.clear()
 
 
@@ -322,35 +327,35 @@ def test_nested_after_a_warm_call() -> None:
 def test_a_sparse_tensor_with_a_kept_layouts_facts_is_checked() -> None:
     # A sparse COO tensor's strides are all 0: its fingerprint is an expanded tensor's. The fingerprint
     # alone must not find that layout's plan for it (the guard, which compares dispatch keys, misses).
-    layouts: _checking.CheckedLayouts[str] = _checking.CheckedLayouts(8)
+    layouts: checking.CheckedLayouts[str] = checking.CheckedLayouts(8)
     expanded = (torch.ones(1).expand(4), 2)
     layouts.keep(expanded, "plan")
     other = (torch.ones(4).to_sparse(), 2)
-    assert _checking.fingerprint(other) == _checking.fingerprint(expanded)
+    assert checking.fingerprint(other) == checking.fingerprint(expanded)
     assert layouts.get(other) is None
     assert layouts.get((torch.ones(1).expand(4), 2)) == "plan"
 
 
 def test_an_mkldnn_tensor_with_a_kept_layouts_facts_is_checked() -> None:
-    layouts: _checking.CheckedLayouts[str] = _checking.CheckedLayouts(8)
+    layouts: checking.CheckedLayouts[str] = checking.CheckedLayouts(8)
     layouts.keep((torch.ones(4),), "plan")
     other = (torch.ones(4).to_mkldnn(),)
-    assert _checking.fingerprint(other) == _checking.fingerprint((torch.ones(4),))
+    assert checking.fingerprint(other) == checking.fingerprint((torch.ones(4),))
     assert layouts.get(other) is None
 
 
 def test_without_a_guard_a_sparse_tensor_is_checked() -> None:
     # A list of numbers makes no guard: the fingerprint alone finds plans.
-    layouts: _checking.CheckedLayouts[str] = _checking.CheckedLayouts(8)
+    layouts: checking.CheckedLayouts[str] = checking.CheckedLayouts(8)
     layouts.keep((torch.ones(1).expand(4), [1e-6, 1e-6]), "plan")
-    assert _checking.LayoutGuard.of((torch.ones(4), [1e-6])) is None
+    assert checking.LayoutGuard.of((torch.ones(4), [1e-6])) is None
     assert layouts.get((torch.ones(4).to_sparse(), [1e-6, 1e-6])) is None
     assert layouts.get((torch.ones(1).expand(4), [1e-5, 1e-6])) == "plan"
 
 
 def test_a_tensor_without_sizes_has_no_plan() -> None:
     # A nested tensor's sizes (and a sparse CSR tensor's strides) raise when read: no plan, not that error.
-    layouts: _checking.CheckedLayouts[str] = _checking.CheckedLayouts(8)
+    layouts: checking.CheckedLayouts[str] = checking.CheckedLayouts(8)
     layouts.keep((torch.ones(2, 2),), "plan")
     for other in (torch.nested.nested_tensor([torch.ones(2), torch.ones(2)]), torch.ones(2, 2).to_sparse_csr()):
         layouts.clear()

@@ -4,7 +4,7 @@ What is covered
 ---------------
 The ops keep process-wide state between calls: the checked plan of each layout
 (``Signature.plan``), the launch built for each plan, and, for per-layer pools, a
-device table of layer offsets per set of pool addresses (``typedkv._device_tables._TABLES``: 16
+device table of layer offsets per set of pool addresses (``typedkv.core.device_tables._TABLES``: 16
 entries, least recently used evicted). An engine may call from several threads (a
 scheduler and a draft model, one thread per device). Here `THREADS` threads, released
 together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
@@ -49,13 +49,13 @@ from test_pool import LAYOUTS as POOL_LAYOUTS
 from torch import Tensor
 
 import typedkv
-from typedkv import _device_tables, _launch
+from typedkv.core import device_tables, launcher
 
-THREADS, CALLS = (6, 10) if _launch.INTERPRETED else (8, 20)
+THREADS, CALLS = (6, 10) if launcher.INTERPRETED else (8, 20)
 # Distinct layouts the threads draw from. On CUDA each one is compiled once (the
 # single-threaded run warms Triton's cache): a few, so that the threads hammer the
 # same plans and compiled launches.
-LAYOUTS = 24 if _launch.INTERPRETED else 64
+LAYOUTS = 24 if launcher.INTERPRETED else 64
 GPU_THREADS, GPU_CALLS, GPU_LAYOUTS = 8, 50, 12
 
 
@@ -193,10 +193,10 @@ def _bytes(t: Tensor) -> Tensor:
 
 
 def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: int) -> None:
-    palette = layouts(num_layouts, small=_launch.INTERPRETED)
+    palette = layouts(num_layouts, small=launcher.INTERPRETED)
     scripts = [script(i, calls, palette) for i in range(threads)]
     fresh = sum(_per_layer(step.spec) and not step.keep_pools for steps in scripts for step in steps)
-    assert fresh > _device_tables._TABLES_MAX, "the scripts must overflow the layer-table cache"
+    assert fresh > device_tables._TABLES_MAX, "the scripts must overflow the layer-table cache"
     alone = [play(steps, device) for steps in scripts]
     _assert_same(play_together(scripts, device), alone)
 
@@ -248,10 +248,10 @@ def _shared_calls(m: Any, device: torch.device, thread: int, calls: int) -> list
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_one_materializer_called_from_threads(kind: str, device: str) -> None:
     """One materializer called from several threads at once: each call gives what it gives alone. The GEMM's
-    workspace is per thread (`typedkv._projection.Workspace`): shared, one thread's GEMM overwrote the rows
+    workspace is per thread (`typedkv.projection.layers.Workspace`): shared, one thread's GEMM overwrote the rows
     another's kernel had yet to read (318 of 320 calls wrong, seen on the CPU)."""
     m = _materializers(torch.device(device))[kind]
-    threads, calls = (4, 6) if _launch.INTERPRETED else (8, 30)
+    threads, calls = (4, 6) if launcher.INTERPRETED else (8, 30)
     alone = [_shared_calls(m, torch.device(device), i, calls) for i in range(threads)]
     results = together(lambda i: _shared_calls(m, torch.device(device), i, calls), threads)
     if device == "cuda":
@@ -284,7 +284,7 @@ def _large_materializer(kind: str) -> Any:
 def test_one_materializer_on_two_streams_cuda(kind: str) -> None:
     """One thread calls one materializer on two CUDA streams whose work starts together (both held behind one
     event): each call gives what it gives alone. Both calls' GEMMs write the thread's workspace, so the second
-    call's stream waits for the first's work (`typedkv._projection.Workspace`); without that wait one stream's
+    call's stream waits for the first's work (`typedkv.projection.layers.Workspace`); without that wait one stream's
     GEMM overwrote the rows the other's kernel read."""
     typedkv.set_debug(False)
     m = _large_materializer(kind)
@@ -346,12 +346,12 @@ def _per_layer_pools(num_layers: int = 2) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def _table(k_layers: list[Tensor], v_layers: list[Tensor]) -> Tensor:
-    return _device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])[0]
+    return device_tables.layer_table(k_layers, v_layers, [t.data_ptr() for t in (*k_layers, *v_layers)])[0]
 
 
 @pytest.mark.gpu
 def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
-    """The per-layer pool table and per-layer eps (`typedkv._device_tables.Upload`: copied without a sync, on
+    """The per-layer pool table and per-layer eps (`typedkv.core.device_tables.Upload`: copied without a sync, on
     the stream of the call that first needs them, then shared) read on another stream.
 
     Pending copy: a call on stream A makes both, its copies queued behind ~10 ms of work, over blocks of
@@ -398,8 +398,8 @@ def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
     for stream in (a, b):
         stream.wait_stream(torch.cuda.current_stream())
     for _ in range(2):
-        _device_tables._TABLES.clear()
-        _device_tables._EPS.clear()
+        device_tables._TABLES.clear()
+        device_tables._EPS.clear()
         got = pools()  # new addresses: a new table
         torch.cuda.synchronize()
         with torch.cuda.stream(a):
@@ -411,7 +411,7 @@ def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
             write(calls[1], *got)
         check(got, "pending copy")
 
-        _device_tables._TABLES.clear()
+        device_tables._TABLES.clear()
         got = pools()
         with torch.cuda.stream(a):
             write(calls[0], *got)
@@ -420,7 +420,7 @@ def test_tables_copied_on_a_busy_stream_read_on_another_cuda() -> None:
             torch.cuda._sleep(40_000_000)  # type: ignore[no-untyped-call]
             write(calls[1], *got)
         with torch.cuda.stream(a):
-            for spare in range(1, _device_tables._TABLES_MAX + 2):  # the table dropped; its memory offered on A
+            for spare in range(1, device_tables._TABLES_MAX + 2):  # the table dropped; its memory offered on A
                 other = pools(spare)
                 write(calls[0], *other)
         check(got, "dropped table")
@@ -439,14 +439,14 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
     """
     k_layers, v_layers = _per_layer_pools()
     _table(k_layers, v_layers)
-    others = [_per_layer_pools() for _ in range(_device_tables._TABLES_MAX + 1)]  # alive: distinct addresses
+    others = [_per_layer_pools() for _ in range(device_tables._TABLES_MAX + 1)]  # alive: distinct addresses
     caller = threading.current_thread()
 
     def other_thread() -> None:
         for k_other, v_other in others:
             _table(k_other, v_other)
 
-    class SwitchAfterLookup(OrderedDict[tuple[object, ...], _device_tables.Upload]):
+    class SwitchAfterLookup(OrderedDict[tuple[object, ...], device_tables.Upload]):
         def get(self, key: tuple[object, ...], default: Any = None) -> Any:
             hit = super().get(key, default)
             if threading.current_thread() is caller:
@@ -455,6 +455,6 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
                 thread.join(timeout=2)  # a lock in _layer_table would hold it back: then go on
             return hit
 
-    monkeypatch.setattr(_device_tables, "_TABLES", SwitchAfterLookup(_device_tables._TABLES))
+    monkeypatch.setattr(device_tables, "_TABLES", SwitchAfterLookup(device_tables._TABLES))
     table = _table(k_layers, v_layers)
     assert table.tolist() == [[0, 64], [0, 64]]

@@ -1,7 +1,7 @@
 """Layouts whose offsets pass 32 bits: a layer-major kv, a head-major pool, a column of a large tensor.
 
 The kernels form ``index * stride`` products in int32 unless the launch sets their
-WIDE constexpr (`typedkv._launch.wide_offsets`); without it such a layout read and
+WIDE constexpr (`typedkv.core.launch_args.wide_offsets`); without it such a layout read and
 wrote outside its tensors (Triton's interpreter faults; a GPU would fault or write
 another tensor's memory). Each case views a few elements of a buffer of more than
 2**31 elements: ``torch.empty`` reserves it, and only the pages the call touches are
@@ -22,7 +22,7 @@ from test_numerics import assert_bitwise_equal, assert_k_close
 from torch import Tensor
 
 import typedkv
-from typedkv import _launch
+from typedkv.core import launch_args
 
 BIG = 2**30  # a stride that passes int32 at index 2
 T, H, D, P = 3, 3, 16, 32
@@ -75,9 +75,9 @@ def _materialize(
 
 
 def test_wide_offsets_counts_the_last_index() -> None:
-    assert not _launch.wide_offsets((2, BIG), (BIG, 1))  # index 1 times 2**30: within int32
-    assert _launch.wide_offsets((3, BIG))  # index 2 times 2**30 = 2**31
-    assert _launch.wide_offsets((2, 2**31))
+    assert not launch_args.wide_offsets((2, BIG), (BIG, 1))  # index 1 times 2**30: within int32
+    assert launch_args.wide_offsets((3, BIG))  # index 2 times 2**30 = 2**31
+    assert launch_args.wide_offsets((2, 2**31))
 
 
 def test_layer_major_kv(device: torch.device) -> None:

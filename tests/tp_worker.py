@@ -29,7 +29,7 @@ the largest difference. Nothing is compared to a tolerance.
 Every case runs once per projection path named by ``--paths`` (``KVMaterializer.projection_path``:
 ``auto``, ``fused``, ``gemm``), the full-head and the shard materializer on the same path.
 ``--ws-everywhere`` widens the measured table of the warp-specialised kernel
-(`typedkv._fused_ws`) to every T, so that the fused path (``auto`` or pinned) takes it wherever it can run
+(`typedkv.projection.warp_specialized`) to every T, so that the fused path (``auto`` or pinned) takes it wherever it can run
 (head_dim 128, NeoX over the whole head, no FP8 pool, sm_90 under Triton 3.6), and
 counts its launches: rank 0 prints them, and the test asserts there were some.
 
@@ -55,7 +55,7 @@ from torch import Tensor
 from ws_launches import counted_launches, taken_everywhere
 
 import typedkv
-from typedkv._materializer import ProjectionPath
+from typedkv.projection.dispatch import ProjectionPath
 
 
 @dataclass(frozen=True)

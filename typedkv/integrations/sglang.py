@@ -16,7 +16,6 @@ where sglang's worker already catches errors and falls back to its per-layer pat
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,12 +23,20 @@ import torch
 from torch import Tensor
 
 import typedkv
+from typedkv.integrations.sglang_objects import (
+    F32,
+    attribute,
+    integer,
+    is_integer,
+    layer_scales,
+    number,
+    read_layer_id,
+)
 
 __all__ = ["FusedKVMaterializeHelper"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_F32 = torch.finfo(torch.float32)
 # sglang's pool layouts typedkv writes: token rows [S, H, D], or pages [N, H, B, D] (SGLANG_USE_HND_KVCACHE).
 _POOL_LAYOUTS: dict[str, typedkv.KVLayout] = {"nhd": "NHD", "hnd": "HND"}
 
@@ -99,8 +106,8 @@ class FusedKVMaterializeHelper:
     ) -> None:
         if len(layers) == 0:
             raise typedkv.InputError("layers: expected at least one draft layer, got none")
-        self.num_kv_heads = _integer(num_kv_heads, "num_kv_heads")
-        self.head_dim = _integer(head_dim, "head_dim")
+        self.num_kv_heads = integer(num_kv_heads, "num_kv_heads")
+        self.head_dim = integer(head_dim, "head_dim")
         self.n_layers = len(layers)
         try:
             self.device = torch.device(device)
@@ -109,11 +116,11 @@ class FusedKVMaterializeHelper:
                 f"device: expected a torch.device or a device string ('cuda:0'), got {device!r}"
             ) from None
         self.rotary_emb = rotary_emb
-        self.rotary_dim = _integer(getattr(rotary_emb, "rotary_dim", self.head_dim), "rotary_emb.rotary_dim")
+        self.rotary_dim = integer(getattr(rotary_emb, "rotary_dim", self.head_dim), "rotary_emb.rotary_dim")
         self.is_neox_style = bool(getattr(rotary_emb, "is_neox_style", True))
         # sglang's convention: a hint of n positions means positions up to n - 1.
         self.max_position_hint = (
-            None if max_position_hint is None else max(_integer(max_position_hint, "max_position_hint") - 1, 0)
+            None if max_position_hint is None else max(integer(max_position_hint, "max_position_hint") - 1, 0)
         )
         self._layers = list(layers)
         weights: list[Tensor] = []
@@ -150,8 +157,8 @@ class FusedKVMaterializeHelper:
         self._kv_bias = None if biases[0] is None else torch.stack([b for b in biases if b is not None])
         self._k_norm_weight = torch.stack(norms).contiguous()
         self._eps = eps
-        self._k_scale, self._v_scale = _layer_scales(self._layers, self.device)
-        self._layer_ids = [_layer_id(i, layer) for i, layer in enumerate(self._layers)]
+        self._k_scale, self._v_scale = layer_scales(self._layers, self.device)
+        self._layer_ids = [read_layer_id(i, layer) for i, layer in enumerate(self._layers)]
         self._cos_sin_source: Tensor | None = None
         self._materializer: typedkv.KVMaterializer | None = None
         self._pool_views: tuple[tuple[object, ...], list[Tensor], list[Tensor]] | None = None
@@ -263,17 +270,17 @@ class FusedKVMaterializeHelper:
     def _read_layer(self, i: int, layer: Any) -> tuple[Tensor, Tensor | None, Tensor, float]:
         """Layer ``i``'s K/V weight rows ``[2*H*D, hidden]``, bias rows, K norm weight ``[D]`` and eps."""
         name = f"layers[{i}].self_attn"
-        attn = _attribute(layer, "self_attn", f"layers[{i}]")
+        attn = attribute(layer, "self_attn", f"layers[{i}]")
         for attr, want in (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)):
-            value = _integer(_attribute(attn, attr, name), f"{name}.{attr}")
+            value = integer(attribute(attn, attr, name), f"{name}.{attr}")
             if value != want:
                 raise typedkv.InputError(
                     f"{name}.{attr}: expected {want} (the helper's {attr}), got {value}: "
                     "the fused path needs every draft layer alike"
                 )
-        rotary = _attribute(attn, "rotary_emb", name)
+        rotary = attribute(attn, "rotary_emb", name)
         rope = (
-            _integer(getattr(rotary, "rotary_dim", self.head_dim), f"{name}.rotary_emb.rotary_dim"),
+            integer(getattr(rotary, "rotary_dim", self.head_dim), f"{name}.rotary_emb.rotary_dim"),
             bool(getattr(rotary, "is_neox_style", True)),
         )
         if rope != (self.rotary_dim, self.is_neox_style):
@@ -287,7 +294,7 @@ class FusedKVMaterializeHelper:
                 f"{name}.v_scale: expected None, got {value_scale!r}: the fused path stores V as projected; "
                 "a draft with an attention value scale takes the per-layer path"
             )
-        qkv = _attribute(attn, "qkv_proj", name)
+        qkv = attribute(attn, "qkv_proj", name)
         quant = getattr(qkv, "quant_method", None)
         if quant is not None and type(quant).__name__ != "UnquantizedLinearMethod":
             raise typedkv.InputError(
@@ -295,15 +302,15 @@ class FusedKVMaterializeHelper:
                 f"{type(quant).__name__}: typedkv reads float projection weights; a quantized "
                 "projection takes the per-layer path"
             )
-        weight = _attribute(qkv, "weight", f"{name}.qkv_proj")
+        weight = attribute(qkv, "weight", f"{name}.qkv_proj")
         if not isinstance(weight, Tensor) or weight.dtype not in _FLOATS or weight.ndim != 2:
             got = f"dtype {weight.dtype}, shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
             raise typedkv.InputError(
                 f"{name}.qkv_proj.weight: expected a 2-dim float16, bfloat16 or float32 tensor, got {got}: "
                 "a quantized projection takes the per-layer path"
             )
-        q_size = _integer(_attribute(attn, "q_size", name), f"{name}.q_size")
-        kv_size = _integer(_attribute(attn, "kv_size", name), f"{name}.kv_size")
+        q_size = integer(attribute(attn, "q_size", name), f"{name}.q_size")
+        kv_size = integer(attribute(attn, "kv_size", name), f"{name}.kv_size")
         if kv_size != self.num_kv_heads * self.head_dim:
             raise typedkv.InputError(
                 f"{name}.kv_size: expected num_kv_heads * head_dim = {self.num_kv_heads * self.head_dim}, got {kv_size}"
@@ -323,24 +330,24 @@ class FusedKVMaterializeHelper:
                     f"(one per weight row), got {got}"
                 )
             bias = self._on_device(bias.detach()[rows], f"{name}.qkv_proj.bias")
-        norm = _attribute(attn, "k_norm", name)
+        norm = attribute(attn, "k_norm", name)
         if type(norm).__name__ == "GemmaRMSNorm" or getattr(norm, "bias", None) is not None:
             raise typedkv.InputError(
                 f"{name}.k_norm: expected an RMSNorm (x * weight / rms), got {type(norm).__name__}"
                 + (" with a bias" if getattr(norm, "bias", None) is not None else "")
                 + ": the fused path computes a plain RMSNorm"
             )
-        norm_weight = _attribute(norm, "weight", f"{name}.k_norm")
+        norm_weight = attribute(norm, "weight", f"{name}.k_norm")
         if not isinstance(norm_weight, Tensor) or norm_weight.shape != (self.head_dim,):
             got = f"shape {tuple(norm_weight.shape)}" if isinstance(norm_weight, Tensor) else repr(norm_weight)
             raise typedkv.InputError(f"{name}.k_norm.weight: expected shape ({self.head_dim},) (head_dim), got {got}")
         where = f"{name}.k_norm.variance_epsilon"
-        eps = _number(_attribute(norm, "variance_epsilon", f"{name}.k_norm"), where)
-        if not 0.0 <= eps <= _F32.max:
+        eps = number(attribute(norm, "variance_epsilon", f"{name}.k_norm"), where)
+        if not 0.0 <= eps <= F32.max:
             # typedkv would refuse it too, but as eps[i]: name the attribute sglang's user knows. (The kernel
             # adds eps in float32: a larger finite eps would be infinite there.)
             raise typedkv.InputError(
-                f"{where}: expected a number >= 0 within float32's range (at most {_F32.max:.3g}), got {eps!r}: "
+                f"{where}: expected a number >= 0 within float32's range (at most {F32.max:.3g}), got {eps!r}: "
                 "RMSNorm divides by sqrt(mean square + eps)"
             )
         return (
@@ -371,7 +378,7 @@ class FusedKVMaterializeHelper:
                 f"ctx_hidden: expected shape (T, hidden={hidden}) (qkv_proj.weight's columns), "
                 f"got {tuple(ctx_hidden.shape)}"
             )
-        if not isinstance(positions, Tensor) or not _is_integer(positions.dtype):
+        if not isinstance(positions, Tensor) or not is_integer(positions.dtype):
             got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
             # sglang's helper casts them to int64; a float position would be truncated without a word.
             raise typedkv.InputError(
@@ -484,94 +491,3 @@ class FusedKVMaterializeHelper:
         # Holding the pool's buffers (as sglang's pool does) keeps the views valid while they are reused.
         self._pool_views = (key, k_pool, v_pool)
         return k_pool, v_pool, _POOL_LAYOUTS[layout_name], fp8
-
-
-def _attribute(obj: Any, attr: str, where: str) -> Any:
-    if not hasattr(obj, attr):
-        raise typedkv.InputError(f"{where}.{attr}: expected sglang's attribute, got {type(obj).__name__} without it")
-    return getattr(obj, attr)
-
-
-def _layer_id(i: int, layer: Any) -> int:
-    radix = _attribute(layer.self_attn, "attn", f"layers[{i}].self_attn")
-    return _integer(
-        _attribute(radix, "layer_id", f"layers[{i}].self_attn.attn"), f"layers[{i}].self_attn.attn.layer_id"
-    )
-
-
-def _integer(value: Any, where: str) -> int:
-    """``int(value)``, as sglang's helper reads its integers; what ``int`` cannot convert is an InputError."""
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise typedkv.InputError(f"{where}: expected an integer, got {_short(value)}") from None
-
-
-def _number(value: Any, where: str) -> float:
-    """``float(value)``, as sglang's helper reads eps; what ``float`` cannot convert is an InputError."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise typedkv.InputError(f"{where}: expected a number, got {_short(value)}") from None
-
-
-def _short(value: Any) -> str:
-    """A value for a message: a tensor by its shape and dtype (its repr can be long), anything else by repr."""
-    if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
-    return repr(value)
-
-
-def _is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def _layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-    """Each layer's FP8 ``attn.k_scale`` / ``attn.v_scale`` as ``[L]`` float32 on the device; None when none has one.
-
-    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Every scale
-    is checked here, once: production calls never read the values, and a zero, negative, NaN or
-    infinite scale would silently saturate, flip or NaN the pool. Reading tensor scales costs one
-    device sync, at construction only.
-    """
-    read: dict[str, list[float | Tensor] | None] = {}
-    for attr in ("k_scale", "v_scale"):
-        scales = [getattr(getattr(layer.self_attn, "attn", None), attr, None) for layer in layers]
-        if all(s is None for s in scales):
-            read[attr] = None
-            continue
-        values: list[float | Tensor] = []
-        for i, s in enumerate(scales):
-            where = f"layers[{i}].self_attn.attn.{attr}"
-            if s is None:
-                values.append(1.0)
-            elif isinstance(s, Tensor):
-                if s.numel() != 1:
-                    raise typedkv.InputError(f"{where}: expected one per-tensor scale, got shape {tuple(s.shape)}")
-                # float64 holds every float scale exactly, so the check below sees the value as given.
-                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float64))
-            elif isinstance(s, numbers.Real):
-                values.append(float(s))
-            else:
-                raise typedkv.InputError(
-                    f"{where}: expected None, a number or a one-element tensor, got {type(s).__name__}"
-                )
-        read[attr] = values
-    tensors = [v for values in read.values() if values is not None for v in values if isinstance(v, Tensor)]
-    fetched = iter(torch.stack(tensors).tolist() if tensors else [])  # the one sync
-    out: list[Tensor | None] = []
-    for attr, given in read.items():
-        if given is None:
-            out.append(None)
-            continue
-        floats = [next(fetched) if isinstance(v, Tensor) else v for v in given]
-        for i, value in enumerate(floats):
-            # The kernel stores x / scale in float32: the scale and its reciprocal must be finite there
-            # (NaN fails both comparisons).
-            if not _F32.tiny <= value <= _F32.max:
-                raise typedkv.InputError(
-                    f"layers[{i}].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
-                    f"[{_F32.tiny:.3g}, {_F32.max:.3g}], got {value!r}: the FP8 pool stores {attr[0].upper()} / {attr}"
-                )
-        out.append(torch.tensor(floats, dtype=torch.float32, device=device))
-    return out[0], out[1]

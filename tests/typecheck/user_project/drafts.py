@@ -1,8 +1,16 @@
+from typing import TYPE_CHECKING
+
 from jaxtyping import Float, Int
-from shape_extensions import static_jaxtyping
 from torch import Tensor
 
 import typedkv
+
+if TYPE_CHECKING:
+    from shape_extensions import static_jaxtyping
+else:
+
+    def static_jaxtyping(dims):  # run time: leave the function as it is
+        return lambda fn: fn
 
 
 @static_jaxtyping("T L KV D P R")

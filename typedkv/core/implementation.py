@@ -1,0 +1,144 @@
+"""What every family's checked implementation shares: the plan of a checked layout, and the checks run per call.
+
+A family's ``impl`` module checks a call (its `Implementation`), plans it once per layout (`planner`), and
+runs the kernel or the reference; the pieces here are the same for the K/V and MLA families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from typedkv.core import launcher
+from typedkv.core.checking import Bound
+from typedkv.core.errors import InputError
+from typedkv.core.launcher import KernelLaunch
+from typedkv.core.memory import Footprint
+from typedkv.core.messages import fmt_dtype
+from typedkv.core.signature import Signature
+from typedkv.core.tensor_types import is_fp8
+from typedkv.core.value_checks import check_layer_values, check_positions
+
+
+@dataclass
+class Plan:
+    """What one checked layout needs at every call."""
+
+    bound: Bound
+    empty: bool  # T == 0 or L == 0: nothing to compute
+    kernel: bool  # the Triton kernel (else the PyTorch reference)
+    launch: KernelLaunch | None = None  # built at the first launch, when the outputs exist
+    typechecked: bool = False  # debug mode's beartype + jaxtyping pass done for this layout
+    geometry: PoolGeometry | None = None  # a pool op's page geometry, worked out at its first non-empty call
+    footprint: Footprint | None = None  # where its tensors lie around their addresses, worked out at its first call
+
+
+def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Callable[[Bound, Any], Plan]:
+    """A `Signature.plan` build: ``check_relations(call, bound)`` (what shapes cannot say), then the `Plan`."""
+
+    def build(bound: Bound, call: Any) -> Plan:
+        if check_relations is not None:
+            check_relations(call, bound)
+        dims = bound.dims
+        return Plan(bound, dims["T"] == 0 or dims["L"] == 0, launcher.use_kernel(bound.device))
+
+    return build
+
+
+def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int] | None:
+    """What the call writes apart from what it reads and from each other (`typedkv.core.memory`), on every call.
+
+    Returns the per-layer written tensors' addresses (K's layers, then V's), or None.
+    """
+    footprint = plan.footprint
+    if footprint is None:
+        footprint = plan.footprint = Footprint(cast(Any, call)._fields, sig.outputs, call)
+    return footprint.check(call)
+
+
+def check_values(
+    eps: object, norm_weight: Tensor | None, scales: Mapping[str, object], positions: Tensor, cos_sin_cache: Tensor
+) -> None:
+    """Debug mode's value checks of every op (one device sync each): eps and scale tensors, positions.
+
+    eps as `check_eps` takes it: not checked without a norm weight. A call on the meta device (a dry run of
+    shapes; a layout is on one device) has no values to check."""
+    if positions.is_meta:
+        return
+    if isinstance(eps, Tensor) and norm_weight is not None:
+        check_layer_values("eps", eps, zero_ok=True)
+    for name, scale in scales.items():
+        if isinstance(scale, Tensor):
+            check_layer_values(name, scale, zero_ok=False)
+    check_positions(positions, cos_sin_cache.shape[0])
+
+
+def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:
+    # The annotations' verdict depends on the layout only: one full beartype +
+    # jaxtyping pass per layout; the value checks run on every call.
+    if not plan.typechecked:
+        sig.debug_check(args, plan.bound)
+        plan.typechecked = True
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Where slot ``s`` of a pool is: page ``s // page_size``, offset ``s % page_size`` within it."""
+
+    page_size: int  # B; 1 for a pool without page dims (a page per slot)
+    num_slots: int  # S, or N * B
+
+    @staticmethod
+    def of(bound: Bound) -> PoolGeometry:
+        dims = bound.dims
+        if "B" in dims:
+            return PoolGeometry(dims["B"], dims["N"] * dims["B"])
+        return PoolGeometry(1, dims["S"])
+
+    def strides(self, bound: Bound, name: str, tensor: Tensor) -> tuple[int, int, int, int]:
+        """``(layer, page, slot within page, head)`` element strides; layer 0 for per-layer tensors (a table)."""
+        by_dim = bound.strides(name, tensor)
+        page = by_dim["N"] if "N" in by_dim else by_dim["S"]
+        return by_dim.get("L", 0), page, by_dim.get("B", 0), by_dim["H"]
+
+
+def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:
+    """Scales only for an FP8 pool (``dtype``): a scale beside a 16/32-bit pool would be silently unused."""
+    if is_fp8(dtype):
+        return
+    for name, scale in scales.items():
+        if scale is not None:
+            raise InputError(
+                f"{name}: expected None for a {fmt_dtype(dtype)} pool (scales are for FP8 pools), got {_describe(scale)}"
+            )
+
+
+def _describe(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+
+
+@dataclass
+class Implementation:
+    """One public function's checked implementation: its call type, its production check, the whole op.
+
+    Its `Signature` is read from the public function's annotations and declared
+    here by the public face (`declare`), which imports this module, not the reverse.
+    """
+
+    # Builds a call from the op's arguments, in order: the call's NamedTuple type, or `typedkv.projection.fused.fused`'s.
+    call: Callable[..., Any]
+    check: Callable[[Any], Bound]
+    run: Callable[[Any], Any]
+    # Every call's check of the numbers it was given (eps, FP8 scales): run by the op on the call, and on the
+    # call a torch.compile trace makes, before a per-layer eps list becomes a tensor whose values only debug
+    # mode reads.
+    numbers: Callable[[Any], None] = lambda call: None
+
+    def declare(self, fn: Callable[..., Any], **relations: Any) -> Signature:
+        """Read ``fn``'s annotations into the `Signature` its calls are checked with (``relations`` as there)."""
+        self.signature = Signature(fn, **relations)
+        return self.signature

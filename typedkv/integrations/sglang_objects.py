@@ -1,0 +1,104 @@
+"""Reading sglang's objects by their attributes, for `typedkv.integrations.sglang`: what typedkv cannot
+serve is a `typedkv.InputError` naming the attribute."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import typedkv
+
+F32 = torch.finfo(torch.float32)
+
+
+def attribute(obj: Any, attr: str, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise typedkv.InputError(f"{where}.{attr}: expected sglang's attribute, got {type(obj).__name__} without it")
+    return getattr(obj, attr)
+
+
+def read_layer_id(i: int, layer: Any) -> int:
+    radix = attribute(layer.self_attn, "attn", f"layers[{i}].self_attn")
+    return integer(attribute(radix, "layer_id", f"layers[{i}].self_attn.attn"), f"layers[{i}].self_attn.attn.layer_id")
+
+
+def integer(value: Any, where: str) -> int:
+    """``int(value)``, as sglang's helper reads its integers; what ``int`` cannot convert is an InputError."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise typedkv.InputError(f"{where}: expected an integer, got {short(value)}") from None
+
+
+def number(value: Any, where: str) -> float:
+    """``float(value)``, as sglang's helper reads eps; what ``float`` cannot convert is an InputError."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise typedkv.InputError(f"{where}: expected a number, got {short(value)}") from None
+
+
+def short(value: Any) -> str:
+    """A value for a message: a tensor by its shape and dtype (its repr can be long), anything else by repr."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    return repr(value)
+
+
+def is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    """Each layer's FP8 ``attn.k_scale`` / ``attn.v_scale`` as ``[L]`` float32 on the device; None when none has one.
+
+    A layer without a scale stores unscaled (1.0), as sglang's ``set_kv_buffer`` does. Every scale
+    is checked here, once: production calls never read the values, and a zero, negative, NaN or
+    infinite scale would silently saturate, flip or NaN the pool. Reading tensor scales costs one
+    device sync, at construction only.
+    """
+    read: dict[str, list[float | Tensor] | None] = {}
+    for attr in ("k_scale", "v_scale"):
+        scales = [getattr(getattr(layer.self_attn, "attn", None), attr, None) for layer in layers]
+        if all(s is None for s in scales):
+            read[attr] = None
+            continue
+        values: list[float | Tensor] = []
+        for i, s in enumerate(scales):
+            where = f"layers[{i}].self_attn.attn.{attr}"
+            if s is None:
+                values.append(1.0)
+            elif isinstance(s, Tensor):
+                if s.numel() != 1:
+                    raise typedkv.InputError(f"{where}: expected one per-tensor scale, got shape {tuple(s.shape)}")
+                # float64 holds every float scale exactly, so the check below sees the value as given.
+                values.append(s.detach().reshape(()).to(device=device, dtype=torch.float64))
+            elif isinstance(s, numbers.Real):
+                values.append(float(s))
+            else:
+                raise typedkv.InputError(
+                    f"{where}: expected None, a number or a one-element tensor, got {type(s).__name__}"
+                )
+        read[attr] = values
+    tensors = [v for values in read.values() if values is not None for v in values if isinstance(v, Tensor)]
+    fetched = iter(torch.stack(tensors).tolist() if tensors else [])  # the one sync
+    out: list[Tensor | None] = []
+    for attr, given in read.items():
+        if given is None:
+            out.append(None)
+            continue
+        floats = [next(fetched) if isinstance(v, Tensor) else v for v in given]
+        for i, value in enumerate(floats):
+            # The kernel stores x / scale in float32: the scale and its reciprocal must be finite there
+            # (NaN fails both comparisons).
+            if not F32.tiny <= value <= F32.max:
+                raise typedkv.InputError(
+                    f"layers[{i}].self_attn.attn.{attr}: expected a finite number > 0 in float32's normal range "
+                    f"[{F32.tiny:.3g}, {F32.max:.3g}], got {value!r}: the FP8 pool stores {attr[0].upper()} / {attr}"
+                )
+        out.append(torch.tensor(floats, dtype=torch.float32, device=device))
+    return out[0], out[1]
