@@ -1,7 +1,7 @@
 """An independent float64 reference for ``typedkv.materialize_kv``, written from DESIGN.md.
 
-It deliberately shares no code with ``typedkv._reference``: a mistake copied into
-both would pass every comparison. The math follows the contract's "unfused model
+It deliberately shares no code with typedkv's reference modules (``typedkv.kv.reference``,
+``typedkv.mla.reference``): a mistake copied into both would pass every comparison. The math follows the contract's "unfused model
 path" literally:
 
 1. K RMSNorm in float64: ``x / sqrt(mean(x**2) + eps[l]) * k_norm_weight[l]``

@@ -126,8 +126,8 @@ def _raise_site(tb: TracebackType | None) -> tuple[str, int] | None:
     site = None
     while tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename).resolve()
-        if path.parent == PACKAGE:
-            site = (path.name, tb.tb_lineno)
+        if path.is_relative_to(PACKAGE):
+            site = (str(path.relative_to(PACKAGE)), tb.tb_lineno)
         tb = tb.tb_next
     return site
 
@@ -270,9 +270,9 @@ def test_internal_errors_match_their_entry(entry: str) -> None:
 
 
 def test_every_raise_site_is_catalogued() -> None:
-    """Each ``raise InputError`` in typedkv/*.py is reached by a catalogue example."""
+    """Each ``raise InputError`` in the package (its adapters and tools aside) is reached by a catalogue example."""
     sites = raise_sites()
-    assert sites, "found no `raise InputError(` in typedkv/*.py"
+    assert sites, "found no `raise InputError(` in the package"
     reached = {}
     for example in RUNNABLE:
         reached[run(example, debug=example.debug)[1]] = example.entry

@@ -306,7 +306,7 @@ def test_new_token_count_compiles_nothing_cuda() -> None:
 # launch between the default warps' write of Triton's warp-specialisation state word (before and after
 # the partitions run) and the other warps' read of it, which a CTA-wide named barrier orders, then fails
 # on a hardware exception of its own ("Internal Sanitizer Error"); none of its hazards is on the kernel's
-# own buffers (benchmarks/NOTES.md, twenty-sixth session).
+# own buffers (docs/reliability.md).
 @pytest.mark.parametrize("tool", ["memcheck", "synccheck"])
 def test_ws_sample_under_compute_sanitizer(tool: str) -> None:
     """tests/fused_ws_sample.py (every tile set, dense outputs and pools, guarded) under compute-sanitizer:

@@ -308,8 +308,8 @@ def test_rope_only(num_tokens: int, head_dim: int, rotary_dim: int, dtype: torch
 
 
 # (BLOCK_T, SPLIT_KV, LAYER_FAST, FULL_ROW, V_FIRST): configurations the kernel
-# supports (the launcher picks among them by size and shape; benchmarks/explore.py
-# sweeps them). FULL_ROW only applies to NeoX with R < D, as here; V_FIRST only
+# supports (the launcher picks among them by size and shape,
+# docs/decisions/001-kv-kernel-launch-configuration.md). FULL_ROW only applies to NeoX with R < D, as here; V_FIRST only
 # without SPLIT_KV.
 _KERNEL_CONFIGS = [
     (1, True, True, True, False),
