@@ -86,6 +86,11 @@ def _out(dtype: torch.dtype = BF16, shape: tuple[int, ...] = (L, T, H, D), devic
 
 
 ALLOC = "torch.empty(3, 5, 2, 16, dtype=kv.dtype, device=kv.device)"
+# What follows "L=5 comes from kv" (or T) when kv is passed layers first.
+KV_SWAPPED = (
+    "whose dims 0 and 1 look swapped: kv is [T, L, 2*H*D], tokens before layers; "
+    "pass kv.transpose(0, 1) (a view: strides are honoured)"
+)
 
 
 def _same_out() -> dict[str, Any]:
@@ -217,10 +222,26 @@ DENSE = [
         "kv: expected shape (T, L, 2*H*D), got (5, 192)",
         "kv-2d",
     ),
+    # kv layers first binds T and L the wrong way round; the first argument to disagree names kv as the cause.
     _case(
         lambda: {"kv": torch.randn(L, T, 2 * H * D).to(BF16)},
-        "k_norm_weight: expected shape (L=5, D), got (3, 16): L=5 comes from kv",
+        f"k_norm_weight: expected shape (L=5, D), got (3, 16): L=5 comes from kv, {KV_SWAPPED}",
         "kv-layers-first",
+    ),
+    _case(
+        lambda: {"kv": torch.randn(L, T, 2 * H * D).to(BF16), "k_norm_weight": None},
+        f"positions: expected shape (T=3), got (5,): T=3 comes from kv, {KV_SWAPPED}",
+        "kv-layers-first-no-norm",
+    ),
+    _case(
+        lambda: {"kv": torch.randn(L, T, 2 * H * D).to(BF16), "k_norm_weight": None, "eps": [1e-6] * L},
+        f"eps: expected L=5 per-layer numbers, got 3: L=5 comes from kv, {KV_SWAPPED}",
+        "kv-layers-first-eps-list",
+    ),
+    _case(
+        lambda: {"kv": torch.randn(L, T, 2 * H * D).to(BF16), "k_norm_weight": None, "eps": torch.full((L,), 1e-6)},
+        f"eps: expected shape (L=5), got (3,): L=5 comes from kv, {KV_SWAPPED}",
+        "kv-layers-first-eps-tensor",
     ),
     _case(
         lambda: {"kv": torch.randn(T, L, 2 * H * D, dtype=torch.float64)},
@@ -383,6 +404,26 @@ def test_materialize_kv_messages(overrides: Overrides, message: str, mode: str) 
     with pytest.raises(typedkv.InputError) as excinfo:
         dense(**overrides())
     assert str(excinfo.value) == message
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+def test_mla_ckv_layers_first_names_ckv(norm: bool, mode: str) -> None:
+    """MLA's ckv is tokens first too: passed layers first, the message names it, not the norm weight."""
+    C, R2 = 32, 16  # latent and rope part (tests/test_mla_messages.py has the MLA geometry's other messages)
+    ckv = torch.randn(L, T, C + R2).to(BF16)
+    weight = torch.ones(L, C) if norm else None
+    with pytest.raises(typedkv.InputError) as excinfo:
+        typedkv.materialize_mla_kv(ckv, weight, 1e-6, typedkv.cos_sin_cache(P, R2), torch.arange(T), rope_style="gptj")
+    swapped = (
+        "whose dims 0 and 1 look swapped: ckv is [T, L, C+R], tokens before layers; "
+        "pass ckv.transpose(0, 1) (a view: strides are honoured)"
+    )
+    assert str(excinfo.value) == (
+        f"kv_norm_weight: expected shape (L=5, C), got (3, 32): L=5 comes from ckv, {swapped}"
+        if norm
+        else f"positions: expected shape (T=3), got (5,): T=3 comes from ckv, {swapped}"
+    )
 
 
 # --------------------------------------------------------------------------- materialize_kv_into_pool

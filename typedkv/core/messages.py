@@ -9,7 +9,7 @@ and asks here how to say it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,6 +135,7 @@ class Messages:
                 fixes.append(f"pass {label}.transpose({i}, {j}) (a view: strides are honoured)")
             return msg + ": " + "; ".join(fixes)
         if len(got) == len(spec.dims):
+            hinted = False
             for d, size in zip(spec.dims, got, strict=True):
                 if (
                     d.name is not None
@@ -142,12 +143,60 @@ class Messages:
                     and dims[d.name] != size
                     and bound.bound_by.get(d.name) != label
                 ):
-                    fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}")
+                    hint = "" if hinted else self.swapped_source(d.name, lambda ds: self._fits(spec, got, ds), bound)
+                    hinted = hinted or bool(hint)
+                    fixes.append(f"{d.name}={dims[d.name]} comes from {bound.bound_by[d.name]}{hint}")
                 elif d.code is not None and all(n in dims for n in d.needs) and eval(d.code, {}, dict(dims)) != size:
                     fixes.append(self.symbolic_fix(d, size, dims))
         if allocatable and want is not None and None not in want:
             fixes.append(f"allocate it as {self.alloc(spec, bound)}, or pass {name}=None")
         return msg + (": " + "; ".join(f for f in fixes if f) if fixes else "")
+
+    def _fits(self, spec: ArraySpec, got: Sequence[int], dims: Mapping[str, int]) -> bool:
+        """Whether ``got`` has ``spec``'s sizes under ``dims`` (a dim not bound there fits any size)."""
+        want = self.sizes(spec, dims)
+        return want is not None and all(w is None or w == g for w, g in zip(want, got, strict=True))
+
+    def swapped_source(self, dim: str, explained: Callable[[Mapping[str, int]], bool], bound: Bound) -> str:
+        """A hint that the input which bound ``dim`` has two of its dims swapped, or "".
+
+        A later argument disagrees with ``dim``; if exchanging the sizes of
+        ``dim`` and another dim the same input bound makes ``explained`` hold
+        (the later argument fits), the input is the likelier culprit: kv passed
+        layers first makes the norm weight look wrong. Read from the input's
+        matched shape, so no layout is restated here. Outputs and items of a
+        sequence are left alone: their own messages say how to allocate them.
+        """
+        source = bound.bound_by.get(dim, "")
+        spec = bound.specs.get(source)
+        if spec is None or source in self._outputs:
+            return ""
+        names = [d.name for d in spec.dims]
+        if dim not in names:
+            return ""  # solved from a symbolic dim (D from kv's width): no dim of its own to swap
+        i = names.index(dim)
+        for j, other in enumerate(names):
+            if other is None or other == dim or bound.bound_by.get(other) != source:
+                continue
+            if bound.dims[other] == bound.dims[dim]:
+                continue
+            if explained({**bound.dims, dim: bound.dims[other], other: bound.dims[dim]}):
+                a, b = sorted((i, j))
+                hint = f", whose dims {a} and {b} look swapped: {source} is {self.brackets(spec)}"
+                first, second = DIM_WORDS.get(names[a] or ""), DIM_WORDS.get(names[b] or "")
+                if first and second:
+                    hint += f", {first} before {second}"
+                if b != len(names) - 1:  # a view moving the last dim would leave it strided, which is refused
+                    hint += f"; pass {source}.transpose({a}, {b}) (a view: strides are honoured)"
+                return hint
+        return ""
+
+    def count_message(self, name: str, dim: str, got: int, items: str, bound: Bound) -> str:
+        """A sequence of ``got`` per-layer ``items`` where ``dim`` asks for another count."""
+        want = bound.dims[dim]
+        hint = self.swapped_source(dim, lambda exchanged: exchanged[dim] == got, bound)
+        source = f": {dim}={want} comes from {bound.bound_by[dim]}{hint}" if hint else ""
+        return f"{name}: expected {dim}={want} per-layer {items}, got {got}{source}"
 
     def symbolic_fix(self, d: Dim, size: int, dims: Mapping[str, int]) -> str:
         names = set(NAME.findall(d.text))

@@ -333,7 +333,7 @@ class Signature:
         check_numbers(p.name, value, p.scalar_items)
         want = bound.dims.get(p.sequence_len)
         if want is not None and len(value) != want:
-            raise InputError(f"{p.name}: expected {p.sequence_len}={want} per-layer numbers, got {len(value)}")
+            raise InputError(self._messages.count_message(p.name, p.sequence_len, len(value), "numbers", bound))
 
     def _check_sequence(
         self,
@@ -346,7 +346,7 @@ class Signature:
         assert p.sequences and p.sequence_len is not None
         want = bound.dims.get(p.sequence_len)
         if want is not None and len(value) != want:
-            raise InputError(f"{p.name}: expected {p.sequence_len}={want} per-layer tensors, got {len(value)}")
+            raise InputError(self._messages.count_message(p.name, p.sequence_len, len(value), "tensors", bound))
         spec: ArraySpec | None = None
         for i, item in enumerate(value):
             label = f"{p.name}[{i}]"
