@@ -2,7 +2,8 @@
 
 - ``typedkv --help`` and ``python -m typedkv --help`` list the commands;
 - every public name has a numpy-style docstring that documents each parameter, with a shape and
-  a dtype for tensors, and what it returns;
+  a dtype for tensors, and what it returns; ``help()`` on a materializer shows its own
+  constructor docs (its examples run in tests/test_examples.py);
 - docs/api.md renders exactly the public names;
 - the Quickstart's code runs as written (and its demo output is what the demo prints), every
   Python block of the docs parses, and the guide's tensor-parallel sharding is right;
@@ -16,6 +17,7 @@ import ast
 import inspect
 import itertools
 import os
+import pydoc
 import re
 import shutil
 import subprocess
@@ -177,6 +179,17 @@ def test_public_name_has_a_numpy_docstring(name: str) -> None:
         if not _attribute_docstring(name):
             problems.append(f"{name}: add a docstring (a string literal right after the assignment)")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("cls", [typedkv.KVMaterializer, typedkv.MLAKVMaterializer], ids=lambda c: c.__name__)
+def test_help_shows_the_constructors_own_docstring(cls: Any) -> None:
+    """``help(cls)`` and ``help(cls.__init__)`` show typedkv's constructor docs, not nn.Module's."""
+    own = vars(cls)["__init__"].__doc__
+    assert own, f"{cls.__name__}.__init__: give it a docstring (else help() shows nn.Module's)"
+    assert inspect.getdoc(cls.__init__) == inspect.cleandoc(own)
+    page = pydoc.render_doc(cls)
+    assert inspect.cleandoc(own).splitlines()[0] in page
+    assert (torch.nn.Module.__init__.__doc__ or "").strip().splitlines()[0] not in page
 
 
 def test_api_reference_renders_exactly_the_public_names() -> None:

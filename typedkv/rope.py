@@ -69,6 +69,14 @@ def cos_sin_cache(
         float32's normal range (the table is computed in float32), a dtype the ops do not take, or a
         device torch cannot allocate on here (a misspelt one, a GPU this machine or this build of torch
         does not have; torch's own error is the cause).
+
+    Examples
+    --------
+    >>> cache = typedkv.cos_sin_cache(max_position=128, rotary_dim=64)
+    >>> cache.shape, cache.dtype
+    (torch.Size([128, 64]), torch.float32)
+    >>> torch.equal(cache[0], torch.cat((torch.ones(32), torch.zeros(32))))  # position 0: cos 1, sin 0
+    True
     """
     for name, value in (("max_position", max_position), ("rotary_dim", rotary_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -141,6 +149,15 @@ def cos_sin_cache_from_hf(cos: ParamFloat[Tensor, "P R"], sin: ParamFloat[Tensor
         values to compare), or halves that differ (not a Hugging Face table).
         Comparing the halves reads the values: on a GPU it waits for the device
         once, so build the cache at setup, not in a decode loop.
+
+    Examples
+    --------
+    >>> angles = torch.outer(torch.arange(16.0), 0.5 ** torch.arange(8.0))  # [P, R/2]
+    >>> emb = torch.cat((angles, angles), dim=-1)  # Hugging Face's layout: [P, R], halves duplicated
+    >>> cos, sin = emb.cos(), emb.sin()
+    >>> cache = typedkv.cos_sin_cache_from_hf(cos, sin)
+    >>> cache.shape, torch.equal(cache, torch.cat((cos[:, :8], sin[:, :8]), dim=-1))
+    (torch.Size([16, 16]), True)
     """
     _FROM_HF.check((cos, sin))
     if cos.is_meta:  # sin too: it is on cos's device

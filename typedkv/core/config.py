@@ -50,6 +50,13 @@ def set_debug(flag: bool) -> None:
     flag : bool
         ``True`` for debug mode (full jaxtyping + beartype checks and value
         checks that synchronise with the device), ``False`` for production.
+
+    Examples
+    --------
+    >>> typedkv.set_debug(True)
+    >>> typedkv.debug_enabled()
+    True
+    >>> typedkv.set_debug(False)  # back to production checks
     """
     _debug[0] = bool(flag)
 
@@ -62,5 +69,11 @@ def debug_enabled() -> bool:
     bool
         ``True`` when debug mode is on (``TYPEDKV_DEBUG=1`` at import, or
         :func:`set_debug` ``(True)`` since).
+
+    Examples
+    --------
+    >>> typedkv.set_debug(False)
+    >>> typedkv.debug_enabled()
+    False
     """
     return _debug[0]

@@ -77,12 +77,30 @@ if TYPE_CHECKING:
 else:
 
     class StorageFloat(AbstractDtype):
-        """The dtypes K/V are stored in: kv, k_out, v_out."""
+        """The dtypes K/V are stored in: kv, k_out, v_out.
+
+        Examples
+        --------
+        >>> from torch import Tensor
+        >>> isinstance(torch.zeros(4, 2, 64, dtype=torch.bfloat16), typedkv.StorageFloat[Tensor, "T L KV"])
+        True
+        >>> isinstance(torch.zeros(4, 2, 64, dtype=torch.float64), typedkv.StorageFloat[Tensor, "T L KV"])
+        False
+        """
 
         dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
 
     class ParamFloat(AbstractDtype):
-        """Dtypes accepted for small parameters (norm weights, cos/sin cache, eps, scales)."""
+        """Dtypes accepted for small parameters (norm weights, cos/sin cache, eps, scales).
+
+        Examples
+        --------
+        >>> from torch import Tensor
+        >>> isinstance(torch.ones(2, 16, dtype=torch.float64), typedkv.ParamFloat[Tensor, "L D"])
+        True
+        >>> isinstance(torch.ones(2, 16, dtype=torch.int64), typedkv.ParamFloat[Tensor, "L D"])
+        False
+        """
 
         dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32", "float64"]
         # What a dtype error's fix converts to: the kernels compute with these in float32, and none is big enough for
@@ -90,12 +108,30 @@ else:
         convert_to: ClassVar[str] = "float32"
 
     class PoolFloat(AbstractDtype):
-        """Dtypes a paged KV pool may have: a storage float or an FP8 format."""
+        """Dtypes a paged KV pool may have: a storage float or an FP8 format.
+
+        Examples
+        --------
+        >>> from torch import Tensor
+        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.float8_e4m3fn), typedkv.PoolFloat[Tensor, "L S H D"])
+        True
+        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.uint8), typedkv.PoolFloat[Tensor, "L S H D"])
+        False
+        """
 
         dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
     class Index(AbstractDtype):
-        """Integer dtypes for ``positions`` and ``cache_loc``."""
+        """Integer dtypes for ``positions`` and ``cache_loc``.
+
+        Examples
+        --------
+        >>> from torch import Tensor
+        >>> isinstance(torch.arange(4, dtype=torch.int32), typedkv.Index[Tensor, " T"])
+        True
+        >>> isinstance(torch.arange(4.0), typedkv.Index[Tensor, " T"])
+        False
+        """
 
         dtypes: ClassVar[list[str]] = ["int32", "int64"]
 

@@ -93,6 +93,21 @@ class FusedKVMaterializeHelper:
     RMSNorm rounded to the weights' dtype, then RoPE (as the unfused model path
     computes it), where sglang's kernel rounds once after RoPE. The two K differ
     by at most a few units in the last place (docs/sglang.md).
+
+    Examples
+    --------
+    Stand-ins carrying only the attributes the helper reads play sglang's layer
+    and rotary module here (one layer, 2 query and 2 KV heads of 16, hidden 24):
+
+    >>> from types import SimpleNamespace as Stub
+    >>> from typedkv.integrations.sglang import FusedKVMaterializeHelper
+    >>> rope = Stub(cos_sin_cache=typedkv.cos_sin_cache(64, 16))
+    >>> attn = Stub(num_kv_heads=2, head_dim=16, q_size=32, kv_size=32, rotary_emb=rope, attn=Stub(layer_id=0),
+    ...             qkv_proj=Stub(weight=torch.randn(96, 24)),  # q rows, then K, then V
+    ...             k_norm=Stub(weight=torch.ones(16), variance_epsilon=1e-6))
+    >>> helper = FusedKVMaterializeHelper([Stub(self_attn=attn)], rope, num_kv_heads=2, head_dim=16, device="cpu")
+    >>> helper.materialize(torch.randn(3, 24), torch.arange(3), lambda i, k, v: print(i, k.shape, v.shape))
+    0 torch.Size([3, 2, 16]) torch.Size([3, 2, 16])
     """
 
     def __init__(
@@ -104,6 +119,7 @@ class FusedKVMaterializeHelper:
         device: torch.device | str,
         max_position_hint: int | None = None,
     ) -> None:
+        """Read and stack the draft layers' weights once; the parameters are the class's."""
         if len(layers) == 0:
             raise typedkv.InputError("layers: expected at least one draft layer, got none")
         self.num_kv_heads = integer(num_kv_heads, "num_kv_heads")

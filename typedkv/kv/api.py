@@ -90,6 +90,17 @@ def materialize_kv(
     ------
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
+
+    Examples
+    --------
+    >>> T, L, H, D = 4, 2, 2, 16
+    >>> kv = torch.randn(T, L, 2 * H * D, dtype=torch.bfloat16)
+    >>> cos_sin_cache = typedkv.cos_sin_cache(64, D)
+    >>> k, v = typedkv.materialize_kv(kv, torch.ones(L, D), 1e-6, cos_sin_cache, torch.arange(T), num_kv_heads=H)
+    >>> k.shape, k.dtype
+    (torch.Size([2, 4, 2, 16]), torch.bfloat16)
+    >>> torch.equal(v[1, 3, 0], kv[3, 1, H * D : H * D + D])  # V of layer 1, token 3, head 0: copied as is
+    True
     """
     # In the signature's order (tests/test_compile.py checks the fields against it).
     call = kv_impl.DenseCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
@@ -190,6 +201,17 @@ def materialize_kv_into_pool(
     ------
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
+
+    Examples
+    --------
+    >>> T, L, H, D, S = 4, 2, 2, 16, 8
+    >>> kv = torch.randn(T, L, 2 * H * D)
+    >>> k_pool, v_pool = torch.zeros(L, S, H, D), torch.zeros(L, S, H, D)
+    >>> cache_loc = torch.tensor([5, 0, -1, 2])  # token 2 is padding: written nowhere
+    >>> typedkv.materialize_kv_into_pool(kv, torch.ones(L, D), 1e-6, typedkv.cos_sin_cache(64, D), torch.arange(T),
+    ...                                  cache_loc, k_pool, v_pool, num_kv_heads=H)
+    >>> torch.equal(v_pool[1, 5, 0], kv[0, 1, H * D : H * D + D]), bool(k_pool[:, [1, 3, 4, 6, 7]].any())
+    (True, False)
     """
     # In the signature's order (tests/test_compile.py checks the fields against it).
     call = kv_impl.PoolCall(

@@ -85,6 +85,17 @@ def materialize_mla_kv(
     ------
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
+
+    Examples
+    --------
+    >>> T, L, C, R = 4, 2, 32, 16
+    >>> ckv = torch.randn(T, L, C + R, dtype=torch.bfloat16)
+    >>> cos_sin_cache = typedkv.cos_sin_cache(64, R)
+    >>> out = typedkv.materialize_mla_kv(ckv, torch.ones(L, C), 1e-6, cos_sin_cache, torch.arange(T), rope_style="gptj")
+    >>> out.shape, out.dtype
+    (torch.Size([2, 4, 48]), torch.bfloat16)
+    >>> torch.equal(out[:, 0, C:], ckv[0, :, C:])  # token 0 is at position 0: its rope part turns by no angle
+    True
     """
     # In the signature's order (tests/test_mla_compile.py checks the fields against it).
     call = mla_impl.DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
@@ -181,6 +192,18 @@ def materialize_mla_kv_into_pool(
     ------
     InputError
         For any shape, dtype, device or layout misuse, before anything is written.
+
+    Examples
+    --------
+    >>> T, L, C, R, S = 4, 2, 32, 16, 8
+    >>> ckv = torch.randn(T, L, C + R)
+    >>> kv_pool = torch.zeros(L, S, C + R)
+    >>> typedkv.materialize_mla_kv_into_pool(ckv, None, 1e-6, typedkv.cos_sin_cache(64, R), torch.arange(T),
+    ...                                      torch.tensor([6, 1, 3, -1]), kv_pool, rope_style="gptj")
+    >>> torch.equal(kv_pool[:, 6, :C], ckv[0, :, :C])  # no norm weight: the latent is stored as it is
+    True
+    >>> bool(kv_pool[:, [0, 2, 4, 5, 7]].any())  # slots cache_loc does not name stay untouched
+    False
     """
     # In the signature's order (tests/test_mla_compile.py checks the fields against it).
     call = mla_impl.PoolCall(

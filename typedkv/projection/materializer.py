@@ -222,6 +222,17 @@ class KVMaterializer(nn.Module):
     into ``v_out`` and only K passes through the workspace and the kernel, so
     V is never read back. The results are GEMM + kernel's, up to the GEMM's
     accumulation order.
+
+    Examples
+    --------
+    >>> L, H, D, hidden_size, T = 2, 2, 16, 24, 4
+    >>> kv_weight = torch.randn(L, 2 * H * D, hidden_size)  # each layer's K rows, then its V rows
+    >>> m = typedkv.KVMaterializer(kv_weight, torch.ones(L, D), 1e-6, typedkv.cos_sin_cache(64, D), num_kv_heads=H)
+    >>> m
+    KVMaterializer(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=24, rope_style='neox')
+    >>> k, v = m(torch.randn(T, hidden_size), torch.arange(T))
+    >>> k.shape, v.shape
+    (torch.Size([2, 4, 2, 16]), torch.Size([2, 4, 2, 16]))
     """
 
     kv_weight: Tensor
@@ -246,6 +257,13 @@ class KVMaterializer(nn.Module):
             StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH
         ] = None,
     ) -> None:
+        """Build the K/V path of ``kv_weight``'s layers, checking every argument once.
+
+        The parameters are the class's (``help(typedkv.KVMaterializer)``):
+        ``kv_weight`` ``[L, 2*H*D, hidden]`` or L ``[2*H*D, hidden]``,
+        ``k_norm_weight`` ``[L, D]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]``,
+        ``num_kv_heads``, ``rope_style``, ``kv_bias``.
+        """
         super().__init__()
         check_layer_counts(
             {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, _STACKED_DIMS

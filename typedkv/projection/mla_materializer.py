@@ -163,6 +163,17 @@ class MLAKVMaterializer(nn.Module):
     As with `typedkv.KVMaterializer`: a buffer replaced after construction is
     checked at the next eager call; casting the module keeps ``cos_sin_cache``
     and ``eps`` in the dtype they were built with; the buffers are not persistent.
+
+    Examples
+    --------
+    >>> L, C, R, hidden_size, T = 2, 32, 16, 24, 4
+    >>> kv_a_weight = torch.randn(L, C + R, hidden_size)  # each layer's latent rows, then its rope rows
+    >>> cos_sin_cache = typedkv.cos_sin_cache(64, R)
+    >>> m = typedkv.MLAKVMaterializer(kv_a_weight, torch.ones(L, C), 1e-6, cos_sin_cache, rope_style="gptj")
+    >>> m
+    MLAKVMaterializer(num_layers=2, kv_lora_rank=32, rotary_dim=16, hidden_size=24, rope_style='gptj')
+    >>> m(torch.randn(T, hidden_size), torch.arange(T)).shape
+    torch.Size([2, 4, 48])
     """
 
     kv_a_weight: Tensor
@@ -186,6 +197,13 @@ class MLAKVMaterializer(nn.Module):
             StorageFloat[Tensor, "L W"] | Sequence[StorageFloat[Tensor, " W"]] | None, MLA_WIDTH
         ] = None,
     ) -> None:
+        """Build the MLA cache path of ``kv_a_weight``'s layers, checking every argument once.
+
+        The parameters are the class's (``help(typedkv.MLAKVMaterializer)``):
+        ``kv_a_weight`` ``[L, C+R, hidden]`` or L ``[C+R, hidden]``,
+        ``kv_norm_weight`` ``[L, C]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]``,
+        ``rope_style``, ``kv_a_bias``.
+        """
         super().__init__()
         check_layer_counts(
             {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps},
