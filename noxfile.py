@@ -1,5 +1,6 @@
 """Developer sessions. They run in the current environment (no virtualenv of
-their own): install the project first with ``pip install torch==2.13.0 -e '.[dev]'``
+their own): install the project first with
+``pip install torch==2.13.0 -e '.[dev]' --config-settings editable_mode=strict``
 (CPU) or into the environment that already holds a CUDA torch (GPU machine, no
 network needed)."""
 

@@ -5,7 +5,9 @@ the checkout (a configuration of the checkout's must not be what makes it work).
 the page's pyproject.toml (its ``toml`` block), the torch stubs in ``.pyrefly/site`` and
 ``user_project/drafts.py``: the page's example, then misuse marked ``# E: code``. typedkv goes
 into the environment the two ways a user installs it: built from the checkout (``pip install``),
-then editable (``pip install -e``). Each way:
+then editable (``pip install -e`` in setuptools' strict mode, as the docs give it). Each way:
+
+- only ``typedkv`` is importable: not the checkout's ``tests``, ``benchmarks`` or ``examples``;
 
 - pyrefly flags exactly the marked lines, with shape messages (`marks.pyrefly_report`), run the two
   ways the page gives: ``pyrefly check`` with no file names, and ``pyrefly check -c pyproject.toml
@@ -86,10 +88,20 @@ def project(env_python: Path) -> Path:
 def installed(request: pytest.FixtureRequest, env_python: Path, project: Path) -> Path:
     """typedkv installed into the environment, built from the checkout or editable; the project's path."""
     # --no-build-isolation: the build backend comes from the reused packages, not from the index.
-    _pip(env_python, "--no-build-isolation", *(["-e"] if request.param == "editable" else []), ROOT)
+    # Editable as the docs install it: setuptools' strict mode, a link tree of typedkv's files alone.
+    editable = ["-e", ROOT, "--config-settings", "editable_mode=strict"] if request.param == "editable" else [ROOT]
+    _pip(env_python, "--no-build-isolation", *editable)
     where = _run(env_python, "-c", "import typedkv; print(typedkv.__file__)", cwd=project).stdout.strip()
     assert Path(where).is_relative_to(env_python.parents[1] if request.param == "plain" else ROOT), where
     return project
+
+
+def test_only_typedkv_is_importable(installed: Path, env_python: Path) -> None:
+    """The install exposes the package alone: the checkout's other folders are not the user's imports."""
+    for name in ("tests", "benchmarks", "examples", "docs", "stubs"):
+        run = _run(env_python, "-c", f"import {name}", cwd=installed)
+        assert run.returncode != 0 and "ModuleNotFoundError" in run.stderr, f"import {name} found the checkout's folder"
+    assert _run(env_python, "-c", "import typedkv.kv.api", cwd=installed).returncode == 0
 
 
 @pytest.mark.parametrize(
