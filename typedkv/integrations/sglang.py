@@ -30,12 +30,12 @@ from typedkv.integrations.sglang_objects import (
     is_integer,
     layer_scales,
     number,
+    projection_rows,
     read_layer_id,
 )
 
 __all__ = ["FusedKVMaterializeHelper"]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # sglang's pool layouts typedkv writes: token rows [S, H, D], or pages [N, H, B, D] (SGLANG_USE_HND_KVCACHE).
 _POOL_LAYOUTS: dict[str, typedkv.KVLayout] = {"nhd": "NHD", "hnd": "HND"}
@@ -310,41 +310,8 @@ class FusedKVMaterializeHelper:
                 f"{name}.v_scale: expected None, got {value_scale!r}: the fused path stores V as projected; "
                 "a draft with an attention value scale takes the per-layer path"
             )
-        qkv = attribute(attn, "qkv_proj", name)
-        quant = getattr(qkv, "quant_method", None)
-        if quant is not None and type(quant).__name__ != "UnquantizedLinearMethod":
-            raise typedkv.InputError(
-                f"{name}.qkv_proj.quant_method: expected None or UnquantizedLinearMethod, got "
-                f"{type(quant).__name__}: typedkv reads float projection weights; a quantized "
-                "projection takes the per-layer path"
-            )
-        weight = attribute(qkv, "weight", f"{name}.qkv_proj")
-        if not isinstance(weight, Tensor) or weight.dtype not in _FLOATS or weight.ndim != 2:
-            got = f"dtype {weight.dtype}, shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
-            raise typedkv.InputError(
-                f"{name}.qkv_proj.weight: expected a 2-dim float16, bfloat16 or float32 tensor, got {got}: "
-                "a quantized projection takes the per-layer path"
-            )
-        q_size = integer(attribute(attn, "q_size", name), f"{name}.q_size")
-        kv_size = integer(attribute(attn, "kv_size", name), f"{name}.kv_size")
-        if kv_size != self.num_kv_heads * self.head_dim:
-            raise typedkv.InputError(
-                f"{name}.kv_size: expected num_kv_heads * head_dim = {self.num_kv_heads * self.head_dim}, got {kv_size}"
-            )
-        rows = slice(q_size, q_size + 2 * kv_size)
-        if weight.shape[0] < rows.stop:
-            raise typedkv.InputError(
-                f"{name}.qkv_proj.weight: expected at least q_size + 2*kv_size = {rows.stop} rows, "
-                f"got shape {tuple(weight.shape)}"
-            )
-        bias = getattr(qkv, "bias", None)
+        weight, rows, bias = projection_rows(attn, name, self.num_kv_heads * self.head_dim)
         if bias is not None:
-            if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype:
-                got = f"shape {tuple(bias.shape)}, dtype {bias.dtype}" if isinstance(bias, Tensor) else repr(bias)
-                raise typedkv.InputError(
-                    f"{name}.qkv_proj.bias: expected shape ({weight.shape[0]},) and dtype {weight.dtype} "
-                    f"(one per weight row), got {got}"
-                )
             bias = self._on_device(bias.detach()[rows], f"{name}.qkv_proj.bias")
         norm = attribute(attn, "k_norm", name)
         if type(norm).__name__ == "GemmaRMSNorm" or getattr(norm, "bias", None) is not None:

@@ -13,6 +13,7 @@ from torch import Tensor
 import typedkv
 
 F32 = torch.finfo(torch.float32)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def attribute(obj: Any, attr: str, where: str) -> Any:
@@ -102,3 +103,45 @@ def layer_scales(layers: Sequence[Any], device: torch.device) -> tuple[Tensor | 
                 )
         out.append(torch.tensor(floats, dtype=torch.float32, device=device))
     return out[0], out[1]
+
+
+def projection_rows(attn: Any, name: str, heads_size: int) -> tuple[Tensor, slice, Tensor | None]:
+    """A layer's float ``qkv_proj``: its weight, the rows of its K and V projection (after ``q_size``), its bias.
+
+    ``heads_size``: ``num_kv_heads * head_dim``, what ``kv_size`` must be. A quantized projection, or one of
+    fewer rows than ``q_size + 2*kv_size``, is an InputError naming the attribute.
+    """
+    qkv = attribute(attn, "qkv_proj", name)
+    quant = getattr(qkv, "quant_method", None)
+    if quant is not None and type(quant).__name__ != "UnquantizedLinearMethod":
+        raise typedkv.InputError(
+            f"{name}.qkv_proj.quant_method: expected None or UnquantizedLinearMethod, got "
+            f"{type(quant).__name__}: typedkv reads float projection weights; a quantized "
+            "projection takes the per-layer path"
+        )
+    weight = attribute(qkv, "weight", f"{name}.qkv_proj")
+    if not isinstance(weight, Tensor) or weight.dtype not in FLOATS or weight.ndim != 2:
+        got = f"dtype {weight.dtype}, shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else repr(weight)
+        raise typedkv.InputError(
+            f"{name}.qkv_proj.weight: expected a 2-dim float16, bfloat16 or float32 tensor, got {got}: "
+            "a quantized projection takes the per-layer path"
+        )
+    q_size = integer(attribute(attn, "q_size", name), f"{name}.q_size")
+    kv_size = integer(attribute(attn, "kv_size", name), f"{name}.kv_size")
+    if kv_size != heads_size:
+        raise typedkv.InputError(f"{name}.kv_size: expected num_kv_heads * head_dim = {heads_size}, got {kv_size}")
+    rows = slice(q_size, q_size + 2 * kv_size)
+    if weight.shape[0] < rows.stop:
+        raise typedkv.InputError(
+            f"{name}.qkv_proj.weight: expected at least q_size + 2*kv_size = {rows.stop} rows, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    bias = getattr(qkv, "bias", None)
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype:
+            got = f"shape {tuple(bias.shape)}, dtype {bias.dtype}" if isinstance(bias, Tensor) else repr(bias)
+            raise typedkv.InputError(
+                f"{name}.qkv_proj.bias: expected shape ({weight.shape[0]},) and dtype {weight.dtype} "
+                f"(one per weight row), got {got}"
+            )
+    return weight, rows, bias

@@ -25,9 +25,8 @@ from typedkv.core.errors import InputError
 from typedkv.core.implementation import Plan
 from typedkv.core.memory import Footprint
 from typedkv.core.messages import or_list
-from typedkv.core.signature import Signature
-from typedkv.core.tensor_types import HND, KV_WIDTH, NHD, Derived, KVLayout, RopeStyle, static_jaxtyping
-from typedkv.kv.impl import ROTARY_RULE, DenseCall, PoolCall
+from typedkv.core.tensor_types import HND, KV_WIDTH, NHD, KVLayout, RopeStyle, static_jaxtyping
+from typedkv.kv.impl import DenseCall, PoolCall
 from typedkv.projection.dispatch import ProjectionPath, State, Way, takes_fused
 from typedkv.projection.dispatch import way as dispatch_way
 from typedkv.projection.fused import (
@@ -48,6 +47,7 @@ from typedkv.projection.layers import (
     stacked,
 )
 from typedkv.projection.paths import DENSE_PATH, POOL_PATH, MethodPath
+from typedkv.projection.weights import KV_BUFFERS, KV_STACKED_DIMS, KV_WEIGHTS
 
 if TYPE_CHECKING:
     # As in `typedkv.kv.api`: jaxtyping's own names, imported here, for pyrefly.
@@ -57,60 +57,6 @@ if TYPE_CHECKING:
     from jaxtyping import Int as Index
 else:
     from typedkv.core.tensor_types import Index, ParamFloat, PoolFloat, StorageFloat
-
-
-def _weights(
-    k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    kv_weight: Annotated[StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH],
-    kv_bias: Annotated[StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH],
-    eps: float | ParamFloat[Tensor, " L"],
-    num_kv_heads: int,
-    rope_style: RopeStyle,
-) -> None:
-    """The constructor's arguments, ordered so that ``D`` is bound before ``kv_weight`` needs it.
-
-    Without a norm weight, ``D`` is solved from kv_weight's ``2*H*D`` rows.
-    """
-
-
-_ROWS = Derived("ROWS = L*2*H*D")
-
-_WEIGHTS = Signature(
-    _weights,
-    scalar_dims={"H": "num_kv_heads"},
-    device_of="cos_sin_cache",
-    sequence_len={"k_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
-    rules=(ROTARY_RULE,),
-)
-
-
-def _buffers(
-    k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    kv_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _ROWS],
-    kv_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _ROWS],
-    eps: float | ParamFloat[Tensor, " L"],
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    hidden_size: int,
-) -> None:
-    """The buffers a materializer keeps, as its constructor checked them (the weight rows of all layers stacked)."""
-
-
-_BUFFERS = Signature(
-    _buffers,
-    scalar_dims={"L": "num_layers", "H": "num_kv_heads", "D": "head_dim", "hidden": "hidden_size"},
-    device_of="kv_weight",
-    same_dtype={"kv_bias": "kv_weight"},
-    rules=(ROTARY_RULE,),
-)
-"""A buffer replaced after construction (``m.kv_bias = ...``) is checked against the others at a call's new layout."""
-
-
-# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
-_STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
 
 
 class _Kept(NamedTuple):
@@ -266,10 +212,12 @@ class KVMaterializer(nn.Module):
         """
         super().__init__()
         check_layer_counts(
-            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, _STACKED_DIMS
+            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, KV_STACKED_DIMS
         )
         layer_eps = eps_of_layers(eps, cos_sin_cache, k_norm_weight)
-        bound = _WEIGHTS.check((k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style))
+        bound = KV_WEIGHTS.check(
+            (k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style)
+        )
         check_layer_dtypes(
             {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias}, "kv_weight", "kv_bias"
         )
@@ -414,7 +362,7 @@ class KVMaterializer(nn.Module):
         kept = self._plans.get(layout)
         if kept is None:
             # The layout includes the buffers: one replaced since construction is checked here.
-            _BUFFERS.check((state[2], state[4], weight, bias, state[3], *self._dims))
+            KV_BUFFERS.check((state[2], state[4], weight, bias, state[3], *self._dims))
             # The call's own arguments first: deciding the way reads hidden's sizes.
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)

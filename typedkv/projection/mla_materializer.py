@@ -19,10 +19,9 @@ from torch import Tensor, nn
 
 from typedkv.core.checking import Bound, CheckedLayouts
 from typedkv.core.memory import Footprint
-from typedkv.core.signature import Signature
-from typedkv.core.tensor_types import MLA_WIDTH, Derived, RopeStyle, static_jaxtyping
+from typedkv.core.tensor_types import MLA_WIDTH, RopeStyle, static_jaxtyping
 from typedkv.mla.api import DENSE_OPS, POOL_OPS
-from typedkv.mla.impl import ROTARY_RULE, DenseCall, PoolCall, dense_layout, pool_layout
+from typedkv.mla.impl import DenseCall, PoolCall, dense_layout, pool_layout
 from typedkv.mla.impl import materialize_mla_kv as materialize_mla_kv_planned
 from typedkv.mla.impl import materialize_mla_kv_into_pool as materialize_mla_kv_into_pool_planned
 from typedkv.projection import layers as projection_layers
@@ -34,6 +33,7 @@ from typedkv.projection.layers import (
     keep_dtypes,
     stacked,
 )
+from typedkv.projection.weights import MLA_BUFFERS, MLA_PROJECTION, MLA_STACKED_DIMS, MLA_WEIGHTS
 
 _State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
 """``(kv_a_weight, kv_a_bias, kv_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
@@ -46,71 +46,6 @@ if TYPE_CHECKING:
     from jaxtyping import Int as Index
 else:
     from typedkv.core.tensor_types import Index, ParamFloat, PoolFloat, StorageFloat
-
-
-def _weights(
-    kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    kv_a_weight: Annotated[StorageFloat[Tensor, "L W hidden"] | Sequence[StorageFloat[Tensor, "W hidden"]], MLA_WIDTH],
-    kv_a_bias: Annotated[StorageFloat[Tensor, "L W"] | Sequence[StorageFloat[Tensor, " W"]] | None, MLA_WIDTH],
-    eps: float | ParamFloat[Tensor, " L"],
-    rope_style: RopeStyle,
-) -> None:
-    """The constructor's arguments, ordered so that ``C`` and ``R`` are bound before ``kv_a_weight`` needs them.
-
-    Without a norm weight, ``C`` is solved from kv_a_weight's ``C+R`` rows.
-    """
-
-
-_WEIGHTS = Signature(
-    _weights,
-    scalar_dims={},
-    device_of="cos_sin_cache",
-    sequence_len={"kv_norm_weight": "L", "kv_a_weight": "L", "kv_a_bias": "L"},
-    rules=(ROTARY_RULE,),
-)
-
-
-_ROWS = Derived("ROWS = L*(C+R)")
-
-
-def _buffers(
-    kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
-    kv_a_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _ROWS],
-    kv_a_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _ROWS],
-    eps: float | ParamFloat[Tensor, " L"],
-    num_layers: int,
-    kv_lora_rank: int,
-    rotary_dim: int,
-    hidden_size: int,
-) -> None:
-    """The buffers a materializer keeps, as its constructor checked them (the kv_a rows of all layers stacked)."""
-
-
-_BUFFERS = Signature(
-    _buffers,
-    scalar_dims={"L": "num_layers", "C": "kv_lora_rank", "R": "rotary_dim", "hidden": "hidden_size"},
-    device_of="kv_a_weight",
-    same_dtype={"kv_a_bias": "kv_a_weight"},
-    rules=(ROTARY_RULE,),
-)
-"""A buffer replaced after construction is checked against the others at a call's new layout (as `KVMaterializer`'s)."""
-
-
-def _projection(
-    kv_a_weight: StorageFloat[Tensor, "rows hidden"],
-    hidden: StorageFloat[Tensor, "T hidden"],
-    positions: Index[Tensor, " T"],
-    cache_loc: Index[Tensor, " T"] | None,
-) -> None:
-    """A call's own arguments against the weights (the op then checks the rest)."""
-
-
-_PROJECTION = Signature(_projection, scalar_dims={}, device_of="kv_a_weight", same_dtype={"hidden": "kv_a_weight"})
-
-# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
-_STACKED_DIMS = {"kv_a_weight": 3, "kv_norm_weight": 2, "kv_a_bias": 2, "eps": 1}
 
 
 @static_jaxtyping("L W C hidden")
@@ -207,10 +142,10 @@ class MLAKVMaterializer(nn.Module):
         super().__init__()
         check_layer_counts(
             {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps},
-            _STACKED_DIMS,
+            MLA_STACKED_DIMS,
         )
         layer_eps = eps_of_layers(eps, cos_sin_cache, kv_norm_weight)
-        bound = _WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
+        bound = MLA_WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
         check_layer_dtypes(
             {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias},
             "kv_a_weight",
@@ -330,9 +265,9 @@ class MLAKVMaterializer(nn.Module):
         kept = self._plans.get(layout)
         if kept is None:
             # The layout includes the buffers: one replaced since construction is checked here.
-            _BUFFERS.check((state[2], state[4], state[0], state[1], state[3], *self._dims))
+            MLA_BUFFERS.check((state[2], state[4], state[0], state[1], state[3], *self._dims))
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
-            _PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
+            MLA_PROJECTION.plan((state[0], hidden, call.positions, cache_loc), _accepted)
         written = call.out if isinstance(call, DenseCall) else call.kv_pool
         call = type(call)(self._gemm(hidden, state), *call[1:])
         if kept is None:
@@ -374,7 +309,7 @@ class MLAKVMaterializer(nn.Module):
     def _gemm(self, hidden: Tensor, state: _State) -> Tensor:
         """``[T, L, C+R]``, eagerly: every layer's kv_a projection of ``hidden``, one GEMM into the workspace.
 
-        The caller has checked the call (`_PROJECTION`, for a layout not seen before).
+        The caller has checked the call (`MLA_PROJECTION`, for a layout not seen before).
         """
         return projection_layers.project(
             self._rows, hidden, state[0], state[1], (self.num_layers, self.kv_lora_rank + self.rotary_dim)
