@@ -1,11 +1,10 @@
 """The GPU's SM clock and power while the bench times something, read through NVML where it is installed.
 
-On the H200 a GEMM of the bench's end-to-end section draws the board's power limit (700 W) within
-milliseconds, and the driver lowers the SM clock to stay under it: ``torch.mm`` of 1024 tokens takes
-110 us at the full 1980 MHz and 132 us held at about 1550 MHz (benchmarks/clock_probe.py,
-docs/performance.md). Memory-bound work slows less than the GEMM, so every ratio to ``torch.mm``
-depends on how long the GPU ran at its limit, and a second machine whose chip holds a lower clock
-at the same power reads other ratios from the same code. The bench records, for each row it times,
+A GEMM of the bench's end-to-end section draws the board's power limit within milliseconds, and the
+driver lowers the SM clock to stay under it, which slows the GEMM by a fifth or so
+(docs/decisions/013-end-to-end-timing.md). Memory-bound work slows less than the GEMM, so every
+ratio to ``torch.mm`` depends on how long the GPU ran at its limit, and a second machine whose chip
+holds a lower clock at the same power reads other ratios from the same code. The bench records, for each row it times,
 the SM clock and power it sampled meanwhile and the share of samples the driver held at the power
 limit, so that two runs' tables can be told apart by the state they were measured in.
 

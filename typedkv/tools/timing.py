@@ -88,10 +88,9 @@ def round_order(impls: Sequence[str], round_index: int) -> list[str]:
     What ran just before an implementation sets the clock it starts at where
     the GPU is held at its power limit, so every implementation must follow
     each other one as often. A plain rotation does not: there ``impls[i]``
-    always follows ``impls[i - 1]`` unless it runs first. With ``torch.mm``
-    and "auto" each timed twice, a copy read 1.05-1.15x its original at T =
-    1024-2048 under a rotation, 0.98-1.02x in these rows (an H200 and an H100;
-    benchmarks/order_probe.py). The rows are Williams's design: the first is
+    always follows ``impls[i - 1]`` unless it runs first, which biased the
+    ratios by up to 15% (docs/decisions/013-end-to-end-timing.md). The rows are
+    Williams's design: the first is
     ``0, 1, n-1, 2, n-2, ...``, round ``r`` adds ``r`` to each index (mod
     ``n``), and where ``n`` is odd the second ``n`` rounds run those rows
     backwards. Over ``n`` rounds (``2n`` where ``n`` is odd) each
