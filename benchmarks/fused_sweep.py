@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from typedkv import KVMaterializer
+from typedkv.kv.launch import KVGeometry
 from typedkv.projection import fused as fused_impl
 from typedkv.projection import launch as fused_launch
 from typedkv.projection import tuning
@@ -297,13 +298,9 @@ def _fused(
     L, T, H, D = k_out.shape
     flat = weight.reshape(-1, weight.shape[-1])
     strides = (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2))
-    launch = fused_launch.projection_launch(
-        hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, strides, v_out, strides, None,
-        num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=T, neox=True, config=config,
-    )  # fmt: skip
-    values = fused_launch.projection_varying(
-        hidden, flat, None, norm, 1e-6, cos_sin, positions, None, k_out, v_out, None, weight_blocks=launch.weight_blocks
-    )
+    values = fused_launch.call_values(hidden, flat, None, (norm, 1e-6, cos_sin, positions), None, (k_out, v_out, None))
+    geometry = KVGeometry(H, D, True, strides, strides, T)
+    launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=config)
 
     if maxnreg is not None:
         # The first launch compiles; later calls run what it compiled (`KernelLaunch._cuda`).

@@ -49,25 +49,24 @@ def main() -> None:
 def _launch_of(case: bench_cases.Case, x: bench_cases.Inputs, config: mla_launch.MLAConfig) -> Callable[[], None]:
     """One launch with ``config`` (built here: the ops cache their launch per layout, with the default)."""
     neox = case.rope_style == "neox"
-    scale = 0.5 if case.pool == "fp8" else None
+    inputs = (x.norm_weight, x.eps, x.cos_sin, x.positions)
     if case.pool:
         pool = x.k_pool
         strides = (pool.stride(0), pool.stride(1), pool.stride(2) if pool.dim() == 4 else 0)
         page = pool.shape[2] if pool.dim() == 4 else 1
-        rows = pool.shape[1] * page
+        scale = 0.5 if case.pool == "fp8" else None
+        values = mla_launch.call_values(x.kv, inputs, x.slots, pool, None, scale)
         launch = mla_launch.mla_launch(
-            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, pool, strides, None,
-            kv_lora_rank=case.kv_lora_rank, page_size=page, num_rows=rows, neox=neox, kv_scale=scale, config=config,
-        )  # fmt: skip
-        values = mla_launch.mla_varying(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, pool, None, scale)
-    else:
-        out = x.k_out
-        launch = mla_launch.mla_launch(
-            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, None, out, (out.stride(0), out.stride(1), 0), None,
-            kv_lora_rank=case.kv_lora_rank, page_size=1, num_rows=out.shape[1], neox=neox, kv_scale=None,
+            values, strides, kv_lora_rank=case.kv_lora_rank, page_size=page, num_rows=pool.shape[1] * page, neox=neox,
             config=config,
         )  # fmt: skip
-        values = mla_launch.mla_varying(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, None, out, None, None)
+    else:
+        out = x.k_out
+        values = mla_launch.call_values(x.kv, inputs, None, out, None, None)
+        launch = mla_launch.mla_launch(
+            values, (out.stride(0), out.stride(1), 0), kv_lora_rank=case.kv_lora_rank, page_size=1,
+            num_rows=out.shape[1], neox=neox, config=config,
+        )  # fmt: skip
     return lambda: launch(values)
 
 

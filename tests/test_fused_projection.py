@@ -48,6 +48,7 @@ from torch import Tensor
 
 import typedkv
 from typedkv.core import launcher
+from typedkv.kv.launch import KVGeometry
 from typedkv.projection import fused as fused_impl
 from typedkv.projection import launch as fused_launch
 from typedkv.projection import tuning
@@ -664,17 +665,12 @@ def test_launch_configurations_agree(config: tuning.ProjectionConfig) -> None:
     results = []
     for cfg in (tuning.ProjectionConfig(), config):
         k_out, v_out = torch.empty(2, L, 37, H, 16, dtype=torch.float16)
-        launch = fused_launch.projection_launch(
-            x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None,
-            k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
-            v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-            None, num_layers=L, num_kv_heads=H, head_dim=16, page_size=1, num_rows=37, neox=False, config=cfg,
-        )  # fmt: skip
-        launch(
-            fused_launch.projection_varying(
-                x, weight, bias, norm, 1e-6, draft.cos_sin_cache, positions, None, k_out, v_out, None
-            )
-        )
+        inputs = (norm, 1e-6, draft.cos_sin_cache, positions)
+        values = fused_launch.call_values(x, weight, bias, inputs, None, (k_out, v_out, None))
+        k_strides, v_strides = ((out.stride(0), out.stride(1), 0, out.stride(2)) for out in (k_out, v_out))
+        geometry = KVGeometry(H, 16, False, k_strides, v_strides, 37)
+        launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=cfg)
+        launch(values)
         results.append((k_out, v_out))
     assert_matches_oracle(results[0], draft.oracle(x, positions), torch.float16)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
@@ -711,14 +707,9 @@ def test_weight_tiles_by_tma_equal_by_pointer(
             tma=tma,
             group_m=2 if tma else 1,
         )
-        launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
+        launch, values, k_dst, v_dst, slots = _launch_for(draft, x, positions, config, pools)
         assert (launch.weight_blocks is not None) == tma
-        launch(
-            fused_launch.projection_varying(
-                x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions,
-                slots, k_dst, v_dst, None, weight_blocks=launch.weight_blocks,
-            )
-        )  # fmt: skip
+        launch(values)
         if pools:
             k_dst, v_dst = k_dst[:, slots], v_dst[:, slots]
         results.append((k_dst, v_dst))
@@ -728,8 +719,9 @@ def test_weight_tiles_by_tma_equal_by_pointer(
 
 def _launch_for(
     draft: Draft, x: Tensor, positions: Tensor, config: tuning.ProjectionConfig, pools: bool
-) -> tuple[fused_launch.ProjectionLaunch, Tensor, Tensor, Tensor | None]:
-    """The fused launch of ``draft`` into dense outputs, or into stacked pools at reversed slots."""
+) -> tuple[fused_launch.ProjectionLaunch, tuple[Any, ...], Tensor, Tensor, Tensor | None]:
+    """The fused launch of ``draft`` into dense outputs, or into stacked pools at reversed slots, and its first
+    call's values (`typedkv.projection.launch.call_values`)."""
     T, D, dtype = x.shape[0], draft.head_dim, draft.dtype
     if pools:
         k_dst, v_dst = torch.full((2, L, 2 * T, H, D), 7.0, dtype=dtype)
@@ -737,13 +729,12 @@ def _launch_for(
     else:
         k_dst, v_dst = torch.empty(2, L, T, H, D, dtype=dtype)
         slots = None
-    launch = fused_launch.projection_launch(
-        x, draft.m.kv_weight, draft.m.kv_bias, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots,
-        k_dst, (k_dst.stride(0), k_dst.stride(1), 0, k_dst.stride(2)),
-        v_dst, (v_dst.stride(0), v_dst.stride(1), 0, v_dst.stride(2)),
-        None, num_layers=L, num_kv_heads=H, head_dim=D, page_size=1, num_rows=k_dst.shape[1], neox=True, config=config,
-    )  # fmt: skip
-    return launch, k_dst, v_dst, slots
+    inputs = (draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions)
+    values = fused_launch.call_values(x, draft.m.kv_weight, draft.m.kv_bias, inputs, slots, (k_dst, v_dst, None))
+    k_strides, v_strides = ((dst.stride(0), dst.stride(1), 0, dst.stride(2)) for dst in (k_dst, v_dst))
+    geometry = KVGeometry(H, D, True, k_strides, v_strides, k_dst.shape[1])
+    launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=config)
+    return launch, values, k_dst, v_dst, slots
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the fused kernel runs on CPU tensors under the interpreter only")

@@ -146,11 +146,11 @@ def test_taken_or_not_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
         asked.append(num_tokens)
         return True
 
+    def launch(hidden: torch.Tensor, kv_weight: torch.Tensor, inputs: Any, target: Any, num_layers: int) -> None:
+        launched.append(("dense" if target[0] is None else "pool", hidden.shape[0]))  # slots: None for dense outputs
+
     monkeypatch.setattr(warp_specialized, "faster", faster)
-    monkeypatch.setattr(warp_specialized, "launch", lambda hidden, *args: launched.append(("dense", hidden.shape[0])))
-    monkeypatch.setattr(
-        warp_specialized, "launch_pool", lambda hidden, *args: launched.append(("pool", hidden.shape[0]))
-    )
+    monkeypatch.setattr(warp_specialized, "launch", launch)
     heads, layers, width, slots = 2, 3, 64, 16
     g = torch.Generator().manual_seed(0)
     m = typedkv.KVMaterializer(

@@ -326,9 +326,8 @@ def test_pool_cuda(fmt: torch.dtype, layout: str, scale_kind: str, rotary_dim: i
         case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, slots, k_pool, v_pool,
         num_kv_heads=2, k_scale=scale, v_scale=scale,
     )  # fmt: skip
-    k32, v = kv_reference.rmsnorm_rope(
-        case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, 2, True
-    )
+    inputs = (case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions)
+    k32, v = kv_reference.rmsnorm_rope(case.kv, inputs, 2, True)
     want_k = core_reference.quantize(k32 if fmt.itemsize == 1 else k32.to(case.kv.dtype), scale, fmt)
     want_v = core_reference.quantize(v, scale, fmt)
     k_got = torch.stack(list(k_pool)) if isinstance(k_pool, list) else k_pool

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from typedkv.core import launcher
+from typedkv.kv import launch as kv_launch
 
 pytestmark = pytest.mark.skipif(launcher.INTERPRETED, reason="the interpreter runs the kernel's Python, not a compiler")
 
@@ -167,10 +168,12 @@ def test_only_a_kernel_that_waits_launches_programmatically() -> None:
     (one launched so without its wait could read the prior kernel's output before it is written)."""
     snapshot = _snapshot()
     ((kernel, grid, params, num_warps),) = snapshot.capture(snapshot.cases()["dense-T16-neox-R128"])
-    at = kernel.arg_names.index("WAIT_PRIOR")
-    assert launcher.KernelLaunch(kernel, grid, (*params[:at], True, *params[at + 1 :]), num_warps).programmatic
-    assert not launcher.KernelLaunch(kernel, grid, params, num_warps).programmatic  # captured on CPU: False
-    assert not launcher.KernelLaunch(_no_wait, (1, 1, 1), (torch.zeros(1), True), 1).programmatic
+    arguments = dict(zip(kernel.arg_names, params, strict=True))
+    waits = {**arguments, "WAIT_PRIOR": True}
+    assert launcher.KernelLaunch(kernel, grid, waits, kv_launch.VALUES, num_warps).programmatic
+    assert not launcher.KernelLaunch(kernel, grid, arguments, kv_launch.VALUES, num_warps).programmatic  # on CPU
+    no_wait = {"x_ptr": torch.zeros(1), "LAST": True}
+    assert not launcher.KernelLaunch(_no_wait, (1, 1, 1), no_wait, ("x_ptr",), 1).programmatic
 
 
 @pytest.mark.parametrize("num_tokens", [16, 64])

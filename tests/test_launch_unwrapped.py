@@ -92,7 +92,7 @@ def test_fused_launch_passes_each_descriptor_encoded(
     encoding, shape and strides; encoded at the first launch from a weight address, not again."""
     draft = Draft(torch.float16, head_dim=head_dim, rotary_dim=rotary_dim, hidden=80)
     x, positions = draft.call(37)
-    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
+    launch, _, k_dst, v_dst, slots = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
     slots_at = launch._descriptor_slots
     assert len(slots_at) == pieces
 
@@ -105,10 +105,8 @@ def test_fused_launch_passes_each_descriptor_encoded(
     compiled = _compiled(_Run(_wrapped(c_launch, set(slots_at), metas)))
 
     def direct(weight: torch.Tensor) -> tuple[Any, ...]:
-        values = fused_launch.projection_varying(
-            x, weight, None, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots, k_dst, v_dst, None,
-            weight_blocks=launch.weight_blocks,
-        )  # fmt: skip
+        inputs = (draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions)
+        values = fused_launch.call_values(x, weight, None, inputs, slots, (k_dst, v_dst, None))
         launch._direct(compiled, False, 77, launch._gather(values + launch._fixed))
         return values
 
@@ -138,13 +136,9 @@ def test_fused_launch_through_another_launcher_passes_descriptors(monkeypatch: p
     monkeypatch.setattr(launcher, "_nvidia_driver", lambda: types.SimpleNamespace())  # no 3.6 layout
     draft = Draft(torch.float16, head_dim=64, rotary_dim=32, hidden=80)
     x, positions = draft.call(37)
-    launch, k_dst, v_dst, slots = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
+    launch, values, *_ = _launch_for(draft, x, positions, tuning.ProjectionConfig(tma=True), False)
     seen: list[tuple[Any, ...]] = []
     compiled = types.SimpleNamespace(run=lambda *args: seen.append(args), function=1234, packed_metadata="meta")
-    values = fused_launch.projection_varying(
-        x, draft.m.kv_weight, None, draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions, slots, k_dst, v_dst,
-        None, weight_blocks=launch.weight_blocks,
-    )  # fmt: skip
     launch._direct(compiled, False, 77, launch._gather(values + launch._fixed))
     (args,) = seen
     assert args[:9] == (*launch.grid, 77, 1234, "meta", None, None, None)

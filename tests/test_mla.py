@@ -88,9 +88,8 @@ class Inputs:
     def rows_float32(self) -> Tensor:
         """The rows before the store's rounding: what an FP8 pool quantizes."""
         eps = self.eps if isinstance(self.eps, (float, Tensor)) else torch.tensor(self.eps)
-        return mla_reference.mla_rows(
-            self.ckv, self.kv_norm_weight, eps, self.cos_sin_cache, self.positions, self.rope_style == "neox"
-        )
+        inputs = (self.kv_norm_weight, eps, self.cos_sin_cache, self.positions)
+        return mla_reference.mla_rows(self.ckv, inputs, self.rope_style == "neox")
 
 
 def make_inputs(

@@ -28,7 +28,7 @@ _DIVISIBLE = (
     "weight_stride_l",
     "cos_sin_stride_p",
 )
-_UNIT = ("weight_stride_c", "cos_sin_stride_r", "positions_stride", "slots_stride", "eps_stride")
+_UNIT = ("weight_stride_d", "cos_sin_stride_r", "positions_stride", "slots_stride", "eps_stride")
 # The FP8 scale is one tuple argument, (tensor, its stride, float): its leaves typed one by one,
 # the stride a unit one, as Triton specialises a contiguous [L] scale.
 _SCALE = ("*fp32", "constexpr", "fp32")

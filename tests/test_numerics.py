@@ -46,7 +46,6 @@ subnormals count.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import zlib
@@ -345,15 +344,16 @@ def test_kernel_configs(
     # T = 21 leaves a partial last block for every BLOCK_T > 1.
     case = make_case(21, 2, 3, 80, 32, torch.bfloat16, rope_style, norm=norm)
     k_out, v_out = torch.empty(case.out_shape, dtype=case.kv.dtype), torch.empty(case.out_shape, dtype=case.kv.dtype)
-    strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
-    args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
-    launch = kv_launch.Launch(
-        *args, k_out, strides[0], v_out, strides[1], None, num_kv_heads=case.num_kv_heads,
-        head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=rope_style == "neox", config=config,
-    )  # fmt: skip
+    k_strides, v_strides = ((t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out))
+    inputs = (case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions)
+    values = kv_launch.call_values(case.kv, inputs, None, (k_out, v_out, None))
+    geometry = kv_launch.KVGeometry(
+        case.num_kv_heads, case.out_shape[3], rope_style == "neox", k_strides, v_strides, 21
+    )
+    launch = kv_launch.Launch(values, geometry, config=config)
     # The configuration asked for is the one launched: programs per token block and layer, K/V split.
     assert launch.grid == (-(-21 // block_t) * 2, 1, 2 if split_kv else 1)
-    launch(kv_launch.varying(*args, k_out, v_out, None))
+    launch(values)
     assert_matches_reference(case, k_out, v_out)
 
 
@@ -365,21 +365,18 @@ def test_partner_gathered_or_loaded_gives_the_same_bits(block_t: int, norm: bool
     """K as one tile: each rotary dim's partner gathered in registers gives the bits of its second load."""
     # T = 21 leaves a partial last block at BLOCK_T = 4; R < D makes K one tile (NeoX).
     case = make_case(21, 2, 3, 80, 32, dtype, "neox", norm=norm)
-    args = (case.kv, case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions, None)
+    inputs = (case.k_norm_weight, case.eps, case.cos_sin_cache, case.positions)
     outs = []
-    full_row = list(inspect.signature(kv_kernel.materialize_kv_kernel.fn).parameters).index("FULL_ROW")
     for gather in (False, True):
         k_out, v_out = torch.empty(case.out_shape, dtype=dtype), torch.empty(case.out_shape, dtype=dtype)
-        strides = [(t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out)]
+        k_strides, v_strides = ((t.stride(0), t.stride(1), 0, t.stride(2)) for t in (k_out, v_out))
         config = kv_launch.KVConfig(block_t=block_t, full_row=True, partner_gather=gather)
-        launch_args = (*args, k_out, strides[0], v_out, strides[1], None)
-        shape: dict[str, Any] = dict(
-            num_kv_heads=case.num_kv_heads, head_dim=case.out_shape[3], page_size=1, num_rows=21, neox=True
-        )
+        values = kv_launch.call_values(case.kv, inputs, None, (k_out, v_out, None))
+        geometry = kv_launch.KVGeometry(case.num_kv_heads, case.out_shape[3], True, k_strides, v_strides, 21)
         # The switch reaches the kernel: FULL_ROW 2 gathers, 1 loads again.
-        assert kv_launch.launch_params(*launch_args, **shape, config=config)[1][full_row] == (2 if gather else 1)
-        launch = kv_launch.Launch(*launch_args, **shape, config=config)
-        launch(kv_launch.varying(*args, k_out, v_out, None))
+        assert kv_launch.launch_params(values, geometry, config=config)[1]["FULL_ROW"] == (2 if gather else 1)
+        launch = kv_launch.Launch(values, geometry, config=config)
+        launch(values)
         assert_matches_reference(case, k_out, v_out)
         outs.append((k_out, v_out))
     assert_bitwise_equal(outs[0][0], outs[1][0], "k")
@@ -405,10 +402,9 @@ def test_launch_warps(num_tokens: int, num_layers: int, config: kv_launch.KVConf
     out = torch.empty(num_layers, num_tokens, H, D, dtype=torch.bfloat16)
     strides = (out.stride(0), out.stride(1), 0, out.stride(2))
     positions = torch.zeros(num_tokens, dtype=torch.int64)
-    _, _, num_warps = kv_launch.launch_params(
-        kv, None, 1e-6, torch.empty(8, D), positions, None, out, strides, out, strides, None,
-        num_kv_heads=H, head_dim=D, page_size=1, num_rows=num_tokens, neox=True, config=config,
-    )  # fmt: skip
+    values = kv_launch.call_values(kv, (None, 1e-6, torch.empty(8, D), positions), None, (out, out, None))
+    geometry = kv_launch.KVGeometry(H, D, True, strides, strides, num_tokens)
+    _, _, num_warps = kv_launch.launch_params(values, geometry, config=config)
     assert num_warps == warps
 
 

@@ -122,10 +122,7 @@ class Inputs:
             return self.dense()[0]
         k, _ = kv_reference.rmsnorm_rope(
             self.kv,
-            self.k_norm_weight,
-            self.eps,
-            self.cos_sin_cache,
-            self.positions,
+            (self.k_norm_weight, self.eps, self.cos_sin_cache, self.positions),
             self.num_kv_heads,
             self.rope_style == "neox",
         )

@@ -6,7 +6,7 @@ runs the kernel or the reference; the pieces here are the same for the K/V and M
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -15,13 +15,14 @@ from torch import Tensor
 
 from typedkv.core import launcher
 from typedkv.core.checking import Bound
+from typedkv.core.config import debug_enabled
 from typedkv.core.errors import InputError
 from typedkv.core.launcher import KernelLaunch
 from typedkv.core.memory import Footprint
 from typedkv.core.messages import fmt_dtype
 from typedkv.core.signature import Signature
 from typedkv.core.tensor_types import is_fp8
-from typedkv.core.value_checks import check_layer_values, check_positions
+from typedkv.core.value_checks import check_layer_values, check_positions, check_slots
 
 
 @dataclass
@@ -47,6 +48,33 @@ def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Call
         return Plan(bound, dims["T"] == 0 or dims["L"] == 0, launcher.use_kernel(bound.device))
 
     return build
+
+
+def checked(
+    op: Implementation, plan: Plan, call: Any, norm_weight: Tensor | None, scales: Mapping[str, object], written: bool
+) -> list[int] | None:
+    """A call's checks once its layout's plan is found, on every call of every op, in this order.
+
+    Its numbers (``op.numbers``); what it writes apart from what it reads and from each other (`check_memory`;
+    ``written`` False where the call left every output to be allocated, apart from everything); in debug mode,
+    the annotations' pass (once per layout) and the values (`check_values`). Returns `check_memory`'s addresses.
+    """
+    op.numbers(call)
+    addresses = check_memory(op.signature, plan, call) if written else None
+    if debug_enabled():
+        debug_pass(op.signature, plan, call)
+        check_values(call.eps, norm_weight, scales, call.positions, call.cos_sin_cache)
+    return addresses
+
+
+def pool_geometry(plan: Plan, cache_loc: Tensor) -> PoolGeometry:
+    """A non-empty pool call's `PoolGeometry`, worked out at its layout's first; its slots checked in debug mode."""
+    geometry = plan.geometry
+    if geometry is None:
+        geometry = plan.geometry = PoolGeometry.of(plan.bound)
+    if debug_enabled():
+        check_slots(cache_loc, geometry.num_slots)
+    return geometry
 
 
 def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int] | None:
@@ -104,6 +132,34 @@ class PoolGeometry:
         by_dim = bound.strides(name, tensor)
         page = by_dim["N"] if "N" in by_dim else by_dim["S"]
         return by_dim.get("L", 0), page, by_dim.get("B", 0), by_dim["H"]
+
+
+def check_pools(
+    pools: Mapping[str, Tensor | Sequence[Tensor]], sharing: str, scales: Mapping[str, float | Tensor | None]
+) -> None:
+    """The pools' tensors (each a stacked tensor, or a sequence of per-layer tensors; at least one) of one dtype,
+    the first's, a sequence's tensors of one layout, its first's, and FP8 ``scales`` only for an FP8 dtype
+    (`check_scales`). ``sharing``: who shares the dtype, as the message says it."""
+    dtype, first = None, ""
+    for name, pool in pools.items():
+        stacked = isinstance(pool, Tensor)
+        layers = [pool] if isinstance(pool, Tensor) else pool
+        for i, layer in enumerate(layers):
+            label = name if stacked else f"{name}[{i}]"
+            if dtype is None:
+                dtype, first = layer.dtype, label
+            elif layer.dtype != dtype:
+                raise InputError(
+                    f"{label}: expected dtype {fmt_dtype(dtype)} ({first}'s), got {fmt_dtype(layer.dtype)}: "
+                    f"every {sharing} shares one dtype"
+                )
+            if not stacked and layer.stride() != layers[0].stride():
+                raise InputError(
+                    f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
+                    f"{tuple(layer.stride())}: per-layer pools must share one layout"
+                )
+    assert dtype is not None, "no pool tensor"
+    check_scales(dtype, scales)
 
 
 def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:

@@ -19,7 +19,7 @@ import inspect
 import operator
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,23 +82,32 @@ def _hooks_idle() -> bool:
 class KernelLaunch:
     """One launch of ``kernel`` prepared from a checked layout, run once per call.
 
-    Built from the first call's full argument list; later calls with the same
-    layout (shapes, strides, dtypes, devices) fill in their own tensors and
-    floats -- the slots that are not constexprs and hold a tensor, a float or
-    ``None`` (an absent tensor), or a tuple holding one (Triton takes tuples
-    whole; their ints are the layout's) -- in kernel order. Everything else
-    (ints, constexprs) is fixed by the layout. On CUDA the compiled kernel is called
-    directly once Triton has built it: every value Triton specialises on is
-    fixed by the layout, except pointer alignment, which is checked on each call.
-    Under Triton 3.6 the call goes to its launcher's C launch itself (`_unwrapped_launch`).
+    Built from the first call's arguments, every one of the kernel's parameters by name
+    (constexprs too), and the names of those a call passes (``per_call``: its tensors,
+    floats and absent tensors, or a tuple holding one -- Triton takes tuples whole --, in
+    the order of the call's values). The positional order is read from the kernel's
+    signature once, here: a call fills its values into a fixed argument tuple by position.
+    Everything else (ints, constexprs) is fixed by the layout. On CUDA the compiled kernel
+    is called directly once Triton has built it: every value Triton specialises on is fixed
+    by the layout, except pointer alignment, which is checked on each call. Under Triton
+    3.6 the call goes to its launcher's C launch itself (`_unwrapped_launch`).
     """
 
-    def __init__(self, kernel: Any, grid: tuple[int, int, int], params: tuple[Any, ...], num_warps: int) -> None:
-        constexprs = _constexpr_indices(kernel)
+    def __init__(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        arguments: Mapping[str, Any],
+        per_call: Sequence[str],
+        num_warps: int,
+    ) -> None:
+        params = in_order(kernel, arguments)
+        _checked_per_call(kernel, arguments, per_call)
         self.kernel = kernel
         self.grid = grid
         self.num_warps = num_warps
-        self.varying = tuple(i for i, p in enumerate(params) if i not in constexprs and _per_call(p))
+        at = {name: i for i, name in enumerate(parameter_names(kernel))}
+        self.varying = tuple(at[name] for name in per_call)  # the kernel positions of a call's values
         # Where the tensors are among the per-call values (a path into a tuple argument): the
         # layout fixes which slots hold a tensor, and only their alignment is checked per call.
         tensors = [path for j, i in enumerate(self.varying) for path in _tensor_paths(params[i], (j,))]
@@ -109,16 +118,15 @@ class KernelLaunch:
         varying = {i: j for j, i in enumerate(self.varying)}
         fixed = [i for i in range(len(params)) if i not in varying]
         self._fixed = tuple(params[i] for i in fixed)
-        at = {i: len(varying) + k for k, i in enumerate(fixed)}
-        order = [varying[i] if i in varying else at[i] for i in range(len(params))]
+        place = {i: len(varying) + k for k, i in enumerate(fixed)}
+        order = [varying[i] if i in varying else place[i] for i in range(len(params))]
         self._gather = operator.itemgetter(*order) if len(order) > 1 else lambda source: (source[order[0]],)
         self.device = next(p for p in params if isinstance(p, torch.Tensor)).device
         self._index = self.device.index
         self.direct = self.device.type == "cuda" and not INTERPRETED
         # A kernel whose WAIT_PRIOR is set waits for the prior kernel before its first load:
         # calls may launch it as a programmatic dependent launch, a variant compiled apart.
-        wait_at = _wait_prior_index(kernel)
-        self.programmatic = wait_at is not None and params[wait_at] is True
+        self.programmatic = arguments.get("WAIT_PRIOR") is True
         self._compiled: list[Any] = [None, None]  # [plain launch, programmatic launch]
         # Per compiled variant: Triton's C launch beneath its launcher's per-launch Python
         # (`_unwrapped_launch`), or False where this Triton's launcher is another.
@@ -130,18 +138,17 @@ class KernelLaunch:
         return self._compiled[self.programmatic]
 
     def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The kernel's arguments, in order, for a call's per-call ``values`` (`varying`'s order)."""
+        """The kernel's arguments, in its order, for a call's ``values`` (in ``per_call``'s order)."""
         if len(values) != len(self.varying):
             raise ValueError(f"expected {len(self.varying)} per-call values, got {len(values)}")
         return self._gather(values + self._fixed)
 
     def __call__(self, values: tuple[Any, ...], after_gemm: bool = False) -> None:
-        """Launch with this call's tensors and floats, in kernel order.
+        """Launch with this call's ``values`` (its tensors and floats, in ``per_call``'s order).
 
         ``after_gemm``: the call's own GEMM was launched just before (a materializer's GEMM
-        path): a plain launch. After cuBLAS's GEMM a programmatic one was measured slower at
-        small T (H200: 0.2-0.7 us at T = 1-256), its early programs holding SMs the GEMM's
-        last ones wait for.
+        path): a plain launch, since a programmatic one's early programs would hold SMs the
+        GEMM's last ones wait for (docs/decisions/003-programmatic-dependent-launch.md).
         """
         if not self.direct:
             params = self.arguments(values)
@@ -214,18 +221,6 @@ class KernelLaunch:
 _PROGRAMMATIC = {"launch_pdl": True}  # Triton's launch option: a programmatic dependent launch
 
 
-def _per_call(value: Any) -> bool:
-    """Whether a kernel argument changes from call to call: a tensor, a float, None, or a tuple holding one."""
-    if isinstance(value, tuple):
-        return any(map(_per_call, value))
-    return value is None or isinstance(value, (torch.Tensor, float)) or is_descriptor(value)
-
-
-def is_descriptor(value: Any) -> bool:
-    """Whether ``value`` is a TMA descriptor (made per call: it holds its tensor's address)."""
-    return TensorDescriptor is not None and isinstance(value, TensorDescriptor)
-
-
 def _tensor_paths(value: Any, path: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The paths of the tensors in ``value`` (itself at ``path``), inside tuples too."""
     if isinstance(value, tuple):
@@ -245,10 +240,38 @@ def _aligned(values: tuple[Any, ...], tensors: tuple[tuple[int, ...], ...]) -> b
 
 
 @functools.cache
-def _wait_prior_index(kernel: Any) -> int | None:
-    """The position of ``kernel``'s ``WAIT_PRIOR`` parameter (`programmatic_launch`), or None."""
-    names = list(inspect.signature(kernel.fn).parameters)
-    return names.index("WAIT_PRIOR") if "WAIT_PRIOR" in names else None
+def parameter_names(kernel: Any) -> tuple[str, ...]:
+    """``kernel``'s parameter names, in order (a jitted or an interpreted kernel)."""
+    return tuple(inspect.signature(kernel.fn).parameters)
+
+
+def in_order(kernel: Any, arguments: Mapping[str, Any]) -> tuple[Any, ...]:
+    """``arguments`` (every parameter of ``kernel`` by name, once) in ``kernel``'s order."""
+    names = parameter_names(kernel)
+    missing, unknown = set(names) - set(arguments), set(arguments) - set(names)
+    if missing or unknown:
+        raise TypeError(f"{kernel.fn.__name__}: arguments missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return tuple(arguments[name] for name in names)
+
+
+def _checked_per_call(kernel: Any, arguments: Mapping[str, Any], per_call: Sequence[str]) -> None:
+    """No constexpr among ``per_call``, and every tensor and float there: a value the layout fixes would be the
+    first call's at every call."""
+    names = parameter_names(kernel)
+    constexprs = {names[i] for i in _constexpr_indices(kernel)}
+    wrong = (constexprs & set(per_call)) | (set(per_call) - set(names))
+    fixed = [p for p in names if p not in per_call and p not in constexprs and _of_a_call(arguments[p])]
+    if wrong:
+        raise ValueError(f"{kernel.fn.__name__}: {sorted(wrong)} given per call, not run-time parameters of it")
+    if fixed:
+        raise ValueError(f"{kernel.fn.__name__}: {fixed} hold tensors or floats, so they are given per call")
+
+
+def _of_a_call(value: Any) -> bool:
+    """Whether an argument holds what changes from call to call: a tensor or a float (inside a tuple too)."""
+    if isinstance(value, tuple):
+        return any(map(_of_a_call, value))
+    return isinstance(value, (torch.Tensor, float))
 
 
 @functools.cache

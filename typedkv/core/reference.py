@@ -1,15 +1,57 @@
-"""The reference writes every family shares: FP8 quantization as the kernels do it, and pool row writes.
+"""The reference pieces every family shares: RMSNorm and RoPE as the kernels compute them, FP8 quantization,
+pool row writes.
 
-Tokens with a slot outside ``[0, S)`` are skipped, so the reference never indexes out of bounds.
+Math in float32, as the kernels; a position outside ``[0, P)`` gives NaN where RoPE applies, and tokens
+with a slot outside ``[0, S)`` are skipped, so the reference never indexes out of bounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from typedkv.core.tensor_types import is_fp8
+
+
+def writing() -> AbstractContextManager[None]:
+    """Where a family's reference computes and writes its outputs: inference only, as on the GPU.
+
+    No autograd history on what is written, and tensors made under ``inference_mode`` are written
+    outside it as the kernel writes them (torch refuses in-place updates of those otherwise).
+    """
+    return torch.inference_mode()
+
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32, layers first: ``[L, ..., F]``) RMS-normed over its last dim by ``weight`` ``[L, F]``, with
+    ``eps`` (a float, or ``[L]``), rounded to ``dtype`` as the unfused model stores the norm's output (float32)."""
+    layers_first = (x.shape[0], *(1,) * (x.dim() - 1))
+    eps_l = eps.float().view(layers_first) if isinstance(eps, torch.Tensor) else torch.tensor(eps, dtype=torch.float32)
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps_l)
+    return (x * rstd * weight.float().view(*layers_first[:-1], weight.shape[-1])).to(dtype).float()
+
+
+def roped(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``x`` (float32, ``[L, T, ..., F]``) with its first R dims rotated by RoPE at ``positions`` (NeoX halves, else
+    GPT-J pairs) and the others passed; all NaN for a token whose position is outside ``[0, P)``."""
+    rotary_dim = cos_sin_cache.shape[1]
+    half = rotary_dim // 2
+    valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    if cos_sin_cache.shape[0] == 0:  # no position is valid: nothing may be read
+        cos_sin_cache = cos_sin_cache.new_zeros(1, rotary_dim)
+    cos_sin = cos_sin_cache[torch.where(valid, positions, 0).long()].float()
+    tokens = (None, slice(None), *(None,) * (x.dim() - 3))  # [T, ...] as x's dims from the layers' on
+    cos, sin = cos_sin[(*tokens, slice(None, half))], cos_sin[(*tokens, slice(half, None))]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    if neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.where(valid[(*tokens, None)], torch.cat((rotated, rest), dim=-1), torch.nan)
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

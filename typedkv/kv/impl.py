@@ -14,28 +14,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
-import torch
 from torch import Tensor
 
 from typedkv.core import reference as core_reference
 from typedkv.core.checking import Bound
-from typedkv.core.config import debug_enabled
 from typedkv.core.device_tables import layer_eps, layer_table
 from typedkv.core.errors import InputError
 from typedkv.core.implementation import (
     Implementation,
     Plan,
     PoolGeometry,
-    check_memory,
-    check_scales,
-    check_values,
-    debug_pass,
+    check_pools,
+    checked,
     planner,
+    pool_geometry,
 )
-from typedkv.core.messages import fmt_dtype
-from typedkv.core.value_checks import check_eps, check_scale_numbers, check_slots
+from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.kv import launch as kv_launch
 from typedkv.kv import reference as kv_reference
+from typedkv.kv.launch import KVGeometry
 
 ROTARY_RULE = (
     "R % 2 == 0 and 2 <= R <= D",
@@ -117,16 +114,11 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     ``plan``: the call's `dense_layout`, when the caller has it already (a
     materializer keeps its calls' plans).
     """
-    sig = DENSE.signature
     if plan is None:
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
-    check_numbers(call)
-    if k_out is not None or v_out is not None:
-        check_memory(sig, plan, call)  # outputs left None are allocated below: apart from everything
-    if debug_enabled():
-        debug_pass(sig, plan, call)
-        check_values(call.eps, call.k_norm_weight, {}, call.positions, call.cos_sin_cache)
+    # Outputs left None are allocated below: apart from everything.
+    checked(DENSE, plan, call, call.k_norm_weight, {}, k_out is not None or v_out is not None)
     if k_out is None or v_out is None:
         dims = plan.bound.dims
         shape = (dims["L"], dims["T"], dims["H"], dims["D"])
@@ -138,10 +130,23 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
     return plan, k_out, v_out
 
 
-def dense_strides(out: Tensor) -> tuple[int, int, int, int]:
-    """A dense ``[L, T, H, D]`` output's ``(layer, page, slot in page, head)`` element strides, as the launches
-    take a destination's: a pool of T rows, one token per row, no pages."""
-    return out.stride(0), out.stride(1), 0, out.stride(2)
+def kv_geometry(
+    call: DenseCall | PoolCall, plan: Plan, destinations: Destinations, table_multiple: int = 0
+) -> KVGeometry:
+    """The `KVGeometry` of a checked call's layout, for its launch: dense ``[L, T, H, D]`` outputs are a pool of
+    T rows, one token per row, no pages; pools are as `pool_plan`'s geometry says (``table_multiple``:
+    `pool_destinations`')."""
+    bound, dims = plan.bound, plan.bound.dims
+    k_dst, v_dst = destinations[0], destinations[1]
+    if isinstance(call, PoolCall):
+        pools = cast(PoolGeometry, plan.geometry)
+        k_strides, v_strides = pools.strides(bound, "k_pool", k_dst), pools.strides(bound, "v_pool", v_dst)
+        rows, page_size = pools.num_slots, pools.page_size
+    else:
+        k_strides, v_strides = ((out.stride(0), out.stride(1), 0, out.stride(2)) for out in (k_dst, v_dst))
+        rows, page_size = dims["T"], 1
+    neox = call.rope_style == "neox"
+    return KVGeometry(dims["H"], dims["D"], neox, k_strides, v_strides, rows, page_size, table_multiple)
 
 
 def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool = False) -> tuple[Tensor, Tensor]:
@@ -152,28 +157,19 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool =
     plan, k_out, v_out = dense_plan(call, plan)
     if plan.empty:
         return k_out, v_out
-    kv, dims = call.kv, plan.bound.dims
-    eps = layer_eps(call.eps, kv)
-    neox = call.rope_style == "neox"
+    kv = call.kv
+    inputs = (call.k_norm_weight, layer_eps(call.eps, kv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
-        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
-        with torch.inference_mode():
-            k, v = kv_reference.rmsnorm_rope(
-                kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
-            )
+        with core_reference.writing():
+            k, v = kv_reference.rmsnorm_rope(kv, inputs, plan.bound.dims["H"], call.rope_style == "neox")
             k_out.copy_(k)
             v_out.copy_(v)
         return k_out, v_out
+    destinations = (k_out, v_out, None)
+    values = kv_launch.call_values(kv, inputs, None, destinations)
     if plan.launch is None:
-        plan.launch = kv_launch.Launch(
-            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1, num_rows=dims["T"], neox=neox,
-        )  # fmt: skip
-    plan.launch(
-        kv_launch.varying(kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None),
-        after_gemm,
-    )
+        plan.launch = kv_launch.Launch(values, kv_geometry(call, plan, destinations))
+    plan.launch(values, after_gemm)
     return k_out, v_out
 
 
@@ -202,42 +198,34 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, PoolGeome
     materializer's fused projection, `typedkv.projection.fused`), so all reject a misuse alike.
     ``plan``: the call's `pool_layout`, when the caller has it already.
     """
-    sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
-    check_numbers(call)
-    scales = call.named_scales
-    addresses = check_memory(sig, plan, call)
-    if debug_enabled():
-        debug_pass(sig, plan, call)
-        check_values(call.eps, call.k_norm_weight, scales, call.positions, call.cos_sin_cache)
+    addresses = checked(POOL, plan, call, call.k_norm_weight, call.named_scales, True)
     if plan.empty:
         return plan, None, addresses
-    geometry = plan.geometry
-    if geometry is None:
-        geometry = plan.geometry = PoolGeometry.of(plan.bound)
-    if debug_enabled():
-        check_slots(call.cache_loc, geometry.num_slots)
-    return plan, geometry, addresses
+    return plan, pool_geometry(plan, call.cache_loc), addresses
 
 
-def pool_destinations(
-    k_pool: Tensor | Sequence[Tensor], v_pool: Tensor | Sequence[Tensor], addresses: list[int] | None
-) -> tuple[Tensor, Tensor, Tensor | None, int]:
-    """``(k_dst, v_dst, layer table, table multiple)`` of checked pools: stacked tensors as they are, or
-    layer 0's plus offsets.
+Destinations = tuple[Tensor, Tensor, Tensor | None]
+"""Where a call writes: ``(k_dst, v_dst, layer table)``, as `typedkv.kv.launch.call_values` takes them."""
 
-    ``addresses``: `pool_plan`'s, read once per call. The table multiple (the launches' ``table_multiple``):
-    0 without a table; else every offset is a multiple of that many elements -- 16 bytes' worth when
-    every layer starts on 16 bytes (whole vectors stored), else 1.
+
+def pool_destinations(call: PoolCall, addresses: list[int] | None) -> tuple[Destinations, int]:
+    """A checked pool call's `Destinations` and table multiple: stacked pools as they are, or layer 0's tensors
+    and the offsets of every layer from them.
+
+    ``addresses``: `pool_plan`'s, read once per call. The table multiple (`KVGeometry.table_multiple`): 0
+    without a table; else every offset is a multiple of that many elements -- 16 bytes' worth when every
+    layer starts on 16 bytes (whole vectors stored), else 1.
     """
+    k_pool, v_pool = call.k_pool, call.v_pool
     if isinstance(k_pool, Tensor) and isinstance(v_pool, Tensor):
-        return k_pool, v_pool, None, 0
+        return (k_pool, v_pool, None), 0
     # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
     # layer 0's address plus an offset table for the others.
     k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
     table, table_multiple = layer_table(k_list, v_list, cast(list[int], addresses))
-    return k_list[0], v_list[0], table, table_multiple
+    return (k_list[0], v_list[0], table), table_multiple
 
 
 def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:
@@ -248,56 +236,34 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
     plan, geometry, addresses = pool_plan(call, plan)
     if geometry is None:
         return
-    dims = plan.bound.dims
-    kv, k_pool, v_pool = call.kv, call.k_pool, call.v_pool
-    eps = layer_eps(call.eps, kv)
-    neox = call.rope_style == "neox"
+    kv = call.kv
+    inputs = (call.k_norm_weight, layer_eps(call.eps, kv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
-        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
-        with torch.inference_mode():
-            k, v = kv_reference.rmsnorm_rope(
-                kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, dims["H"], neox
-            )
-            k_layers, v_layers = _layers(k_pool), _layers(v_pool)
-            page, hnd = geometry.page_size, plan.bound.specs["k_pool"].layout == "HND"
-            for values, scale, layers in zip((k, v), call.scales, (k_layers, v_layers), strict=True):
-                core_reference.write_pool(
-                    core_reference.quantize(values, scale, layers[0].dtype), call.cache_loc, layers, page, hnd
-                )
+        page, hnd = geometry.page_size, plan.bound.specs["k_pool"].layout == "HND"
+        with core_reference.writing():
+            rows = kv_reference.rmsnorm_rope(kv, inputs, plan.bound.dims["H"], call.rope_style == "neox")
+            for computed, scale, pool in zip(rows, call.scales, (call.k_pool, call.v_pool), strict=True):
+                layers = _layers(pool)
+                stored = core_reference.quantize(computed, scale, layers[0].dtype)
+                core_reference.write_pool(stored, call.cache_loc, layers, page, hnd)
         return
-    k_dst, v_dst, table, table_multiple = pool_destinations(k_pool, v_pool, addresses)
-    scales = call.scales
+    destinations, table_multiple = pool_destinations(call, addresses)
+    values = kv_launch.call_values(kv, inputs, call.cache_loc, destinations, call.scales)
     # The plan keeps the launch of layers on 16 bytes (or of stacked pools); a call whose per-layer
     # pools are not gets a launch of its own, uncached, which stores element by element.
     launch = plan.launch if table_multiple != 1 else None
     if launch is None:
-        launch = kv_launch.Launch(
-            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
-            v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
-            table, num_kv_heads=dims["H"], head_dim=dims["D"], page_size=geometry.page_size,
-            num_rows=geometry.num_slots, neox=neox, scales=scales, table_multiple=table_multiple,
-        )  # fmt: skip
+        launch = kv_launch.Launch(values, kv_geometry(call, plan, destinations, table_multiple))
         if table_multiple != 1:
             plan.launch = launch
-    launch(
-        kv_launch.varying(
-            kv, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, k_dst, v_dst, table, scales
-        ),
-        after_gemm,
-    )
+    launch(values, after_gemm)
 
 
 def _pool_layout(call: PoolCall, bound: Bound) -> None:
     """The relations between pools, kv and scales that shapes cannot say."""
     k_pool, v_pool = call.k_pool, call.v_pool
     check_pool_kinds(k_pool, v_pool)
-    stacked = isinstance(k_pool, Tensor)
-    # A stacked pool is one tensor; a list is checked layer by layer.
-    k_layers = [k_pool] if isinstance(k_pool, Tensor) else k_pool
-    v_layers = [v_pool] if isinstance(v_pool, Tensor) else v_pool
-    if not k_layers:
+    if not isinstance(k_pool, Tensor) and not k_pool:
         return  # L == 0: nothing to write
     k_shape, v_shape = bound.shape_of("k_pool"), bound.shape_of("v_pool")
     if k_shape != v_shape:
@@ -305,22 +271,7 @@ def _pool_layout(call: PoolCall, bound: Bound) -> None:
             f"v_pool: expected k_pool's layout [{', '.join(k_shape.split())}], got [{', '.join(v_shape.split())}]: "
             "K and V pools are paged alike"
         )
-    dtype = k_layers[0].dtype
-    for name, layers in (("k_pool", k_layers), ("v_pool", v_layers)):
-        for i, layer in enumerate(layers):
-            label = name if stacked else f"{name}[{i}]"
-            if layer.dtype != dtype:
-                first = "k_pool" if stacked else "k_pool[0]"
-                raise InputError(
-                    f"{label}: expected dtype {fmt_dtype(dtype)} ({first}'s), got {fmt_dtype(layer.dtype)}: "
-                    "every K and V pool tensor shares one dtype"
-                )
-            if not stacked and layer.stride() != layers[0].stride():
-                raise InputError(
-                    f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
-                    f"{tuple(layer.stride())}: per-layer pools must share one layout"
-                )
-    check_scales(dtype, call.named_scales)
+    check_pools({"k_pool": k_pool, "v_pool": v_pool}, "K and V pool tensor", call.named_scales)
 
 
 _POOL_PLANNER = planner(_pool_layout)

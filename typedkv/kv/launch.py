@@ -4,35 +4,27 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 
-from typedkv.core import launcher
 from typedkv.core.launch_args import (
+    INPUT_VALUES,
     NO_SCALES,
+    Inputs,
     Scale,
-    fp8_format,
-    input_extents,
-    input_params,
-    kv_destination_params,
-    number_or_tensor,
+    destination_strides,
+    layer_vec_of,
     scale_mode,
     scale_pair,
-    table_mode,
-    wide_offsets,
+    shared_arguments,
 )
-from typedkv.core.launcher import INTERPRETED, KernelLaunch
+from typedkv.core.launcher import KernelLaunch
 from typedkv.kv.kernel import materialize_kv_kernel
 
-# Measured on the H200 (benchmarks/NOTES.md, launch-configuration sweep of
-# 2026-11-29 evening): about 1024 K elements per program; 4 warps for a token's
-# K of >= 1024 elements, 1 warp for several tokens of a narrow K; K and V in
-# one program, except for small batches, where separate K and V programs (grid
-# axis 2) give the SMs twice as many programs; a token's layers on neighbouring
-# programs, so kv is read front to back.
-_SPLIT_BELOW_PROGRAMS = 4096
+# The configuration by size and shape: docs/decisions/001-kv-kernel-launch-configuration.md.
+_SPLIT_BELOW_PROGRAMS = 4096  # K and V in separate programs (grid axis 2) below this many programs
 _WIDE_BELOW_PROGRAMS = 1024  # K and V programs (split) below which they take 8 warps, not 4
 
 
@@ -48,15 +40,13 @@ class KVConfig:
     split_kv: bool | None = None  # K and V in separate programs (grid axis 2)
     full_row: bool | None = None  # K as one tile (NeoX RoPE over part of the head only)
     # K as one tile: each rotary dim's partner gathered from the normed row in registers
-    # (`tl.gather`) instead of loaded again from kv (an L1 hit; the same bits either way).
-    # benchmarks/partner_probe.py and peer_design.py --configs time the two.
+    # (`tl.gather`) instead of loaded again from kv (an L1 hit; the same bits either way;
+    # docs/decisions/002-rope-partners-gathered-in-registers.md).
     partner_gather: bool = True
     layer_fast: bool = True  # a token's layers on neighbouring programs
     num_warps: int | None = None  # warps per program (None: by the tile's size, as measured)
     # K and V in one program (no split_kv): V's loads issued before K's part instead of after
-    # K's stores, which the compiler does not move loads across. H200 (benchmarks/ab_time.py,
-    # alternated, 2026-12-01): main case 93.6 -> 95.1% of copy at T = 16384, flat pool 89.0 ->
-    # 92.1%, FP8 pool 82.8 -> 92.4%, pages of 64 90.2 -> 92.1%.
+    # K's stores, which the compiler does not move loads across.
     v_first: bool = True
 
 
@@ -91,118 +81,123 @@ def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
 
 
-def launch_params(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor | None,
-    k_dst: torch.Tensor,
-    k_strides: tuple[int, int, int, int],
-    v_dst: torch.Tensor,
-    v_strides: tuple[int, int, int, int],
-    layer_offsets: torch.Tensor | None,
-    *,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    num_rows: int,
-    neox: bool,
-    scales: tuple[Scale, Scale] = (None, None),
-    config: KVConfig = KVConfig(),
-    table_multiple: int = 1,
-    k_only: bool = False,
-) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
-    """``(grid, kernel arguments in order, num_warps)`` of one launch.
+VALUES = ("kv_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales")
+"""The names of `call_values`' values: the K/V kernel's per-call arguments."""
 
-    ``k_strides``/``v_strides`` are ``(layer, page, slot in page, head)`` element
-    strides of the destinations (the last dim is contiguous); row ``r`` is page
-    ``r // page_size``, slot ``r % page_size`` (``page_size`` 1: one row per
-    page). ``slots`` maps tokens to rows (``None``: row = token); rows outside
-    ``[0, num_rows)`` are skipped. ``layer_offsets`` is a ``[2, L]`` int64 table
-    of element offsets from ``k_dst``/``v_dst`` to each layer's tensor
-    (``None``: layer ``l`` starts at ``l * stride``). ``k_norm_weight`` None:
-    no K norm. ``scales``: K's and V's FP8 scales (float, ``[L]`` tensor or
-    None), for FP8 destinations only. ``config``: the launch configuration (the
-    default: chosen by size). ``table_multiple``: every offset in ``layer_offsets``
-    is a multiple of this many elements, for every call of the launch (the caller
-    checks; 16 bytes' worth lets the kernel store whole vectors). ``k_only``: write
-    K only, V being written by the caller (a materializer's GEMM into dense outputs,
-    `split_gemm_faster`): the split launch's K programs alone; kv's last dim then
-    holds K's ``H*D`` only and ``v_dst`` is not touched.
+
+def call_values(
+    kv: torch.Tensor,
+    inputs: Inputs,
+    slots: torch.Tensor | None,
+    destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    scales: tuple[Scale, Scale] = (None, None),
+) -> tuple[Any, ...]:
+    """A call's values, in `VALUES`' order: what `KernelLaunch` fills in at each call of a `Launch`.
+
+    ``kv`` ``[T, L, 2*H*D]``; ``slots`` maps tokens to destination rows (``None``: row = token);
+    ``destinations`` is ``(k_dst, v_dst, layer_offsets)``: K's and V's destination, layer 0's when
+    ``layer_offsets`` is a ``[2, L]`` int64 table of element offsets from them to each layer's tensor
+    (``None``: layer ``l`` starts at ``l * stride``); ``scales`` K's and V's FP8 scales (float, ``[L]``
+    tensor or None), for FP8 destinations only.
     """
+    norm_weight, eps, cos_sin_cache, positions = inputs
+    k_dst, v_dst, layer_offsets = destinations
+    if isinstance(eps, torch.Tensor):
+        eps_tensor, eps = eps, 0.0
+    else:
+        eps_tensor, eps = None, float(eps)
+    # No FP8 scales, the usual call: no helper's call (host time at decode sizes).
+    scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
+    return kv, norm_weight, eps_tensor, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scale_values
+
+
+class KVGeometry(NamedTuple):
+    """What a K/V write's layout fixes beside its values: the heads, the RoPE style, where the rows go.
+
+    ``k_strides``/``v_strides`` are ``(layer, page, slot in page, head)`` element strides of
+    the destinations (the last dim is contiguous); row ``r`` is page ``r // page_size``, slot
+    ``r % page_size`` (``page_size`` 1: one row per page); rows outside ``[0, num_rows)``
+    are skipped. ``table_multiple``: every offset of the layer table is a multiple of this
+    many elements, for every call of the launch (the caller checks; 16 bytes' worth lets the
+    kernel store whole vectors; 0 without a table).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    neox: bool
+    k_strides: tuple[int, int, int, int]
+    v_strides: tuple[int, int, int, int]
+    num_rows: int
+    page_size: int = 1
+    table_multiple: int = 0
+
+
+def launch_params(
+    values: tuple[Any, ...], geometry: KVGeometry, *, config: KVConfig = KVConfig(), k_only: bool = False
+) -> tuple[tuple[int, int, int], dict[str, Any], int]:
+    """``(grid, every kernel argument by name, num_warps)`` of a layout's launch, from a call's `call_values`.
+
+    ``config``: the launch configuration (the default: chosen by size). ``k_only``: write K
+    only, V being written by the caller (a materializer's GEMM into dense outputs,
+    `split_gemm_faster`): the split launch's K programs alone; kv's last dim then holds K's
+    ``H*D`` only and ``v_dst`` is not touched.
+    """
+    num_kv_heads, head_dim, neox = geometry[:3]
+    named = dict(zip(VALUES, values, strict=True))
+    kv = named["kv_ptr"]
     num_tokens, num_layers, _ = kv.shape
-    rotary_dim = cos_sin_cache.shape[1]
+    rotary_dim = named["cos_sin_ptr"].shape[1]
     block_t, block_h, block_d, num_warps = block_config(num_kv_heads, head_dim)
     block_t = config.block_t or block_t
     split = k_only or split_kv(num_tokens, num_layers, block_t, config)
     one_tile_k = full_row(head_dim, rotary_dim, neox, config)
     if one_tile_k and not split:
-        # Measured: the one-tile K (`_k_row`) runs best with one warp per 2048
-        # elements of a token's K (L=2, H=8, D=256, R=64: 92% of copy vs 81% with 4).
-        num_warps = min(8, max(1, block_h * block_d // 2048))
+        num_warps = min(8, max(1, block_h * block_d // 2048))  # one warp per 2048 elements of a token's K
     parts = 1 if k_only else 2 if split else 1  # grid axis 2: K's programs, then V's when split
     if split and num_warps == 4 and triton.cdiv(num_tokens, block_t) * num_layers * parts < _WIDE_BELOW_PROGRAMS:
-        # Measured (benchmarks/peer_cases.py --sweep, H200): with this few programs, 8 warps
-        # each; T = 16 2.42 -> 2.14 us, T = 64 3.0 -> 2.77 us (L = 5, H = 8, D = 128), one layer
-        # at T = 256 3.0 -> 2.76 us; at 2048 programs and more (L = 8 at T = 128) 4 warps are faster.
         num_warps = 8
     num_warps = config.num_warps or num_warps
-    fp8_max, fp8_mant, fp8_min_exp = fp8_format(k_dst.dtype)
-    destinations, layer_vec = kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
-    wide = wide_offsets(
-        (num_layers, kv.stride(1)), (num_kv_heads, k_strides[3]), (num_kv_heads, v_strides[3]),
-        *input_extents(num_layers, k_norm_weight, eps, cos_sin_cache, positions, slots, scales),
+    block_half, block_pass = _piece_blocks(head_dim, rotary_dim)
+    arguments = dict(
+        **named, **kv_arguments(named, geometry, num_layers, ((num_layers, kv.stride(1)),)),
+        kv_stride_t=kv.stride(0), kv_stride_l=kv.stride(1),
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        SPLIT=split, LAYER_FAST=config.layer_fast, V_FIRST=config.v_first and not split,
+        FULL_ROW=(2 if config.partner_gather else 1) if one_tile_k else 0,
     )  # fmt: skip
-    params = (
-        kv, kv.stride(0), kv.stride(1),
-        *input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
-        *destinations,
-        num_tokens, cos_sin_cache.shape[0], num_rows,
-        # constexprs
-        num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, isinstance(eps, torch.Tensor),
-        slots is not None, page_size, table_mode(layer_offsets, table_multiple), scale_mode(scales[0], k_dst),
-        scale_mode(scales[1], v_dst),
-        fp8_max, fp8_mant, fp8_min_exp, layer_vec, block_t, block_h, block_d,
-        *_piece_blocks(head_dim, rotary_dim), split, INTERPRETED, num_layers, config.layer_fast,
-        (2 if config.partner_gather else 1) if one_tile_k else 0,  # FULL_ROW
-        config.v_first and not split, launcher.programmatic_launch(kv.device), wide,
-    )  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), params, num_warps
+    return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), arguments, num_warps
 
 
-def varying(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor | None,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    layer_offsets: torch.Tensor | None,
-    scales: tuple[Scale, Scale] = (None, None),
-) -> tuple[Any, ...]:
-    """The per-call kernel arguments, in kernel order (the slots `KernelLaunch` fills on each call).
-
-    ``scales``: K's and V's, as in `launch_params`.
-    """
-    if scales[0] is None and scales[1] is None and not isinstance(eps, torch.Tensor):
-        # The usual call (no FP8 scales, one eps) without the helpers' calls: host time at decode sizes.
-        return (
-            kv, k_norm_weight, None, float(eps), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets,
-            NO_SCALES,
-        )  # fmt: skip
-    return (
-        kv, k_norm_weight, *number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst,
-        layer_offsets, scale_pair(scales),
+def kv_arguments(
+    named: dict[str, Any], geometry: KVGeometry, num_layers: int, extents: tuple[tuple[int, int], ...]
+) -> dict[str, Any]:
+    """The arguments, by name, that the K/V kernel and the fused projection's take alike from a call's values (by
+    name) and its `KVGeometry`: `shared_arguments`, K's and V's destinations, the heads. ``extents``: the kernel's
+    own ``(count, stride)`` products beside these (`typedkv.core.launch_args.wide_offsets`)."""
+    k_dst, v_dst, scales = named["k_ptr"], named["v_ptr"], named["scales"]
+    layer_vec = layer_vec_of(geometry.k_strides[0], geometry.v_strides[0])
+    return dict(
+        **shared_arguments(
+            named, k_dst.dtype, scales, num_layers=num_layers, num_rows=geometry.num_rows,
+            page_size=geometry.page_size, neox=geometry.neox, table_multiple=geometry.table_multiple,
+            layer_vec=layer_vec, extents=(*extents, *head_extents(geometry)),
+        ),
+        **destination_strides("k", geometry.k_strides, layer_vec),
+        **destination_strides("v", geometry.v_strides, layer_vec),
+        H=geometry.num_kv_heads, D=geometry.head_dim,
+        K_SCALE=scale_mode(scales[0], k_dst.dtype), V_SCALE=scale_mode(scales[1], v_dst.dtype),
     )  # fmt: skip
+
+
+def head_extents(geometry: KVGeometry) -> tuple[tuple[int, int], ...]:
+    """The ``(count, stride)`` products over the destinations' heads (`typedkv.core.launch_args.wide_offsets`)."""
+    return (geometry.num_kv_heads, geometry.k_strides[3]), (geometry.num_kv_heads, geometry.v_strides[3])
 
 
 class Launch(KernelLaunch):
-    """The K/V kernel's launch, from `launch_params`' arguments; called with `varying`'s values."""
+    """The K/V kernel's launch of a layout, built from `launch_params`' arguments; called with each call's
+    `call_values`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        grid, params, num_warps = launch_params(*args, **kwargs)
-        super().__init__(materialize_kv_kernel, grid, params, num_warps)
+        grid, arguments, num_warps = launch_params(*args, **kwargs)
+        super().__init__(materialize_kv_kernel, grid, arguments, VALUES, num_warps)

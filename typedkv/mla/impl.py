@@ -11,25 +11,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
-import torch
 from torch import Tensor
 
 from typedkv.core import reference as core_reference
 from typedkv.core.checking import Bound
-from typedkv.core.config import debug_enabled
 from typedkv.core.device_tables import layer_eps, layer_table
 from typedkv.core.errors import InputError
 from typedkv.core.implementation import (
     Implementation,
     Plan,
-    check_memory,
-    check_scales,
-    check_values,
-    debug_pass,
+    check_pools,
+    checked,
     planner,
+    pool_geometry,
 )
-from typedkv.core.messages import fmt_dtype
-from typedkv.core.value_checks import check_eps, check_scale_numbers, check_slots
+from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.mla import launch as mla_launch
 from typedkv.mla import reference as mla_reference
 
@@ -85,43 +81,29 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
     ``plan``: the call's `dense_layout`, when the caller has it already (a materializer keeps its calls' plans).
     ``after_gemm``: the call's ckv was just written by the caller's own GEMM (`typedkv.core.launcher.KernelLaunch`).
     """
-    sig = DENSE.signature
     if plan is None:
         plan = dense_layout(call)
     ckv, out = call.ckv, call.out
-    check_numbers(call)
-    if out is not None:
-        check_memory(sig, plan, call)  # an output left None is allocated below: apart from everything
-    if debug_enabled():
-        debug_pass(sig, plan, call)
-        check_values(call.eps, call.kv_norm_weight, {}, call.positions, call.cos_sin_cache)
+    checked(DENSE, plan, call, call.kv_norm_weight, {}, out is not None)  # an output left None: allocated below
     dims = plan.bound.dims
     if out is None:
         out = ckv.new_empty((dims["L"], dims["T"], dims["C"] + dims["R"]))  # ckv's dtype and device
     if plan.empty:
         return out
-    eps = layer_eps(call.eps, ckv)
-    neox = call.rope_style == "neox"
+    inputs = (call.kv_norm_weight, layer_eps(call.eps, ckv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
-        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
-        with torch.inference_mode():
-            out.copy_(mla_reference.mla_rows(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, neox))
+        with core_reference.writing():
+            out.copy_(mla_reference.mla_rows(ckv, inputs, call.rope_style == "neox"))
         return out
+    values = mla_launch.call_values(ckv, inputs, None, out, None, None)
     launch = plan.launch
     if launch is None:
         # A dense output is a pool of T rows, one token per row, no pages.
         launch = plan.launch = mla_launch.mla_launch(
-            ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            out, (out.stride(0), out.stride(1), 0), None,
-            kv_lora_rank=dims["C"], page_size=1, num_rows=dims["T"], neox=neox, kv_scale=None,
+            values, (out.stride(0), out.stride(1), 0), kv_lora_rank=dims["C"], page_size=1, num_rows=dims["T"],
+            neox=call.rope_style == "neox",
         )  # fmt: skip
-    launch(
-        mla_launch.mla_varying(
-            ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, None, out, None, None
-        ),
-        after_gemm,
-    )
+    launch(values, after_gemm)
     return out
 
 
@@ -146,34 +128,22 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
 
     ``plan``: the call's `pool_layout`, when the caller has it already; ``after_gemm`` as in `materialize_mla_kv`.
     """
-    sig = POOL.signature
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    check_numbers(call)
-    scales = {"kv_scale": call.kv_scale}
-    addresses = check_memory(sig, plan, call)
-    if debug_enabled():
-        debug_pass(sig, plan, call)
-        check_values(call.eps, call.kv_norm_weight, scales, call.positions, call.cos_sin_cache)
+    addresses = checked(POOL, plan, call, call.kv_norm_weight, {"kv_scale": call.kv_scale}, True)
     if plan.empty:
         return
-    dims = plan.bound.dims
-    page_size = dims.get("B", 1)
-    num_slots = dims["N"] * page_size if "N" in dims else dims["S"]
-    if debug_enabled():
-        check_slots(call.cache_loc, num_slots)
-    eps = layer_eps(call.eps, ckv)
-    neox = call.rope_style == "neox"
+    geometry = pool_geometry(plan, call.cache_loc)
+    dims, page_size = plan.bound.dims, geometry.page_size
+    inputs = (call.kv_norm_weight, layer_eps(call.eps, ckv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
-        # Inference only, as on the GPU: no autograd history on what is written, and tensors made under
-        # inference_mode written outside it as the kernel writes them (torch refuses in-place updates of those).
-        with torch.inference_mode():
-            rows = mla_reference.mla_rows(ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, neox)
+        with core_reference.writing():
+            rows = mla_reference.mla_rows(ckv, inputs, call.rope_style == "neox")
             layers = kv_pool.unbind(0) if isinstance(kv_pool, Tensor) else kv_pool
             # As [.., 1, C+R] rows of one head: the K/V pool writer's layout.
-            values = core_reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
-            core_reference.write_pool(values, call.cache_loc, [p.unsqueeze(-2) for p in layers], page_size)
+            stored = core_reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
+            core_reference.write_pool(stored, call.cache_loc, [p.unsqueeze(-2) for p in layers], page_size)
         return
     table_multiple = 0
     if isinstance(kv_pool, Tensor):
@@ -186,23 +156,18 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         addresses = cast(list[int], addresses)
         dst = kv_pool[0]
         table, table_multiple = layer_table(kv_pool, kv_pool, addresses + addresses)
+    values = mla_launch.call_values(ckv, inputs, call.cache_loc, dst, table, call.kv_scale)
     launch = plan.launch if table_multiple != 1 else None
     if launch is None:
         by_dim = plan.bound.strides("kv_pool", dst)
         strides = (by_dim.get("L", 0), by_dim["N"] if "N" in by_dim else by_dim["S"], by_dim.get("B", 0))
         launch = mla_launch.mla_launch(
-            ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, strides, table,
-            kv_lora_rank=dims["C"], page_size=page_size, num_rows=num_slots, neox=neox, kv_scale=call.kv_scale,
-            table_multiple=table_multiple,
+            values, strides, kv_lora_rank=dims["C"], page_size=page_size, num_rows=geometry.num_slots,
+            neox=call.rope_style == "neox", table_multiple=table_multiple,
         )  # fmt: skip
         if table_multiple != 1:
             plan.launch = launch
-    launch(
-        mla_launch.mla_varying(
-            ckv, call.kv_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc, dst, table, call.kv_scale
-        ),
-        after_gemm,
-    )
+    launch(values, after_gemm)
 
 
 def _checked(check: Callable[..., _R], call: DenseCall | PoolCall, *more: Any) -> _R:
@@ -233,23 +198,9 @@ def _checked(check: Callable[..., _R], call: DenseCall | PoolCall, *more: Any) -
 def _pool_layout(call: PoolCall) -> None:
     """The relations between the pool's layers and the scale that shapes cannot say."""
     kv_pool = call.kv_pool
-    stacked = isinstance(kv_pool, Tensor)
-    layers = [kv_pool] if isinstance(kv_pool, Tensor) else kv_pool
-    if not layers:
+    if not isinstance(kv_pool, Tensor) and not kv_pool:
         return  # L == 0: nothing to write
-    dtype = layers[0].dtype
-    for i, layer in enumerate(layers):
-        if layer.dtype != dtype:
-            raise InputError(
-                f"kv_pool[{i}]: expected dtype {fmt_dtype(dtype)} (kv_pool[0]'s), got {fmt_dtype(layer.dtype)}: "
-                "every layer's pool shares one dtype"
-            )
-        if not stacked and layer.stride() != layers[0].stride():
-            raise InputError(
-                f"kv_pool[{i}]: expected strides {tuple(layers[0].stride())} (kv_pool[0]'s), got "
-                f"{tuple(layer.stride())}: per-layer pools must share one layout"
-            )
-    check_scales(dtype, {"kv_scale": call.kv_scale})
+    check_pools({"kv_pool": kv_pool}, "layer's pool", {"kv_scale": call.kv_scale})
 
 
 _DENSE_PLANNER = planner()

@@ -79,7 +79,7 @@ def materialize_mla_kv_kernel(
     ckv_stride_l,
     weight_ptr,
     weight_stride_l,
-    weight_stride_c,
+    weight_stride_d,
     eps_ptr,
     eps_stride,
     eps,
@@ -132,7 +132,7 @@ def materialize_mla_kv_kernel(
         wide = tl.full([], 0, tl.int64)
         layer += wide
         tok += wide
-        weight_stride_c += wide
+        weight_stride_d += wide
         cos_sin_stride_r += wide
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
@@ -151,7 +151,7 @@ def materialize_mla_kv_kernel(
     dim_ok = dim < C
     x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
     if NORM:
-        w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_c, mask=dim_ok, other=0.0)
+        w = tl.load(weight_ptr + layer * weight_stride_l + dim * weight_stride_d, mask=dim_ok, other=0.0)
 
     QUANT: tl.constexpr = (SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)

@@ -9,19 +9,16 @@ from typing import Any
 import torch
 import triton
 
-from typedkv.core import launcher
 from typedkv.core.launch_args import (
-    fp8_format,
-    input_extents,
-    input_params,
-    number_or_tensor,
-    pow2_divisor,
+    INPUT_VALUES,
+    Inputs,
+    destination_strides,
+    layer_vec_of,
     scale_mode,
-    scale_params,
-    table_mode,
-    wide_offsets,
+    scale_value,
+    shared_arguments,
 )
-from typedkv.core.launcher import INTERPRETED, KernelLaunch
+from typedkv.core.launcher import KernelLaunch
 from typedkv.mla.kernel import materialize_mla_kv_kernel
 
 
@@ -29,11 +26,9 @@ from typedkv.mla.kernel import materialize_mla_kv_kernel
 class MLAConfig:
     """How the MLA kernel is launched: about ``tile`` elements of latent rows per program.
 
-    The default is the best of benchmarks/mla_sweep.py on the H200 (2026-12-01,
-    L=5, C=512, R=64, bf16): two tokens' latent rows per program on one warp --
-    with the kernel's latent-first loads, dense 93.8% of copy at T = 65536 (2048
-    elements on 2 warps: the same; 4 warps: 82.5%), pages of 64 86.7%, FP8 86.0%.
-    ``num_warps`` None: 4 for a tile of >= 1024 elements, else 1.
+    The default, two tokens' latent rows (C = 512) per program on one warp, is the one measured
+    fastest (docs/decisions/010-mla-kernel-configuration.md). ``num_warps`` None: 4 for a tile of
+    >= 1024 elements, else 1.
     """
 
     tile: int = 1024
@@ -52,74 +47,63 @@ def mla_block_config(kv_lora_rank: int, rotary_dim: int, config: MLAConfig) -> t
     return block_t, block_c, block_half, warps
 
 
-def mla_launch(
+VALUES = ("ckv_ptr", *INPUT_VALUES, "dst_ptr", "layer_offsets_ptr", "kv_scale")
+"""The names of `call_values`' values: the MLA kernel's per-call arguments."""
+
+
+def call_values(
     ckv: torch.Tensor,
-    kv_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor | None,
-    dst: torch.Tensor,
-    strides: tuple[int, int, int],
-    layer_offsets: torch.Tensor | None,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    num_rows: int,
-    neox: bool,
-    kv_scale: float | torch.Tensor | None,
-    table_multiple: int = 1,
-    config: MLAConfig = MLAConfig(),
-) -> KernelLaunch:
-    """The MLA kernel's launch; called with `mla_varying`'s values.
-
-    ``strides`` are ``(layer, page, slot in page)`` element strides of ``dst``
-    (rows are contiguous); the rest as in `launch_params`, with a ``[L]`` table
-    of ``layer_offsets``, each a multiple of ``table_multiple`` elements (for
-    every call of the launch: the caller checks). ``config``: the launch
-    configuration (the default unless a sweep asks for another).
-    """
-    num_tokens, num_layers, _ = ckv.shape
-    rotary_dim = cos_sin_cache.shape[1]
-    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, rotary_dim, config)
-    fp8_max, fp8_mant, fp8_min_exp = fp8_format(dst.dtype)
-    stride_l, stride_page, stride_slot = strides
-    layer_vec = pow2_divisor(stride_l, 16)
-    params = (
-        ckv, ckv.stride(0), ckv.stride(1),
-        *input_params(kv_norm_weight, eps, cos_sin_cache, positions, slots),
-        dst, stride_l // layer_vec, stride_page, stride_slot,
-        layer_offsets,
-        scale_params(kv_scale),
-        num_tokens, cos_sin_cache.shape[0], num_rows,
-        # constexprs
-        kv_lora_rank, rotary_dim, neox, kv_norm_weight is not None, isinstance(eps, torch.Tensor),
-        slots is not None, page_size,
-        table_mode(layer_offsets, table_multiple), scale_mode(kv_scale, dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec,
-        block_t, block_c, block_half, INTERPRETED, num_layers, launcher.programmatic_launch(ckv.device),
-        wide_offsets(
-            (num_layers, ckv.stride(1)),
-            *input_extents(num_layers, kv_norm_weight, eps, cos_sin_cache, positions, slots, (kv_scale,)),
-        ),
-    )  # fmt: skip
-    grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
-    return KernelLaunch(materialize_mla_kv_kernel, grid, params, num_warps)
-
-
-def mla_varying(
-    ckv: torch.Tensor,
-    kv_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
+    inputs: Inputs,
     slots: torch.Tensor | None,
     dst: torch.Tensor,
     layer_offsets: torch.Tensor | None,
     kv_scale: float | torch.Tensor | None,
 ) -> tuple[Any, ...]:
-    """The MLA kernel's per-call arguments, in kernel order."""
-    return (
-        ckv, kv_norm_weight, *number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, dst, layer_offsets,
-        scale_params(kv_scale),
+    """A call's values, in `VALUES`' order (what `KernelLaunch` fills in at each call of an `mla_launch`): as the
+    K/V kernel's (`typedkv.kv.launch.call_values`), with one destination ``dst`` and its ``[L]`` layer table."""
+    norm_weight, eps, cos_sin_cache, positions = inputs
+    eps_tensor, eps_float = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
+    scale = scale_value(kv_scale)
+    return ckv, norm_weight, eps_tensor, eps_float, cos_sin_cache, positions, slots, dst, layer_offsets, scale
+
+
+def mla_launch(
+    values: tuple[Any, ...],
+    strides: tuple[int, int, int],
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    num_rows: int,
+    neox: bool,
+    table_multiple: int = 1,
+    config: MLAConfig = MLAConfig(),
+) -> KernelLaunch:
+    """The MLA kernel's launch of a layout, from a call's `call_values`; called with each call's.
+
+    ``strides`` are ``(layer, page, slot in page)`` element strides of the destination
+    (rows are contiguous); ``page_size``, ``num_rows`` and ``table_multiple`` as in
+    `typedkv.kv.launch.KVGeometry`. ``config``: the launch configuration (the default
+    unless a sweep asks for another).
+    """
+    named = dict(zip(VALUES, values, strict=True))
+    ckv, dst = named["ckv_ptr"], named["dst_ptr"]
+    num_tokens, num_layers, _ = ckv.shape
+    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, named["cos_sin_ptr"].shape[1], config)
+    layer_vec = layer_vec_of(strides[0])
+    arguments = dict(
+        **named,
+        **shared_arguments(
+            named, dst.dtype, (named["kv_scale"],), num_layers=num_layers, num_rows=num_rows, page_size=page_size,
+            neox=neox, table_multiple=table_multiple, layer_vec=layer_vec, extents=((num_layers, ckv.stride(1)),),
+        ),
+        **destination_strides("dst", strides, layer_vec),
+        ckv_stride_t=ckv.stride(0),
+        ckv_stride_l=ckv.stride(1),
+        C=kv_lora_rank,
+        SCALE=scale_mode(named["kv_scale"], dst.dtype),
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        BLOCK_HALF=block_half,
     )  # fmt: skip
+    grid = (triton.cdiv(num_tokens, block_t) * num_layers, 1, 1)
+    return KernelLaunch(materialize_mla_kv_kernel, grid, arguments, VALUES, num_warps)

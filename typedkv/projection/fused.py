@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,18 @@ from typedkv.core.device_tables import layer_eps
 from typedkv.core.implementation import Implementation, Plan
 from typedkv.core.signature import Signature
 from typedkv.kv import launch as kv_launch
-from typedkv.kv.impl import DENSE, POOL, DenseCall, PoolCall, dense_plan, dense_strides, pool_destinations, pool_plan
+from typedkv.kv.impl import (
+    DENSE,
+    POOL,
+    DenseCall,
+    Destinations,
+    PoolCall,
+    dense_plan,
+    kv_geometry,
+    pool_destinations,
+    pool_plan,
+)
+from typedkv.kv.launch import KVGeometry
 from typedkv.projection import launch as fused_launch
 from typedkv.projection import warp_specialized
 
@@ -104,64 +115,94 @@ def _launches_of(
     return entry[1]
 
 
-def _weight_blocks(launch: launcher.KernelLaunch) -> tuple[int, int, int, int] | None:
-    """A fused launch's weight descriptor blocks (`typedkv.projection.launch.ProjectionLaunch`)."""
-    return cast(fused_launch.ProjectionLaunch, launch).weight_blocks
-
-
 def project_kv(
-    call: DenseCall,
+    call: DenseCall | PoolCall,
     hidden: Tensor,
     kv_weight: Tensor,
     kv_bias: Tensor | None,
     plan: Plan | None = None,
     launches: Launches | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`KVMaterializer.forward` fused: ``call`` as `typedkv.materialize_kv` takes it, its kv the stand-in.
+) -> tuple[Tensor, Tensor] | None:
+    """`KVMaterializer.forward` (``call`` a `DenseCall`, as `typedkv.materialize_kv` takes it) or `into_pool` (a
+    `PoolCall`, as `typedkv.materialize_kv_into_pool` takes it) fused, its kv the stand-in.
 
-    ``plan``: the call's `typedkv.kv.impl.dense_layout`, and ``launches`` its launches, when the materializer
-    kept them.
+    ``plan``: the call's `typedkv.kv.impl.dense_layout` or `pool_layout`, and ``launches`` its launches, when the
+    materializer kept them. Returns the outputs of a dense call, None for a pool call.
     """
+    projection = (hidden, kv_weight, kv_bias)
+    if isinstance(call, PoolCall):
+        plan, pools, addresses = pool_plan(call, plan)
+        if pools is not None:
+            _project(call, projection, plan, launches, call.cache_loc, *pool_destinations(call, addresses))
+        return None
     plan, k_out, v_out = dense_plan(call, plan)
-    if plan.empty:
-        return k_out, v_out
-    eps = layer_eps(call.eps, hidden)
-    dims = plan.bound.dims
+    if not plan.empty:
+        _project(call, projection, plan, launches, None, (k_out, v_out, None), 0)
+    return k_out, v_out
+
+
+project_kv_into_pool = project_kv
+"""The pool op's fused path: `project_kv`, which a `PoolCall` takes into the pools."""
+
+
+def _project(
+    call: DenseCall | PoolCall,
+    projection: tuple[Tensor, Tensor, Tensor | None],
+    plan: Plan,
+    launches: Launches | None,
+    slots: Tensor | None,
+    destinations: Destinations,
+    table_multiple: int,
+) -> None:
+    """A checked call's fused launch: the warp-specialised kernel's where it takes the layout, else the Triton one's.
+
+    ``slots``: the pool slots (None: dense outputs); ``destinations`` and ``table_multiple`` as
+    `typedkv.kv.impl.pool_destinations` gives them (dense outputs and 0 for dense calls).
+    """
+    hidden, kv_weight, kv_bias = projection
+    inputs = (call.k_norm_weight, layer_eps(call.eps, hidden), call.cos_sin_cache, call.positions)
+    scales = call.scales if isinstance(call, PoolCall) else (None, None)
+    values = fused_launch.call_values(hidden, kv_weight, kv_bias, inputs, slots, destinations, scales)
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
+    num_layers = plan.bound.dims["L"]
     if launches.warp_specialised is None:
+        geometry = kv_geometry(call, plan, destinations)
         launches.warp_specialised = (
-            warp_specialized.launchable(
-                hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=dims["H"],
-                head_dim=dims["D"], neox=call.rope_style == "neox",
-            )
+            _warp_specialised_launchable(call, projection, geometry)
             and warp_specialized.faster(hidden.device, hidden.shape[0])
             # Offsets past int32: the pointer kernel's WIDE variant takes the call.
-            and not fused_launch.projection_wide(
-                hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-                (dense_strides(k_out)[3], dense_strides(v_out)[3]), (None, None), num_layers=dims["L"],
-                num_kv_heads=dims["H"],
-            )
-        )  # fmt: skip
-    if launches.warp_specialised and warp_specialized.aligned(hidden, kv_weight, k_out, v_out):
-        warp_specialized.launch(
-            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, k_out, v_out, dims["L"]
+            and not fused_launch.projection_wide(values, geometry, num_layers)
         )
-        return k_out, v_out
+    outputs = destinations[:2] if slots is None else ()  # TMA stores into dense outputs: their addresses too
+    if launches.warp_specialised and warp_specialized.aligned(hidden, kv_weight, *outputs):
+        target = (slots, destinations, kv_geometry(call, plan, destinations, table_multiple))
+        warp_specialized.launch(hidden, kv_weight, inputs, target, num_layers)
+        return
     aligned = fused_launch.weight_aligned(kv_weight)
-    launch = launches.get((0, aligned))
+    launch = launches.get((table_multiple, aligned))
     if launch is None:
-        launch = launches[0, aligned] = fused_launch.projection_launch(
-            hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"], page_size=1,
-            num_rows=dims["T"], neox=call.rope_style == "neox", weight_aligned=aligned,
-        )  # fmt: skip
-    launch(
-        fused_launch.projection_varying(
-            hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, v_out, None, weight_blocks=_weight_blocks(launch),
+        geometry = kv_geometry(call, plan, destinations, table_multiple)
+        launch = launches[table_multiple, aligned] = fused_launch.projection_launch(
+            values, geometry, num_layers=num_layers, weight_aligned=aligned
         )
+    launch(values)
+
+
+def _warp_specialised_launchable(
+    call: DenseCall | PoolCall, projection: tuple[Tensor, Tensor, Tensor | None], geometry: KVGeometry
+) -> bool:
+    """Whether the warp-specialised kernel can compute ``call``'s layout (`typedkv.projection.warp_specialized`)."""
+    hidden, kv_weight, kv_bias = projection
+    heads, head_dim, neox = geometry.num_kv_heads, geometry.head_dim, geometry.neox
+    if isinstance(call, PoolCall):
+        return warp_specialized.launchable_pool(
+            hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, call.scales, num_kv_heads=heads,
+            head_dim=head_dim, neox=neox,
+        )  # fmt: skip
+    return warp_specialized.launchable(
+        hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=heads, head_dim=head_dim,
+        neox=neox,
     )  # fmt: skip
-    return k_out, v_out
 
 
 def project_kv_split(
@@ -182,91 +223,16 @@ def project_kv_split(
     if plan.empty:
         return k_out, v_out
     dims = plan.bound.dims
-    num_layers, num_tokens, num_kv_heads, head_dim = dims["L"], dims["T"], dims["H"], dims["D"]
     # The kernel reads K's rows as kv [T, L, H*D].
-    k_input = project(v_out.view(num_layers, num_tokens, num_kv_heads * head_dim)).permute(1, 0, 2)
-    eps = layer_eps(call.eps, k_input)
+    k_input = project(v_out.view(dims["L"], dims["T"], dims["H"] * dims["D"])).permute(1, 0, 2)
+    inputs = (call.k_norm_weight, layer_eps(call.eps, k_input), call.cos_sin_cache, call.positions)
+    values = kv_launch.call_values(k_input, inputs, None, (k_out, v_out, None))
     launch = launches.get((0, True))
     if launch is None:
-        launch = launches[0, True] = kv_launch.Launch(
-            k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None,
-            k_out, dense_strides(k_out), v_out, dense_strides(v_out), None, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1, num_rows=num_tokens,
-            neox=call.rope_style == "neox", k_only=True,
-        )  # fmt: skip
-    # Right after the GEMMs: a plain launch (`typedkv.core.launcher.KernelLaunch`).
-    launch(
-        kv_launch.varying(
-            k_input, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, None, k_out, v_out, None
-        ),
-        True,
-    )
+        geometry = kv_geometry(call, plan, (k_out, v_out, None))
+        launch = launches[0, True] = kv_launch.Launch(values, geometry, k_only=True)
+    launch(values, True)  # right after the GEMMs: a plain launch (`typedkv.core.launcher.KernelLaunch`)
     return k_out, v_out
-
-
-def project_kv_into_pool(
-    call: PoolCall,
-    hidden: Tensor,
-    kv_weight: Tensor,
-    kv_bias: Tensor | None,
-    plan: Plan | None = None,
-    launches: Launches | None = None,
-) -> None:
-    """`KVMaterializer.into_pool` fused: ``call`` as `typedkv.materialize_kv_into_pool` takes it, kv the stand-in.
-
-    ``plan``: the call's `typedkv.kv.impl.pool_layout`, and ``launches`` its launches, when the materializer
-    kept them.
-    """
-    plan, geometry, addresses = pool_plan(call, plan)
-    if geometry is None:
-        return
-    eps = layer_eps(call.eps, hidden)
-    k_dst, v_dst, table, table_multiple = pool_destinations(call.k_pool, call.v_pool, addresses)
-    scales = call.scales
-    dims = plan.bound.dims
-    launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
-    if launches.warp_specialised is None:
-        launches.warp_specialised = (
-            warp_specialized.launchable_pool(
-                hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, scales, num_kv_heads=dims["H"],
-                head_dim=dims["D"], neox=call.rope_style == "neox",
-            )
-            and warp_specialized.faster(hidden.device, hidden.shape[0])
-            # Offsets past int32: the pointer kernel's WIDE variant takes the call.
-            and not fused_launch.projection_wide(
-                hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-                (geometry.strides(plan.bound, "k_pool", k_dst)[3], geometry.strides(plan.bound, "v_pool", v_dst)[3]),
-                scales, num_layers=dims["L"], num_kv_heads=dims["H"],
-            )
-        )  # fmt: skip
-    if launches.warp_specialised and warp_specialized.aligned(hidden, kv_weight):
-        destinations = (
-            k_dst,
-            geometry.strides(plan.bound, "k_pool", k_dst),
-            v_dst,
-            geometry.strides(plan.bound, "v_pool", v_dst),
-        )
-        warp_specialized.launch_pool(
-            hidden, kv_weight, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            destinations, table, table_multiple, geometry.page_size, geometry.num_slots, dims["H"], dims["D"],
-        )  # fmt: skip
-        return
-    aligned = fused_launch.weight_aligned(kv_weight)
-    launch = launches.get((table_multiple, aligned))
-    if launch is None:
-        launch = launches[table_multiple, aligned] = fused_launch.projection_launch(
-            hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            k_dst, geometry.strides(plan.bound, "k_pool", k_dst),
-            v_dst, geometry.strides(plan.bound, "v_pool", v_dst),
-            table, num_layers=dims["L"], num_kv_heads=dims["H"], head_dim=dims["D"],
-            page_size=geometry.page_size, num_rows=geometry.num_slots, neox=call.rope_style == "neox",
-            scales=scales, table_multiple=table_multiple, weight_aligned=aligned,
-        )  # fmt: skip
-    launch(
-        fused_launch.projection_varying(
-            hidden, kv_weight, kv_bias, call.k_norm_weight, eps, call.cos_sin_cache, call.positions, call.cache_loc,
-            k_dst, v_dst, table, scales, _weight_blocks(launch),
-        )
-    )  # fmt: skip
 
 
 # ------------------------------------------------------------- torch ops

@@ -12,48 +12,63 @@ import triton
 
 from typedkv.core import launcher
 from typedkv.core.launch_args import (
+    INPUT_VALUES,
+    NO_SCALES,
+    Inputs,
     Scale,
-    fp8_format,
     input_extents,
-    input_params,
-    kv_destination_params,
-    number_or_tensor,
-    scale_mode,
     scale_pair,
-    table_mode,
     wide_offsets,
 )
-from typedkv.core.launcher import (
-    INTERPRETED,
-    KernelLaunch,
-    TensorDescriptor,
-    device_name,
-    is_descriptor,
-)
+from typedkv.core.launcher import INTERPRETED, KernelLaunch, TensorDescriptor, device_name
+from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments
 from typedkv.projection.kernel import project_kv_kernel
 from typedkv.projection.tuning import ProjectionConfig
 
+VALUES = ("hidden_ptr", "w_ptr", "bias_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales")
+"""The names of `call_values`' values: the fused projection kernel's per-call arguments."""
 
-def projection_wide(
+_DESCRIPTORS = ("w_half_desc", "w_head_desc", "w_pass_desc")
+"""The kernel's TMA descriptors of the weight, made per call from its ``w_ptr`` (`ProjectionLaunch`)."""
+
+
+def call_values(
     hidden: torch.Tensor,
     kv_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    inputs: Inputs,
     slots: torch.Tensor | None,
-    head_strides: tuple[int, int],
-    scales: tuple[Scale, Scale],
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-) -> bool:
-    """`wide_offsets` of a fused projection's launch: ``head_strides`` are K's and V's destinations' head strides."""
-    return wide_offsets(
-        (hidden.shape[1], hidden.stride(1)), (hidden.shape[1], kv_weight.stride(1)),
-        *((num_kv_heads, stride) for stride in head_strides),
-        *input_extents(num_layers, k_norm_weight, eps, cos_sin_cache, positions, slots, scales),
+    destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    scales: tuple[Scale, Scale] = (None, None),
+) -> tuple[Any, ...]:
+    """A call's values, in `VALUES`' order (what `KernelLaunch` fills in at each call of a `projection_launch`).
+
+    ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each layer's K rows, then its V rows;
+    ``kv_bias`` ``[L*2*H*D]`` or None) replace `typedkv.kv.launch.call_values`' ``kv``;
+    ``destinations`` is ``(k_dst, v_dst, layer_offsets)`` and the rest is as there.
+    """
+    norm_weight, eps, cos_sin_cache, positions = inputs
+    k_dst, v_dst, layer_offsets = destinations
+    eps_tensor, eps_float = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
+    scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
+    return (
+        hidden, kv_weight, kv_bias, norm_weight, eps_tensor, eps_float, cos_sin_cache, positions, slots,
+        k_dst, v_dst, layer_offsets, scale_values,
     )  # fmt: skip
+
+
+def projection_wide(values: tuple[Any, ...], geometry: KVGeometry, num_layers: int) -> bool:
+    """A fused projection launch's ``WIDE`` (`typedkv.core.launch_args.wide_offsets`) from a call's `call_values`."""
+    named = dict(zip(VALUES, values, strict=True))
+    extents = (*_extents(named), *head_extents(geometry), *input_extents(named, named["scales"], num_layers))
+    return wide_offsets(*extents)
+
+
+def _extents(named: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The ``(count, stride)`` products of a fused launch beside the K/V kernel's: ``hidden``'s and the weight's
+    columns."""
+    hidden, kv_weight = named["hidden_ptr"], named["w_ptr"]
+    return (hidden.shape[1], hidden.stride(1)), (hidden.shape[1], kv_weight.stride(1))
 
 
 @functools.cache
@@ -68,42 +83,24 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def projection_launch(
-    hidden: torch.Tensor,
-    kv_weight: torch.Tensor,
-    kv_bias: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor | None,
-    k_dst: torch.Tensor,
-    k_strides: tuple[int, int, int, int],
-    v_dst: torch.Tensor,
-    v_strides: tuple[int, int, int, int],
-    layer_offsets: torch.Tensor | None,
+    values: tuple[Any, ...],
+    geometry: KVGeometry,
     *,
     num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    num_rows: int,
-    neox: bool,
-    scales: tuple[Scale, Scale] = (None, None),
     config: ProjectionConfig = ProjectionConfig(),
-    table_multiple: int = 1,
     weight_aligned: bool = True,
 ) -> ProjectionLaunch:
-    """The fused projection's launch; called with `projection_varying`'s values (``weight_blocks`` its own).
+    """The fused projection's launch of a layout, from a call's `call_values`; called with each call's.
 
-    ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each
-    layer's K rows, then its V rows; ``kv_bias`` ``[L*2*H*D]`` or None) replace
-    `launch_params`' ``kv``; the destinations and the rest (``table_multiple`` too) are as there.
     The weight's tiles load by TMA where ``config`` and `weight_blocks` allow, and
     ``weight_aligned`` (`weight_aligned` of the calls it serves: the caller keeps
     launches apart by it).
     """
+    num_kv_heads, head_dim, neox = geometry[:3]
+    named = dict(zip(VALUES, values, strict=True))
+    hidden, kv_weight = named["hidden_ptr"], named["w_ptr"]
     num_tokens, hidden_size = hidden.shape
-    rotary_dim = cos_sin_cache.shape[1]
+    rotary_dim = named["cos_sin_ptr"].shape[1]
     # tl.dot takes tiles of at least 16 along every dim.
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
@@ -130,49 +127,46 @@ def projection_launch(
     else:
         l2_columns = 0
     blocks = (*tma_blocks, block_k) if tma and tma_blocks is not None else None
-    fp8_max, fp8_mant, fp8_min_exp = fp8_format(k_dst.dtype)
-    destinations, layer_vec = kv_destination_params(k_dst, k_strides, v_dst, v_strides, layer_offsets, scales)
-    params = (
-        hidden, *hidden.stride(), kv_weight, *kv_weight.stride(), kv_bias, *weight_descriptors(kv_weight, blocks),
-        *input_params(k_norm_weight, eps, cos_sin_cache, positions, slots),
-        *destinations,
-        num_tokens, cos_sin_cache.shape[0], num_rows,
-        # constexprs
-        hidden_size, num_kv_heads, head_dim, rotary_dim, neox, k_norm_weight is not None, kv_bias is not None,
-        isinstance(eps, torch.Tensor), slots is not None, page_size, table_mode(layer_offsets, table_multiple),
-        scale_mode(scales[0], k_dst), scale_mode(scales[1], v_dst), fp8_max, fp8_mant, fp8_min_exp,
-        layer_vec, num_layers, block_m, block_k, block_d, block_half, block_pass, num_stages, v_stages,
-        early_rope, early_loads, "ieee" if hidden.dtype == torch.float32 else "tf32", INTERPRETED,
-        blocks is not None, group_m, l2_columns, signal and programmatic, programmatic,
-        projection_wide(
-            hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, slots, (k_strides[3], v_strides[3]),
-            scales, num_layers=num_layers, num_kv_heads=num_kv_heads,
-        ),
+    arguments = dict(
+        **named, **kv_arguments(named, geometry, num_layers, _extents(named)),
+        **dict(zip(_DESCRIPTORS, _descriptor_blocks(blocks), strict=True)),
+        hidden_stride_t=hidden.stride(0), hidden_stride_k=hidden.stride(1),
+        w_stride_n=kv_weight.stride(0), w_stride_k=kv_weight.stride(1),
+        HIDDEN=hidden_size, HAS_BIAS=named["bias_ptr"] is not None, W_TMA=blocks is not None,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        NUM_STAGES=num_stages, V_STAGES=v_stages, GROUP_M=group_m,
+        EARLY_ROPE=early_rope, EARLY_LOADS=early_loads, L2_BEFORE_WAIT=l2_columns, SIGNAL_NEXT=signal and programmatic,
     )  # fmt: skip
     grid = (triton.cdiv(num_tokens, block_m), num_layers * 2 * num_kv_heads, 1)
-    return ProjectionLaunch(project_kv_kernel, grid, params, num_warps, blocks)
+    return ProjectionLaunch(project_kv_kernel, grid, arguments, VALUES, num_warps, blocks)
 
 
 class ProjectionLaunch(KernelLaunch):
     """The fused projection's launch: a `KernelLaunch` that knows its weight descriptors' blocks (None: by pointer).
 
-    A call's values hold the weight itself where the kernel takes a TMA descriptor of it
-    (`projection_varying`). `arguments` makes the descriptors; a direct launch passes each
-    one encoded, as Triton's launcher would encode it, once per weight address (`_encodings`).
+    Where the kernel takes a TMA descriptor of the weight (`_DESCRIPTORS`), the layout fixes
+    the descriptor's block, and a call's descriptor is made of its weight (``w_ptr``):
+    `arguments` makes the descriptors; a direct launch passes each one encoded, as Triton's
+    launcher would encode it, once per weight address (`_encodings`).
     """
 
     def __init__(
         self,
         kernel: Any,
         grid: tuple[int, int, int],
-        params: tuple[Any, ...],
+        arguments: dict[str, Any],
+        per_call: tuple[str, ...],
         num_warps: int,
         weight_blocks: tuple[int, int, int, int] | None,
     ) -> None:
-        super().__init__(kernel, grid, params, num_warps)
+        super().__init__(kernel, grid, arguments, per_call, num_warps)
         self.weight_blocks = weight_blocks
-        self._descriptor_slots = tuple(i for i, p in enumerate(params) if is_descriptor(p))
-        self._descriptor_blocks = tuple(params[i].block_shape for i in self._descriptor_slots)
+        names = launcher.parameter_names(kernel)
+        self._weight_at = names.index("w_ptr")
+        self._descriptor_slots = tuple(
+            i for i, name in enumerate(names) if name in _DESCRIPTORS and arguments[name] is not None
+        )
         self._encodings: dict[int, tuple[list[Any], ...]] = {}
 
     def arguments(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -180,18 +174,20 @@ class ProjectionLaunch(KernelLaunch):
         return self._described(super().arguments(values))
 
     def _described(self, params: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``params`` with a descriptor of the weight in each descriptor's place (which holds its block)."""
         if not self._descriptor_slots:
             return params
         made = list(params)
-        for i, block in zip(self._descriptor_slots, self._descriptor_blocks, strict=True):
-            weight = made[i]
-            made[i] = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), list(block))
+        weight = params[self._weight_at]
+        shape, strides = list(weight.shape), list(weight.stride())
+        for i in self._descriptor_slots:
+            made[i] = TensorDescriptor(weight, shape, strides, list(params[i]))
         return tuple(made)
 
     def _encoded(self, params: tuple[Any, ...], metas: list[Any]) -> Sequence[Any]:
         if not self._descriptor_slots:
             return params
-        address = params[self._descriptor_slots[0]].data_ptr()
+        address = params[self._weight_at].data_ptr()
         encoded = self._encodings.get(address)
         if encoded is None:
             if len(self._encodings) >= 8:  # a launch serves one weight; a few, if its buffer moves
@@ -243,60 +239,16 @@ def _tma_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def weight_descriptors(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
-    """The fused kernel's three weight descriptors for `weight_blocks`' ``blocks`` (all None: loads by pointer).
+def _descriptor_blocks(blocks: tuple[int, int, int, int] | None) -> tuple[tuple[int, int] | None, ...]:
+    """The blocks of the fused kernel's three weight descriptors (`_DESCRIPTORS`) for `weight_blocks`' ``blocks``
+    and the launch's ``BLOCK_K`` (all None: loads by pointer).
 
-    A descriptor holds its tensor's address: a launch's calls make their own, or pass them
-    encoded per address (`ProjectionLaunch`; the calls' values hold the weight in their
-    places, `projection_varying`). A head of full rotary
-    (no pass-through rows) loads K as a whole head too: its halves' and pass-through
-    descriptors are None (each one passed is one more to encode).
+    A head of full rotary (no pass-through rows, ``blocks[2]`` 0) loads K as a whole head too: its
+    halves' and pass-through descriptors are None (each one passed is one more to encode).
     """
     if blocks is None:
         return None, None, None
     half, head, rest, block_k = blocks
-    shape, strides = list(kv_weight.shape), list(kv_weight.stride())
-
-    def descriptor(place: torch.Tensor | None, rows: int) -> Any:
-        return None if place is None else TensorDescriptor(kv_weight, shape, strides, [rows, block_k])
-
-    places = _descriptor_places(kv_weight, blocks)
-    return descriptor(places[0], half), descriptor(places[1], head), descriptor(places[2], rest)
-
-
-def _descriptor_places(kv_weight: torch.Tensor, blocks: tuple[int, int, int, int] | None) -> tuple[Any, Any, Any]:
-    """`weight_descriptors`' three places, the weight in those that hold a descriptor (None in the others).
-
-    A head of full rotary (no pass-through rows, ``blocks[2]`` 0) loads K as a whole head: only
-    the middle place holds one."""
-    if blocks is None:
-        return None, None, None
-    if not blocks[2]:
-        return None, kv_weight, None
-    return kv_weight, kv_weight, kv_weight
-
-
-def projection_varying(
-    hidden: torch.Tensor,
-    kv_weight: torch.Tensor,
-    kv_bias: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor | None,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    layer_offsets: torch.Tensor | None,
-    scales: tuple[Scale, Scale] = (None, None),
-    weight_blocks: tuple[int, int, int, int] | None = None,
-) -> tuple[Any, ...]:
-    """The fused projection kernel's per-call arguments, in kernel order; ``weight_blocks`` the launch's own.
-
-    The weight itself stands where the kernel takes a descriptor of it (`ProjectionLaunch`
-    makes or encodes the descriptors).
-    """
-    return (
-        hidden, kv_weight, kv_bias, *_descriptor_places(kv_weight, weight_blocks), k_norm_weight,
-        *number_or_tensor(eps, 0.0), cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scale_pair(scales),
-    )  # fmt: skip
+    if not rest:
+        return None, (head, block_k), None
+    return (half, block_k), (head, block_k), (rest, block_k)

@@ -1,19 +1,11 @@
 """The warp-specialised fused projection (Hopper, Gluon): where it may run, and its launch.
 
 `typedkv.projection.warp_specialized_kernel` computes a materializer's K and V into dense outputs or
-pool rows in one persistent, warp-specialised kernel. End to end on the H200
-(2026-12-04, third run; "fused", which "auto" was then at T = 1024 too, and is from
-T = 1537 on: `PROJECTION_WS_FASTER`): 1.10x ``torch.mm`` alone at T = 1024,
-1.06-1.07x at 2048, 1.03-1.05x at 16384, 1.02x at 65536 (into per-layer pools 1.10x,
-1.03-1.04x, 1.02-1.03x, 1.01x), where GEMM + kernel reads 1.10x, 1.08x, 1.07x and 1.04x
-(1.07x into pools; docs/performance.md, "The last tile in the MMA warps; tiles of one
-head"). "auto" takes it where `PROJECTION_WS_FASTER` says, per device: on the H200 at
-T = 736-768 and from 1537 on, on the H100 80GB HBM3 at 736-768 and from 1024 on, both but
-in bands of T where it was measured slower (on the H100 2026-12-06: 1.03x at
-16384 and 1.04x at 65536 end to end, where GEMM + kernel reads 1.10-1.12x and 1.09-1.10x;
-docs/performance.md, "The warp-specialised kernel on the H100"). It is written in Gluon
-(Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`, `aligned`),
-and the fused path takes it in the T ranges where it was measured faster (`faster`);
+pool rows in one persistent, warp-specialised kernel: from the middle T on, closer to ``torch.mm``
+alone than GEMM + kernel (docs/decisions/007-warp-specialised-gluon-kernel.md). "auto" takes it
+where the device's tuning table says it was measured faster (`typedkv.projection.tuning`). It is
+written in Gluon (Triton 3.6's API, sm_90), so it runs where all of these hold (`launchable`,
+`aligned`), and the fused path takes it in the T ranges where it was measured faster (`faster`);
 everywhere else the fused path launches `typedkv.projection.kernel` as before:
 
 - a CUDA device of compute capability 9.0, not Triton's interpreter, and a Triton
@@ -41,7 +33,9 @@ import torch
 import triton
 
 from typedkv.core import launcher
+from typedkv.core.launch_args import Inputs, destination_strides
 from typedkv.core.tensor_types import strided
+from typedkv.kv.launch import KVGeometry
 from typedkv.projection import tuning
 from typedkv.projection.warp_specialized_kernel import project_kv_ws_kernel
 
@@ -81,28 +75,16 @@ class Tiles(NamedTuple):
 
 # Two heads a tile (128 x 256) and one (128 x 128): a persistent kernel's time goes by its busiest
 # program's tiles, so where T's token blocks make 128 x 256 tiles fill the last wave of programs
-# poorly, the tiles of one head fill it better (H200, 132 SMs, 80 heads: at T = 1280, 800 one-head
-# tiles are 7 waves of 6.06, 400 two-head ones 4 of 3.03, which is 8 one-head waves of work).
+# poorly, the tiles of one head fill it better.
 _TWO_HEADS = Tiles(128, 3, 8, 8, 1)
 _ONE_HEAD = Tiles(128, 5, 8, 8, 1, 128)
 _ONE_HEAD_LAST_EPI = _ONE_HEAD._replace(last_in_mma=False)
 
-# (most tokens, tiles), measured on the H200 (L=5, H=8, D=128, hidden 4096, bf16; benchmarks/NOTES.md).
-# 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two warpgroups one above the other
-# (benchmarks/gluon_probe.py: the fastest of 128 x 128 / 128 x 256 / 64 x 256 tiles at T = 2048-65536,
-# with the epilogue in the MMA warps). From T = 65536 on, bands of 8 weight tiles over every token
-# block (`ws_sweep.py --weight-bands`, 2026-12-03, three rounds, each / torch.mm: 1.023-1.036 dense
-# and 1.057-1.061 into per-layer pools against 1.038-1.039 and 1.065-1.068; at 16384 and 32768 not
-# faster in every round, at 2048 slower). Below 2048, tiles of one head where T's 128-token blocks
-# fill the waves better (`ws_sweep.py --last-tile`, 2026-12-04, one to three runs, each / torch.mm,
-# dense / per-layer pools): at 704-768 0.99-1.04 / 1.02-1.06 (two heads 1.07-1.10 / 1.06-1.10), 896
-# 1.06 / 1.09 (1.31 / 1.26), 1024 0.96-1.01 / 0.98-1.03 (1.18-1.26 / 1.11-1.18), 1280-1408 0.97 /
-# 1.02-1.03 (1.15-1.16 / 1.09-1.15), 1792 0.95 / 1.03 (1.08 / 1.03); two heads at 1152 1.04 / 1.03
-# (one 1.05 / 1.06) and 1536 1.03-1.08 / 1.02-1.07 (1.02-1.09 / 1.07-1.13). GEMM + kernel at
-# 704-1792: 1.05-1.11. The last tile's epilogue in the MMA warps: faster with two heads at every T
-# up to 4096 (0.98-1.00 against 1.03-1.05 at 2048, 1.18-1.26 against 1.30-1.35 at 1024), alike at
-# 16384 and 65536 (three rounds); with one head faster up to 768 (0.99-1.04 against 1.04-1.06 at
-# 768), slower from 896 on (1.04 against 0.97 at 1408).
+# (most tokens, tiles), measured on the H200 (docs/decisions/007-warp-specialised-gluon-kernel.md):
+# 128 tokens by two heads, 3 slots, bands of 8 token blocks, the two warpgroups one above the other;
+# from T = 65536 on, bands of 8 weight tiles over every token block; below 2048, tiles of one head
+# at the T where T's 128-token blocks fill the waves better. A program's last tile's epilogue runs
+# in the MMA warps, but for tiles of one head from 896 tokens on, where that was slower.
 WS_TILES: tuple[tuple[float, Tiles], ...] = (
     (768, _ONE_HEAD),
     (1024, _ONE_HEAD_LAST_EPI),
@@ -215,25 +197,26 @@ def _sm_count(device: torch.device) -> int:
 def launch(
     hidden: torch.Tensor,
     kv_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
+    inputs: Inputs,
+    target: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], KVGeometry],
     num_layers: int,
 ) -> None:
-    """K and V of ``hidden`` ``[T, hidden]`` into ``k_out``/``v_out`` ``[L, T, H, D]``, the call checked and `launchable`.
+    """K and V of ``hidden`` ``[T, hidden]`` written, the call checked and `launchable` (or `launchable_pool`).
 
-    ``eps``: a float, or an ``[L]`` tensor (`typedkv.core.device_tables.layer_eps`). The
-    descriptors hold this call's addresses, so they are made per call: the kernel takes the
-    path from T = 1537 on, where a call's GPU time is over 150 us.
+    ``target`` is ``(slots, (k_dst, v_dst, layer table), geometry)``, as `typedkv.projection.fused` has it:
+    with ``slots`` None, ``[L, T, H, D]`` outputs stored by TMA (the descriptors hold this call's addresses,
+    so they are made per call: the kernel takes the path only at T where a call's GPU time is over 150 us);
+    else pool rows at the slots, layer 0's and the offsets of every layer from them where there is a table.
     """
+    slots, (k_dst, v_dst, table), geometry = target
+    hd = geometry.num_kv_heads * geometry.head_dim
+    if slots is not None:
+        _launch_kernel(hidden, kv_weight, inputs, _pool_arguments(slots, k_dst, v_dst, table, geometry), hd)
+        return
     num_tokens = hidden.shape[0]
-    hd = k_out.shape[2] * k_out.shape[3]
-    cube = _smem_layout(3)
     shape = tiles(num_tokens)
-    outs = [
+    cube = _smem_layout(3)
+    k_desc, v_desc = (
         GluonDescriptor(
             out,
             [num_layers, num_tokens, hd],
@@ -241,11 +224,20 @@ def launch(
             [1, shape.block_m, shape.block_n],
             cube,
         )
-        for out in (k_out, v_out)
-    ]
-    # The pools' arguments unused: None (constexprs to Triton) and zeros.
-    pools: tuple[Any, ...] = (None, None, None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, 0, 0)
-    _launch_kernel(hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, (*outs, *pools), hd, {})
+        for out in (k_dst, v_dst)
+    )
+    _launch_kernel(hidden, kv_weight, inputs, {**_NO_POOLS, "k_desc": k_desc, "v_desc": v_desc}, hd)
+
+
+_NO_POOLS = {
+    **dict.fromkeys(("k_ptr", "v_ptr", "offsets_ptr", "slots_ptr")),
+    **dict.fromkeys(("offsets_stride_part", "offsets_stride_layer", "slots_stride", "num_rows"), 0),
+    **{f"{dst}_stride_{part}": 0 for dst in "kv" for part in ("l", "page", "slot", "h")},
+    "POOL": False,
+    "PAGE": 1,
+    "TABLE": 0,
+}
+"""The kernel's pool arguments for dense outputs: unused, None (constexprs to Triton) and zeros."""
 
 
 def launchable_pool(
@@ -275,53 +267,33 @@ def launchable_pool(
     return isinstance(first, torch.Tensor) and first.dtype == hidden.dtype and scales[0] is None and scales[1] is None
 
 
-def launch_pool(
-    hidden: torch.Tensor,
-    kv_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    cache_loc: torch.Tensor,
-    destinations: tuple[torch.Tensor, tuple[int, int, int, int], torch.Tensor, tuple[int, int, int, int]],
-    table: torch.Tensor | None,
-    table_multiple: int,
-    page_size: int,
-    num_rows: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> None:
-    """K and V of ``hidden`` into pool rows at ``cache_loc``'s slots, the call checked and `launchable_pool`.
-
-    ``destinations``: ``(k_dst, k_strides, v_dst, v_strides)`` as `typedkv.kv.impl.pool_destinations` and
-    the pool geometry give them (strides ``(layer, page, slot in page, head)`` in elements);
-    ``table``: the ``[2, L]`` layer offsets of per-layer pools, or None (stacked); ``table_multiple``
-    what every offset is a multiple of (`typedkv.core.device_tables.layer_table`; 0 without a table).
-    """
-    k_dst, k_strides, v_dst, v_strides = destinations
-    pools = (
-        None, None, k_dst, v_dst, table, table.stride(0) if table is not None else 0,
-        table.stride(1) if table is not None else 0, *k_strides, *v_strides, cache_loc, cache_loc.stride(0), num_rows,
-    )  # fmt: skip
-    options = {"POOL": True, "PAGE": page_size, "TABLE": table_multiple}
-    _launch_kernel(
-        hidden, kv_weight, k_norm_weight, eps, cos_sin_cache, positions, pools, num_kv_heads * head_dim, options
+def _pool_arguments(
+    slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, table: torch.Tensor | None, geometry: KVGeometry
+) -> dict[str, Any]:
+    """The kernel's arguments for pools (its descriptors None): as `typedkv.kv.impl.pool_destinations` and `kv_geometry` give them."""
+    return dict(
+        k_desc=None,
+        v_desc=None,
+        k_ptr=k_dst,
+        v_ptr=v_dst,
+        offsets_ptr=table,
+        offsets_stride_part=table.stride(0) if table is not None else 0,
+        offsets_stride_layer=table.stride(1) if table is not None else 0,
+        **destination_strides("k", geometry.k_strides, 1),
+        **destination_strides("v", geometry.v_strides, 1),
+        slots_ptr=slots,
+        slots_stride=slots.stride(0),
+        num_rows=geometry.num_rows,
+        POOL=True,
+        PAGE=geometry.page_size,
+        TABLE=geometry.table_multiple,
     )
 
 
 def _launch_kernel(
-    hidden: torch.Tensor,
-    kv_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor | None,
-    eps: float | torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    destinations: tuple[Any, ...],
-    hd: int,
-    options: dict[str, Any],
+    hidden: torch.Tensor, kv_weight: torch.Tensor, inputs: Inputs, destinations: dict[str, Any], hd: int
 ) -> None:
-    """One launch: ``destinations`` the kernel's arguments from ``k_desc`` to ``num_rows``, ``options`` its
-    constexprs for pools."""
+    """One launch: ``destinations`` the kernel's arguments for its outputs or pools, by name."""
     num_tokens = hidden.shape[0]
     shape = tiles(num_tokens)
     flat = _smem_layout(2)
@@ -329,18 +301,46 @@ def _launch_kernel(
     w_desc = GluonDescriptor(kv_weight, list(kv_weight.shape), list(kv_weight.stride()), [shape.block_n, BLOCK_K], flat)
     tiles_m = triton.cdiv(num_tokens, shape.block_m)
     tiles_n = kv_weight.shape[0] // shape.block_n
-    num_tiles = tiles_m * tiles_n
-    per_layer = isinstance(eps, torch.Tensor)
+    norm_weight, eps, cos_sin_cache, positions = inputs
     # Unused pointers (no per-layer eps, no norm) take tensors the call has anyway.
-    eps_ptr = eps if isinstance(eps, torch.Tensor) else cos_sin_cache
-    eps_stride = eps.stride(0) if isinstance(eps, torch.Tensor) else 0
-    norm = k_norm_weight if k_norm_weight is not None else kv_weight
-    project_kv_ws_kernel[(min(num_tiles, _sm_count(hidden.device)),)](
-        a_desc, w_desc, *destinations, 0.0 if per_layer else float(eps), eps_ptr, eps_stride,
-        norm, norm.stride(0), norm.stride(1),
-        positions, positions.stride(0), cos_sin_cache.shape[0], cos_sin_cache, cos_sin_cache.stride(0),
-        cos_sin_cache.stride(1), num_tokens, tiles_m, tiles_n, num_tiles, triton.cdiv(hidden.shape[1], BLOCK_K),
-        HD=hd, D=HEAD_DIM, BM=shape.block_m, BN=shape.block_n, BK=BLOCK_K, STAGES=shape.stages, GROUP_M=shape.group_m,
-        GROUP_N=shape.group_n, LAST_MMA=shape.last_in_mma, WARPS_M=shape.warps_m, WARPS_N=shape.warps_n, NORM=k_norm_weight is not None, EPS_PER_LAYER=per_layer,
-        num_warps=shape.num_warps, **options,
-    )  # fmt: skip
+    if isinstance(eps, torch.Tensor):
+        eps_arguments: dict[str, Any] = dict(eps=0.0, eps_ptr=eps, eps_stride=eps.stride(0), EPS_PER_LAYER=True)
+    else:
+        eps_arguments = dict(eps=float(eps), eps_ptr=cos_sin_cache, eps_stride=0, EPS_PER_LAYER=False)
+    norm = norm_weight if norm_weight is not None else kv_weight
+    arguments = dict(
+        **destinations,
+        **eps_arguments,
+        a_desc=a_desc,
+        w_desc=w_desc,
+        weight_ptr=norm,
+        weight_stride_l=norm.stride(0),
+        weight_stride_d=norm.stride(1),
+        positions_ptr=positions,
+        positions_stride=positions.stride(0),
+        num_positions=cos_sin_cache.shape[0],
+        cos_sin_ptr=cos_sin_cache,
+        stride_p=cos_sin_cache.stride(0),
+        stride_r=cos_sin_cache.stride(1),
+        num_tokens=num_tokens,
+        tiles_m=tiles_m,
+        tiles_n=tiles_n,
+        num_tiles=tiles_m * tiles_n,
+        k_steps=triton.cdiv(hidden.shape[1], BLOCK_K),
+        HD=hd,
+        D=HEAD_DIM,
+        BM=shape.block_m,
+        BN=shape.block_n,
+        BK=BLOCK_K,
+        STAGES=shape.stages,
+        GROUP_M=shape.group_m,
+        GROUP_N=shape.group_n,
+        LAST_MMA=shape.last_in_mma,
+        WARPS_M=shape.warps_m,
+        WARPS_N=shape.warps_n,
+        NORM=norm_weight is not None,
+    )
+    kernel: Any = project_kv_ws_kernel
+    kernel[(min(tiles_m * tiles_n, _sm_count(hidden.device)),)](
+        *launcher.in_order(kernel, arguments), num_warps=shape.num_warps
+    )

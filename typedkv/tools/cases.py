@@ -126,11 +126,8 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     slots = torch.empty(0, dtype=torch.int64, device=device)
     k_pool = v_pool = torch.empty(0, device=device)
     if case.pool:
-        num_slots = num_slots or 2 * num_tokens
-        pool_dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
-        if case.page_size:
-            pages = -(-num_slots // case.page_size)
-            num_slots = pages * case.page_size
+        num_slots, pages, pool_dtype = _pool_shape(case, num_tokens, num_slots)
+        if pages:
             page = (case.page_size, H) if case.kv_layout == "NHD" else (H, case.page_size)
             cache = torch.empty(L, pages, 2, *page, D, device=device, dtype=pool_dtype)
             k_pool, v_pool = cache[:, :, 0], cache[:, :, 1]
@@ -155,17 +152,23 @@ def _mla_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     slots = torch.empty(0, dtype=torch.int64, device=device)
     pool = unused
     if case.pool:
-        num_slots = num_slots or 2 * num_tokens
-        pool_dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
-        if case.page_size:
-            pages = -(-num_slots // case.page_size)
-            num_slots = pages * case.page_size
+        num_slots, pages, pool_dtype = _pool_shape(case, num_tokens, num_slots)
+        if pages:
             pool = torch.empty(L, pages, case.page_size, C + R, device=device, dtype=pool_dtype)
         else:
             pool = torch.empty(L, num_slots, C + R, device=device, dtype=pool_dtype)
         slots = torch.randperm(num_slots, device=device)[:num_tokens]
     eps = torch.full((L,), 1e-6, device=device)
     return Inputs(ckv, weight, eps, cos_sin, positions, out, unused, slots, pool, unused)
+
+
+def _pool_shape(case: Case, num_tokens: int, num_slots: int) -> tuple[int, int, torch.dtype]:
+    """``(slots, pages, dtype)`` of a pool case's pool: ``num_slots`` (0: twice the tokens), rounded up to whole
+    pages where the case has pages (else 0 pages)."""
+    num_slots = num_slots or 2 * num_tokens
+    pages = -(-num_slots // case.page_size) if case.page_size else 0
+    dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
+    return (pages * case.page_size if pages else num_slots), pages, dtype
 
 
 def bytes_moved(case: Case, num_tokens: int) -> int:
@@ -226,7 +229,7 @@ def eager_call(case: Case, x: Inputs, compiled: bool = False) -> Callable[[], No
     def run(
         kv: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = kv_reference.rmsnorm_rope(kv, w, eps, cs, pos, case.num_kv_heads, neox)
+        k, v = kv_reference.rmsnorm_rope(kv, (w, eps, cs, pos), case.num_kv_heads, neox)
         return k.to(kv.dtype), v
 
     fn = torch.compile(run, fullgraph=True) if compiled else run
@@ -253,7 +256,7 @@ def _mla_eager_call(case: Case, x: Inputs, compiled: bool) -> Callable[[], None]
     neox = case.rope_style == "neox"
 
     def run(ckv: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return mla_reference.mla_rows(ckv, w if w.numel() else None, eps, cs, pos, neox).to(ckv.dtype)
+        return mla_reference.mla_rows(ckv, (w if w.numel() else None, eps, cs, pos), neox).to(ckv.dtype)
 
     fn = torch.compile(run, fullgraph=True) if compiled else run
     if case.pool:

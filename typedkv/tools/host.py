@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from typedkv.core.config import set_debug
+from typedkv.core.launch_args import Inputs
+from typedkv.core.launcher import in_order
 from typedkv.kv import kernel as kv_kernel
 from typedkv.kv import launch as kv_launch
 from typedkv.kv.api import materialize_kv, materialize_kv_into_pool
@@ -54,14 +56,21 @@ def sglang_style_wrapper(
             raise ValueError(f"Invalid {name} shape: got {tuple(out.shape)}, expected {expected}")
         if out.device != kv.device or out.dtype != kv.dtype:
             raise ValueError(f"Invalid {name} device/dtype")
-    grid, params, num_warps = kv_launch.launch_params(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, None,
-        k_out, (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2)),
-        v_out, (v_out.stride(0), v_out.stride(1), 0, v_out.stride(2)),
-        None, num_kv_heads=num_kv_heads, head_dim=k_norm_weight.shape[1], page_size=1, num_rows=total_ctx, neox=True,
-    )  # fmt: skip
+    inputs = (k_norm_weight, eps, cos_sin_cache, positions)
+    grid, params, num_warps = _launch(kv, inputs, num_kv_heads, k_out, v_out)
     kernel: Any = kv_kernel.materialize_kv_kernel
     kernel[grid](*params, num_warps=num_warps)
+
+
+def _launch(
+    kv: torch.Tensor, inputs: Inputs, num_kv_heads: int, k_out: torch.Tensor, v_out: torch.Tensor
+) -> tuple[tuple[int, int, int], tuple[Any, ...], int]:
+    """``(grid, arguments in order, num_warps)`` of the K/V kernel's launch into dense outputs (NeoX)."""
+    values = kv_launch.call_values(kv, inputs, None, (k_out, v_out, None))
+    k_strides, v_strides = ((out.stride(0), out.stride(1), 0, out.stride(2)) for out in (k_out, v_out))
+    geometry = kv_launch.KVGeometry(num_kv_heads, k_out.shape[3], True, k_strides, v_strides, kv.shape[0])
+    grid, arguments, num_warps = kv_launch.launch_params(values, geometry)
+    return grid, in_order(kv_kernel.materialize_kv_kernel, arguments), num_warps
 
 
 def host_overhead(device: torch.device) -> dict[str, float]:
@@ -76,12 +85,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     def sglang_style() -> None:
         sglang_style_wrapper(x.kv, x.weight, x.eps, x.cos_sin, x.positions, H, x.k_out, x.v_out)
 
-    grid, params, num_warps = kv_launch.launch_params(
-        x.kv, x.weight, x.eps, x.cos_sin, x.positions, None,
-        x.k_out, (x.k_out.stride(0), x.k_out.stride(1), 0, x.k_out.stride(2)),
-        x.v_out, (x.v_out.stride(0), x.v_out.stride(1), 0, x.v_out.stride(2)),
-        None, num_kv_heads=H, head_dim=x.weight.shape[1], page_size=1, num_rows=16, neox=True,
-    )  # fmt: skip
+    grid, params, num_warps = _launch(x.kv, (x.weight, x.eps, x.cos_sin, x.positions), H, x.k_out, x.v_out)
     kernel: Any = kv_kernel.materialize_kv_kernel
 
     def bare() -> None:
