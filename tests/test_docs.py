@@ -189,7 +189,8 @@ def test_help_shows_the_constructors_own_docstring(cls: Any) -> None:
     assert inspect.getdoc(cls.__init__) == inspect.cleandoc(own)
     page = pydoc.render_doc(cls)
     assert inspect.cleandoc(own).splitlines()[0] in page
-    assert (torch.nn.Module.__init__.__doc__ or "").strip().splitlines()[0] not in page
+    # nn.Module.__init__'s own first line, as written (torch.compile's tests may wrap the method, doc and all).
+    assert "Initialize internal Module state" not in page
 
 
 def test_api_reference_renders_exactly_the_public_names() -> None:
