@@ -45,33 +45,20 @@ from typedkv.core.epilogue import (
 
 
 @triton.jit
-def _k_part(
-    k_head,
-    head_ok,
-    tok,
-    tok_ok,
-    layer,
-    row_ok,
-    k_dst,
-    norm,
-    rope,
-    scale,
-    QUANT,
-    SHAPE,
-    BLOCKS,
-    NEOX: tl.constexpr,
-    NORM: tl.constexpr,
-):
+def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, NORM: tl.constexpr):
     """K of BLOCK_T tokens, all heads, one layer: RMSNorm (if NORM), RoPE, store.
 
-    ``norm`` is ``(weight_ptr, weight_stride_l, weight_stride_d, eps)``,
-    ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H, BLOCK_HALF, BLOCK_PASS)``;
-    ``rope``, ``scale`` (the layer's, `_layer_scale`) and ``QUANT`` as in `typedkv.core.epilogue`. K is handled as the rotary
-    pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece
-    is loaded once, contiguously, so no element is gathered twice. NeoX pairs
-    dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
+    ``block`` is ``(k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst)``: the block's K heads in kv
+    (``[T, H]`` pointers, which exist), its tokens (which exist), its layer, and its destination rows
+    (which to write, ``[T, H]`` pointers); run-time values only. ``norm`` is ``(weight_ptr,
+    weight_stride_l, weight_stride_d, eps)``, ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H,
+    BLOCK_HALF, BLOCK_PASS)``; ``rope``, ``scale`` (the layer's, `_layer_scale`) and ``QUANT`` as in
+    `typedkv.core.epilogue`. K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
+    pass-through dims [R, D); each piece is loaded once, contiguously, so no element is gathered
+    twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
     RoPE as they are (already in the storage dtype).
     """
+    k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst = block
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
     H: tl.constexpr = SHAPE[0]
     D: tl.constexpr = SHAPE[1]
@@ -154,24 +141,8 @@ def _k_part(
 
 
 @triton.jit
-def _k_row(
-    k_head,
-    head_ok,
-    tok,
-    tok_ok,
-    layer,
-    row_ok,
-    k_dst,
-    norm,
-    rope,
-    scale,
-    QUANT,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    NORM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GATHER: tl.constexpr,
-):
+def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+           BLOCK_D: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
     """K with NeoX RoPE over part of the head (R < D): every dim in one tile.
 
     Arguments as `_k_part`'s. Its pieces (two rotary halves, then the
@@ -183,8 +154,9 @@ def _k_row(
     from the normed row in registers (``tl.gather``); else from a second load of
     the same row (an L1 hit) and of the norm weight, normed again. Both give the
     same value, each dim being normed and rounded on its own; the gather saves a
-    predicated load per element of the tile (benchmarks/partner_probe.py).
+    predicated load per element of the tile (docs/decisions/002-rope-partners-gathered-in-registers.md).
     """
+    k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst = block
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
     SOFT_ROUND: tl.constexpr = QUANT[4]
     store_ty: tl.constexpr = k_head.dtype.element_ty
@@ -262,8 +234,7 @@ def _v_part(
     out_ok = row_ok[:, None] & (head < H)[None, :]
     dim = tl.arange(0, BLOCK_D)
     # The destination is worked out here, not beside K's: with K and V in one program
-    # (no SPLIT), V's pointers would stay live through K's math (measured: a flat bf16
-    # pool 2% slower at T = 16384).
+    # (no SPLIT), V's pointers would stay live through K's math, which ran slower.
     v_row = _row_offset(row, PAGE, v_strides)
     v_dst = v_base + v_row[:, None, None] + (head[:, None] * v_stride_h + dim[None, :])[None, :, :]
     v_ok = out_ok[:, :, None] & (dim < D)[None, None, :]
@@ -386,16 +357,11 @@ def materialize_kv_kernel(
         norm = (weight_ptr, weight_stride_l, weight_stride_d, eps)
         rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        k_block = (k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst)
         if FULL_ROW:
-            _k_row(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D,
-                FULL_ROW == 2,
-            )  # fmt: skip
+            _k_row(k_block, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D, FULL_ROW == 2)
         else:
-            _k_part(
-                k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst, norm, rope, scale[0], K_QUANT,
-                (H, D, R), (BLOCK_H, BLOCK_HALF, BLOCK_PASS), NEOX, NORM,
-            )  # fmt: skip
+            _k_part(k_block, norm, rope, scale[0], K_QUANT, (H, D, R), (BLOCK_H, BLOCK_HALF, BLOCK_PASS), NEOX, NORM)
     if not SPLIT or part == 1:
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if not V_FIRST:

@@ -145,8 +145,8 @@ def materialize_mla_kv_kernel(
     # The latent's loads are issued first, before the rope part's stores: the
     # compiler may not move loads across a store (dst may alias ckv as far as it
     # knows), and issued here their latency overlaps the rope part's two
-    # dependent loads (position, then cos/sin). Issued after those stores: 0.5-7
-    # points of copy less on the H200 (benchmarks/mla_sweep.py, 2026-12-01).
+    # dependent loads (position, then cos/sin); issued after those stores, the kernel
+    # was slower (docs/decisions/010-mla-kernel-configuration.md).
     dim = tl.arange(0, BLOCK_C)
     dim_ok = dim < C
     x = tl.load(src[:, None] + dim[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)

@@ -335,9 +335,9 @@ def project_kv_kernel(
             if NORM:
                 eps, w1, w2, w3 = _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER, PASS)
         if W_TMA and PASS == 0:
-            # The whole head as one tile and one dot (products half as wide ran the fused
-            # kernel at ~1.4x torch.mm where a plain GEMM of whole heads ran at 1.02x), its
-            # rotary halves split after the loop.
+            # The whole head as one tile and one dot (products half as wide ran far slower
+            # than a plain GEMM of whole heads; docs/decisions/005-fused-kernel-launch-tables.md),
+            # its rotary halves split after the loop.
             acc = _whole_head_tma(
                 a_row, hidden_stride_k, tok_ok, w_head_desc, head_row, HIDDEN, EVEN_K, BLOCK_M, 2 * BLOCK_HALF,
                 BLOCK_K, NUM_STAGES, PRECISION,
@@ -373,7 +373,7 @@ def project_kv_kernel(
         if NORM and not EARLY_LOADS:
             # The norm's loads together, before the first layout conversion (a barrier no load
             # moves across): loaded where each was used, w2's followed y1's conversion in the
-            # SASS. The H200 measured the two orders the same (benchmarks/NOTES.md, T = 16-2048).
+            # SASS. Both orders ran alike; this one keeps the loads' latencies together.
             eps, w1, w2, w3 = _norm_loads(eps, norm, layer, pieces, EPS_PER_LAYER, PASS)
         if W_TMA:
             row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)

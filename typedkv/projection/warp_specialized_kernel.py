@@ -1,7 +1,7 @@
 """The projection kernel for Hopper, warp-specialised (Gluon): ``hidden @ W^T`` with the K/V epilogue, math only.
 
 `typedkv.projection.kernel` runs one program per (token block, head) and its K
-epilogue does not overlap any loads: 1.2x ``torch.mm`` from T = 2048 on (H200).
+epilogue does not overlap any loads, which leaves it a fifth over ``torch.mm`` from T = 2048 on.
 This kernel, written in Gluon (``triton.experimental.gluon``, Triton 3.6's API,
 sm_90 only), is persistent: one program per SM takes tiles of ``BM`` tokens by
 ``BN`` weight rows (two heads) in turn, in three partitions of warps:
@@ -14,15 +14,11 @@ sm_90 only), is persistent: one program per SM takes tiles of ``BM`` tokens by
   in shared memory, hand it over (two mbarriers) and go on to the next tile;
 - the epilogue warps (`_epilogue`, ``EPI_WARPS``) take the staged tile a few
   rows at a time and store it: so the tensor cores do not wait on K's norm and
-  RoPE, their loads or the stores (H200, against the epilogue in the MMA warps:
-  1.024-1.051x ``torch.mm`` instead of 1.048-1.055 at T = 16384 dense, into
-  per-layer pools 1.018-1.037 instead of 1.059-1.081; benchmarks/NOTES.md).
+  RoPE, their loads or the stores (docs/decisions/007-warp-specialised-gluon-kernel.md).
 
 A program's last tile has no next tile's products to overlap: with ``LAST_MMA``
 the MMA warps, idle by then, run its epilogue themselves (`_tile_epilogue`, the
-same code at four times the rows a pass) instead of waiting for two warps to
-(H200, two-head tiles: 0.98-1.00x ``torch.mm`` against 1.03-1.05x at T = 2048,
-1.18-1.26x against 1.30-1.35x at 1024; alike at 16384 and 65536).
+same code at four times the rows a pass) instead of waiting for two warps to.
 
 The epilogue follows `typedkv.projection.kernel` step by step: a K tile (the weight's
 rows are ordered per layer as ``H*D`` K rows, then ``H*D`` V rows, and a tile
