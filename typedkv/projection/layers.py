@@ -227,3 +227,29 @@ def keep_dtypes(module: torch.nn.Module, apply: Callable[[], torch.nn.Module], n
         if after is not None and after.dtype != tensor.dtype:
             buffers[name] = tensor.to(device=after.device)
     return result
+
+
+def keep_layers(
+    module: torch.nn.Module,
+    names: tuple[str, str, str],
+    weight: Tensor,
+    bias: Tensor | Sequence[Tensor] | None,
+    norm_weight: Tensor | Sequence[Tensor] | None,
+    cos_sin_cache: Tensor,
+    layer_eps: float | Tensor,
+) -> None:
+    """A materializer's checked weights as its buffers: ``names`` are its weight's, bias's and norm weight's.
+
+    Every layer's rows become one ``nn.Linear`` weight ``[L*rows, hidden]``, so the GEMM's layer-major output is
+    the kernel's input layout; the bias rows likewise; the norm weights stacked ``[L, width]``; the RoPE
+    table as given; eps a buffer when it is a per-layer tensor, else a float attribute.
+    """
+    weight_name, bias_name, norm_name = names
+    module.register_buffer(weight_name, weight.reshape(-1, weight.shape[-1]).contiguous(), persistent=False)
+    module.register_buffer(bias_name, None if bias is None else stacked(bias).flatten(), persistent=False)
+    module.register_buffer(norm_name, None if norm_weight is None else stacked(norm_weight), persistent=False)
+    module.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
+    if isinstance(layer_eps, Tensor):
+        module.register_buffer("eps", layer_eps.detach(), persistent=False)
+    else:
+        setattr(module, "eps", layer_eps)  # noqa: B010 (nn.Module types its attributes as tensors or modules)

@@ -42,6 +42,7 @@ from typedkv.projection.layers import (
     check_layer_dtypes,
     eps_of_layers,
     keep_dtypes,
+    keep_layers,
     project,
     split_gemm,
     stacked,
@@ -227,17 +228,10 @@ class KVMaterializer(nn.Module):
         self.head_dim = bound.dims["D"]
         self.hidden_size = bound.dims["hidden"]
         self.rope_style: RopeStyle = rope_style
-        # All layers' rows as one nn.Linear weight [L*2*H*D, hidden]: the GEMM's layer-major output is kv's layout.
-        self.register_buffer("kv_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
-        bias = None if kv_bias is None else stacked(kv_bias).flatten()
-        self.register_buffer("kv_bias", bias, persistent=False)
-        norm = None if k_norm_weight is None else stacked(k_norm_weight)
-        self.register_buffer("k_norm_weight", norm, persistent=False)
-        self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
-        if isinstance(layer_eps, Tensor):
-            self.register_buffer("eps", layer_eps.detach(), persistent=False)
-        else:
-            self.eps = cast(float, layer_eps)
+        keep_layers(
+            self, ("kv_weight", "kv_bias", "k_norm_weight"), weight, kv_bias, k_norm_weight, cos_sin_cache,
+            cast("float | Tensor", layer_eps),
+        )  # fmt: skip
         self._dims = (self.num_layers, num_kv_heads, self.head_dim, self.hidden_size)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"

@@ -31,6 +31,7 @@ from typedkv.projection.layers import (
     check_layer_dtypes,
     eps_of_layers,
     keep_dtypes,
+    keep_layers,
     stacked,
 )
 from typedkv.projection.weights import MLA_BUFFERS, MLA_PROJECTION, MLA_STACKED_DIMS, MLA_WEIGHTS
@@ -157,17 +158,10 @@ class MLAKVMaterializer(nn.Module):
         self.rotary_dim = bound.dims["R"]
         self.hidden_size = bound.dims["hidden"]
         self.rope_style: RopeStyle = rope_style
-        # All layers' rows as one nn.Linear weight [L*(C+R), hidden]: the GEMM's layer-major output is ckv's layout.
-        self.register_buffer("kv_a_weight", weight.reshape(-1, self.hidden_size).contiguous(), persistent=False)
-        bias = None if kv_a_bias is None else stacked(kv_a_bias).flatten()
-        self.register_buffer("kv_a_bias", bias, persistent=False)
-        norm = None if kv_norm_weight is None else stacked(kv_norm_weight)
-        self.register_buffer("kv_norm_weight", norm, persistent=False)
-        self.register_buffer("cos_sin_cache", cos_sin_cache.detach(), persistent=False)
-        if isinstance(layer_eps, Tensor):
-            self.register_buffer("eps", layer_eps.detach(), persistent=False)
-        else:
-            self.eps = cast(float, layer_eps)
+        keep_layers(
+            self, ("kv_a_weight", "kv_a_bias", "kv_norm_weight"), weight, kv_a_bias, kv_norm_weight, cos_sin_cache,
+            cast("float | Tensor", layer_eps),
+        )  # fmt: skip
         self._dims = (self.num_layers, self.kv_lora_rank, self.rotary_dim, self.hidden_size)
         self._rows = Workspace()
         self._plans: CheckedLayouts[Any] = CheckedLayouts(projection_layers.LAYOUTS_KEPT)
