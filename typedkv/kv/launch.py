@@ -1,4 +1,4 @@
-"""The K/V kernel's launch: its configuration by size and shape, and its argument list."""
+"""The K/V kernel's launch: its configuration by size and shape, and its arguments, by name."""
 
 from __future__ import annotations
 

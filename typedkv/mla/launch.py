@@ -1,4 +1,4 @@
-"""The MLA kernel's launch: its configuration and its argument list."""
+"""The MLA kernel's launch: its configuration and its arguments, by name."""
 
 from __future__ import annotations
 

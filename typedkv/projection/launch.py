@@ -1,4 +1,4 @@
-"""The fused projection kernel's launch: TMA weight descriptors, its argument list, its prepared launch."""
+"""The fused projection kernel's launch: TMA weight descriptors, its arguments by name, its prepared launch."""
 
 from __future__ import annotations
 
