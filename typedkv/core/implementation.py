@@ -51,30 +51,35 @@ def planner(check_relations: Callable[[Any, Bound], None] | None = None) -> Call
 
 
 def checked(
-    op: Implementation, plan: Plan, call: Any, norm_weight: Tensor | None, scales: Mapping[str, object], written: bool
+    op: Implementation,
+    plan: Plan,
+    call: Any,
+    norm_weight: Tensor | None,
+    scales: Mapping[str, object],
+    written: bool = True,
+    slots: Tensor | None = None,
 ) -> list[int] | None:
     """A call's checks once its layout's plan is found, on every call of every op, in this order.
 
     Its numbers (``op.numbers``); what it writes apart from what it reads and from each other (`check_memory`;
     ``written`` False where the call left every output to be allocated, apart from everything); in debug mode,
-    the annotations' pass (once per layout) and the values (`check_values`). Returns `check_memory`'s addresses.
+    the annotations' pass (once per layout) and the values (`check_values`). A pool call (``slots``, its
+    `cache_loc`) that writes anything has its layout's `PoolGeometry` in ``plan.geometry`` (worked out at the
+    layout's first such call), its slots checked against it in debug mode. Returns `check_memory`'s addresses.
     """
     op.numbers(call)
     addresses = check_memory(op.signature, plan, call) if written else None
-    if debug_enabled():
+    debug = debug_enabled()
+    if debug:
         debug_pass(op.signature, plan, call)
         check_values(call.eps, norm_weight, scales, call.positions, call.cos_sin_cache)
+    if slots is not None and not plan.empty:
+        geometry = plan.geometry
+        if geometry is None:
+            geometry = plan.geometry = PoolGeometry.of(plan.bound)
+        if debug:
+            check_slots(slots, geometry.num_slots)
     return addresses
-
-
-def pool_geometry(plan: Plan, cache_loc: Tensor) -> PoolGeometry:
-    """A non-empty pool call's `PoolGeometry`, worked out at its layout's first; its slots checked in debug mode."""
-    geometry = plan.geometry
-    if geometry is None:
-        geometry = plan.geometry = PoolGeometry.of(plan.bound)
-    if debug_enabled():
-        check_slots(cache_loc, geometry.num_slots)
-    return geometry
 
 
 def check_memory(sig: Signature, plan: Plan, call: tuple[Any, ...]) -> list[int] | None:

@@ -27,7 +27,6 @@ from typedkv.core.implementation import (
     check_pools,
     checked,
     planner,
-    pool_geometry,
 )
 from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.kv import launch as kv_launch
@@ -200,10 +199,8 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, PoolGeome
     """
     if plan is None:
         plan = pool_layout(call)
-    addresses = checked(POOL, plan, call, call.k_norm_weight, call.named_scales, True)
-    if plan.empty:
-        return plan, None, addresses
-    return plan, pool_geometry(plan, call.cache_loc), addresses
+    addresses = checked(POOL, plan, call, call.k_norm_weight, call.named_scales, slots=call.cache_loc)
+    return plan, plan.geometry, addresses  # no geometry where nothing is written
 
 
 Destinations = tuple[Tensor, Tensor, Tensor | None]

@@ -20,10 +20,10 @@ from typedkv.core.errors import InputError
 from typedkv.core.implementation import (
     Implementation,
     Plan,
+    PoolGeometry,
     check_pools,
     checked,
     planner,
-    pool_geometry,
 )
 from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.mla import launch as mla_launch
@@ -131,10 +131,11 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     if plan is None:
         plan = pool_layout(call)
     ckv, kv_pool = call.ckv, call.kv_pool
-    addresses = checked(POOL, plan, call, call.kv_norm_weight, {"kv_scale": call.kv_scale}, True)
+    scales = {"kv_scale": call.kv_scale}
+    addresses = checked(POOL, plan, call, call.kv_norm_weight, scales, slots=call.cache_loc)
     if plan.empty:
         return
-    geometry = pool_geometry(plan, call.cache_loc)
+    geometry = cast(PoolGeometry, plan.geometry)
     dims, page_size = plan.bound.dims, geometry.page_size
     inputs = (call.kv_norm_weight, layer_eps(call.eps, ckv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
