@@ -47,7 +47,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tools.cases", "tools.timing", "tools.gpu_state"),
     ("__init__",),
     ("projection.__init__", "projection.materializer", "projection.mla_materializer"),
-    ("projection.paths", "projection.dispatch", "projection.layers", "projection.weights"),  # what the materializers share
+    (
+        "projection.paths",
+        "projection.dispatch",
+        "projection.layers",
+        "projection.weights",
+    ),  # what the materializers share
     ("kv.__init__", "mla.__init__", "kv.api", "mla.api", "rope"),  # the public face
     ("core.torch_ops",),  # the torch ops
     ("kv.impl", "mla.impl", "projection.fused", "projection.warp_specialized"),  # the checked implementations
