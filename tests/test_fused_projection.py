@@ -892,3 +892,13 @@ def test_an_unmeasured_device_or_triton_release_gets_the_safe_default(
     # Under the release they were measured with, the same GPUs read their own entries.
     monkeypatch.setattr(tuning, "TRITON_RELEASE", (3, 6))
     assert all(tuning.tuning_of(name) is tuning.TUNING[name, (3, 6)] for name in measured_gpus)
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("3.6.0", (3, 6)), ("3.9.0", (3, 9)), ("3.10.1", (3, 10)), ("3.7.0+git1a2b", (3, 7)), ("main", (0, 0))],
+)
+def test_triton_release_keys_the_tables_by_major_and_minor(version: str, release: tuple[int, int]) -> None:
+    """What `TUNING` and the warp-specialised kernel's `GLUON_RELEASES` are keyed by; an unreadable version
+    string matches no measured entry (the safe default) rather than failing at import."""
+    assert tuning.triton_release(version) == release

@@ -7,6 +7,7 @@ release not measured gets `DEFAULT`: GEMM + kernel at every T, and the shared ro
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -173,10 +174,14 @@ class Tuning:
 TuningKey = tuple[str, tuple[int, int]]
 """``(torch.cuda.get_device_name(), (Triton major, minor))``."""
 
-TRITON_RELEASE: tuple[int, int] = (
-    int(triton.__version__.split(".")[0]),
-    int(triton.__version__.split(".")[1]),
-)
+
+def triton_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string (``"3.6.0"``, ``"3.7.0+git1a2b"``); ``(0, 0)`` if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+TRITON_RELEASE = triton_release(triton.__version__)
 """The Triton release this process runs, as `TUNING` keys it."""
 
 DEFAULT = Tuning(source="not measured: GEMM + kernel at every T, the shared launch rows")

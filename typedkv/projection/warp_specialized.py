@@ -114,8 +114,7 @@ def available() -> bool:
     """Whether this Triton is a release the kernel is written for (`GLUON_RELEASES`), with Gluon importable."""
     if gl is None or GluonDescriptor is None:
         return False
-    release = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    return release in GLUON_RELEASES
+    return tuning.triton_release(triton.__version__) in GLUON_RELEASES
 
 
 @functools.cache
