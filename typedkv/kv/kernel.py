@@ -45,7 +45,9 @@ from typedkv.core.epilogue import (
 
 
 @triton.jit
-def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, NORM: tl.constexpr):
+def _k_part(
+    block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr
+):
     """K of BLOCK_T tokens, all heads, one layer: RMSNorm (if NORM), RoPE, store.
 
     ``block`` is ``(k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst)``: the block's K heads in kv
@@ -53,8 +55,8 @@ def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, 
     (which to write, ``[T, H]`` pointers); run-time values only. ``norm`` is ``(weight_ptr,
     weight_stride_l, weight_stride_d, eps)``, ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H,
     BLOCK_HALF, BLOCK_PASS)``; ``rope``, ``scale`` (the layer's, `_layer_scale`) and ``QUANT`` as in
-    `typedkv.core.epilogue`. K is handled as the rotary pairs (x1[j], x2[j]), j < R/2, plus the
-    pass-through dims [R, D); each piece is loaded once, contiguously, so no element is gathered
+    `typedkv.core.epilogue`; ``CACHE`` the cache modifier of kv's loads. K is handled as the rotary
+    pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece is loaded once, contiguously, so no element is gathered
     twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
     RoPE as they are (already in the storage dtype).
     """
@@ -81,8 +83,10 @@ def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, 
     sin = sin[:, None, :]
     m1 = head_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
-        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0).to(tl.float32)
-        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0).to(tl.float32)
+        x1 = tl.load(k_head[:, :, None] + pair[None, None, :], mask=m1, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        x2 = tl.load(k_head[:, :, None] + (pair + HALF)[None, None, :], mask=m1, other=0.0, cache_modifier=CACHE).to(
+            tl.float32
+        )
         if NORM:
             w1 = tl.load(w_row + pair * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
             w2 = tl.load(w_row + (pair + HALF) * weight_stride_d, mask=pair_ok, other=0.0).to(tl.float32)
@@ -91,7 +95,7 @@ def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, 
         # [.., R/2, 2] pairs (dims 2j and 2j + 1 are pair j).
         rot = tl.arange(0, 2 * BLOCK_HALF)
         m2 = head_ok[:, :, None] & (rot < R)[None, None, :]
-        x = tl.load(k_head[:, :, None] + rot[None, None, :], mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(k_head[:, :, None] + rot[None, None, :], mask=m2, other=0.0, cache_modifier=CACHE).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], BLOCK_HALF, 2)))
         if NORM:
             w = tl.load(w_row + rot * weight_stride_d, mask=rot < R, other=0.0).to(tl.float32)
@@ -100,7 +104,9 @@ def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, 
         rest = tl.arange(0, BLOCK_PASS)
         rest_ok = rest < PASS
         m3 = head_ok[:, :, None] & rest_ok[None, None, :]
-        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0).to(tl.float32)
+        x3 = tl.load(k_head[:, :, None] + (R + rest)[None, None, :], mask=m3, other=0.0, cache_modifier=CACHE).to(
+            tl.float32
+        )
 
     if NORM:
         # RMSNorm in float32, then rounded to the storage dtype, as the unfused path.
@@ -142,7 +148,7 @@ def _k_part(block, norm, rope, scale, QUANT, SHAPE, BLOCKS, NEOX: tl.constexpr, 
 
 @triton.jit
 def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
-           BLOCK_D: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+           BLOCK_D: tl.constexpr, GATHER: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
     """K with NeoX RoPE over part of the head (R < D): every dim in one tile.
 
     Arguments as `_k_part`'s. Its pieces (two rotary halves, then the
@@ -172,8 +178,8 @@ def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NO
     cos = cos[:, None, :]
 
     in_row = dim < D
-    x = tl.load(k_head[:, :, None] + dim[None, None, :], mask=head_ok[:, :, None] & in_row[None, None, :], other=0.0)
-    x = x.to(tl.float32)
+    in_head = head_ok[:, :, None] & in_row[None, None, :]
+    x = tl.load(k_head[:, :, None] + dim[None, None, :], mask=in_head, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if NORM:
         w_row = weight_ptr + layer * weight_stride_l
         w = tl.load(w_row + dim * weight_stride_d, mask=in_row, other=0.0).to(tl.float32)[None, None, :]
@@ -185,9 +191,8 @@ def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NO
     if GATHER:
         yp = tl.gather(y, tl.broadcast_to(partner[None, None, :], y.shape), axis=2)
     else:
-        xp = tl.load(
-            k_head[:, :, None] + partner[None, None, :], mask=head_ok[:, :, None] & rotary[None, None, :], other=0.0
-        )
+        in_rotary = head_ok[:, :, None] & rotary[None, None, :]
+        xp = tl.load(k_head[:, :, None] + partner[None, None, :], mask=in_rotary, other=0.0, cache_modifier=CACHE)
         xp = xp.to(tl.float32)
         if NORM:
             wp = tl.load(w_row + partner * weight_stride_d, mask=rotary, other=0.0).to(tl.float32)[None, None, :]
@@ -202,11 +207,11 @@ def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NO
 
 
 @triton.jit
-def _v_load(k_head, head_ok, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _v_load(k_head, head_ok, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
     """V of BLOCK_T tokens, all heads, one layer, as stored in kv (``[T, H, BLOCK_D]``, 0 past the row)."""
     dim = tl.arange(0, BLOCK_D)
     vm = head_ok[:, :, None] & (dim < D)[None, None, :]
-    return tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0)
+    return tl.load(k_head[:, :, None] + (H * D + dim)[None, None, :], mask=vm, other=0.0, cache_modifier=CACHE)
 
 
 @triton.jit
@@ -306,6 +311,7 @@ def materialize_kv_kernel(
     LAYER_FAST: tl.constexpr,
     FULL_ROW: tl.constexpr,  # 0: K in pieces (`_k_part`); 1: one tile (`_k_row`); 2: one tile, partners gathered
     V_FIRST: tl.constexpr,  # K and V in one program: V's loads issued before K's stores (else after them)
+    LOAD_CACHE: tl.constexpr,  # the cache modifier of kv's loads ("": the default, ".cg": L2 only)
     WAIT_PRIOR: tl.constexpr,  # launched as a programmatic dependent launch: wait for the prior kernel first
     WIDE: tl.constexpr,  # some index * stride of this layout passes int32 (`typedkv.core.launch_args.wide_offsets`)
 ):
@@ -352,20 +358,31 @@ def materialize_kv_kernel(
     if V_FIRST:
         # The compiler does not move a load across a store that may alias it: issued
         # here, V's loads overlap K's dependent loads instead of waiting for K's stores.
-        v = _v_load(k_head, head_ok, H, D, BLOCK_D)
+        v = _v_load(k_head, head_ok, H, D, BLOCK_D, LOAD_CACHE)
     if not SPLIT or part == 0:
         norm = (weight_ptr, weight_stride_l, weight_stride_d, eps)
         rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         k_block = (k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst)
         if FULL_ROW:
-            _k_row(k_block, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D, FULL_ROW == 2)
+            _k_row(k_block, norm, rope, scale[0], K_QUANT, D, R, NORM, BLOCK_D, FULL_ROW == 2, LOAD_CACHE)
         else:
-            _k_part(k_block, norm, rope, scale[0], K_QUANT, (H, D, R), (BLOCK_H, BLOCK_HALF, BLOCK_PASS), NEOX, NORM)
+            _k_part(
+                k_block,
+                norm,
+                rope,
+                scale[0],
+                K_QUANT,
+                (H, D, R),
+                (BLOCK_H, BLOCK_HALF, BLOCK_PASS),
+                NEOX,
+                NORM,
+                LOAD_CACHE,
+            )
     if not SPLIT or part == 1:
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if not V_FIRST:
-            v = _v_load(k_head, head_ok, H, D, BLOCK_D)
+            v = _v_load(k_head, head_ok, H, D, BLOCK_D, LOAD_CACHE)
         _v_part(
             v, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, scale[1], V_QUANT,
             H, D, BLOCK_H, BLOCK_D,

@@ -48,6 +48,8 @@ class KVConfig:
     # K and V in one program (no split_kv): V's loads issued before K's part instead of after
     # K's stores, which the compiler does not move loads across.
     v_first: bool = True
+    # The cache modifier of kv's loads: "" (the default, cached in L1 and L2) or ".cg" (L2 only).
+    load_cache: str = ""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -163,7 +165,7 @@ def launch_params(
         kv_stride_t=kv.stride(0), kv_stride_l=kv.stride(1),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         SPLIT=split, LAYER_FAST=config.layer_fast, V_FIRST=config.v_first and not split,
-        FULL_ROW=(2 if config.partner_gather else 1) if one_tile_k else 0,
+        FULL_ROW=(2 if config.partner_gather else 1) if one_tile_k else 0, LOAD_CACHE=config.load_cache,
     )  # fmt: skip
     return (triton.cdiv(num_tokens, block_t) * num_layers, 1, parts), arguments, num_warps
 
