@@ -30,6 +30,7 @@ from typedkv.integrations.sglang_objects import (
     is_integer,
     layer_scales,
     number,
+    one_per_token,
     projection_rows,
     read_layer_id,
 )
@@ -266,13 +267,7 @@ class FusedKVMaterializeHelper:
                 f"cache_loc: expected an int32 or int64 tensor of T={ctx_hidden.shape[0]} slots, "
                 f"got {type(cache_loc).__name__}"
             )
-        if cache_loc.ndim != 1:
-            cache_loc = cache_loc.reshape(-1)
-        if cache_loc.numel() != ctx_hidden.shape[0]:
-            raise typedkv.InputError(
-                f"cache_loc: expected T={ctx_hidden.shape[0]} slots (one per token of ctx_hidden), "
-                f"got {cache_loc.numel()}"
-            )
+        cache_loc = one_per_token("cache_loc", cache_loc, ctx_hidden.shape[0], "slots")
         if ctx_hidden.shape[0] == 0:
             return
         if cache_loc.device != self.device:
@@ -368,13 +363,7 @@ class FusedKVMaterializeHelper:
                 f"positions: expected an integer tensor, got {got}: positions index the RoPE table; "
                 "a cast would truncate them"
             )
-        if positions.ndim != 1:
-            positions = positions.reshape(-1)
-        if positions.numel() != ctx_hidden.shape[0]:
-            raise typedkv.InputError(
-                f"positions: expected T={ctx_hidden.shape[0]} positions (one per token of ctx_hidden), "
-                f"got {positions.numel()}"
-            )
+        positions = one_per_token("positions", positions, ctx_hidden.shape[0], "positions")
         if ctx_hidden.device != self.device:
             ctx_hidden = ctx_hidden.to(self.device, non_blocking=True)
         if ctx_hidden.dtype != self._kv_weight.dtype:

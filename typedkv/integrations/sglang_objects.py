@@ -50,6 +50,17 @@ def short(value: Any) -> str:
     return repr(value)
 
 
+def one_per_token(name: str, values: Tensor, num_tokens: int, what: str) -> Tensor:
+    """``values`` flattened to ``[T]``: sglang may pass ``[T, 1]``; a count other than ``num_tokens`` is an error."""
+    if values.ndim != 1:
+        values = values.reshape(-1)
+    if values.numel() != num_tokens:
+        raise typedkv.InputError(
+            f"{name}: expected T={num_tokens} {what} (one per token of ctx_hidden), got {values.numel()}"
+        )
+    return values
+
+
 def is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
