@@ -162,7 +162,8 @@ def cases() -> dict[str, Callable[[], object]]:
                     name = f"pool-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
                     out[name] = _pool(t, layout, pool_dtype, scale)
         for layout in ("dense", "flat", "paged64", "list", "singleton"):
-            for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            # uint8: DeepSeek's FP8 rows (cache_format="fp8_ds_mla").
+            for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
                 if layout == "dense" and pool_dtype != torch.bfloat16:
                     continue
                 out[f"mla-T{t}-{layout}-{_TYPES[pool_dtype]}"] = _mla(t, layout, pool_dtype)
@@ -305,6 +306,8 @@ def _fused(
 
 def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
     layers, latent, rotary, slots = 5, 512, 64, t + 64
+    ds_mla = dtype == torch.uint8
+    width = 656 if ds_mla else latent + rotary
 
     def call() -> object:
         ckv = torch.randn(t, layers, latent + rotary).to(torch.bfloat16)
@@ -314,17 +317,17 @@ def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
             return typedkv.materialize_mla_kv(ckv, weight, 1e-6, _tables(rotary), positions, rope_style="gptj")
         pool: Any
         if layout == "flat":
-            pool = torch.empty(layers, slots, latent + rotary, dtype=dtype)
+            pool = torch.empty(layers, slots, width, dtype=dtype)
         elif layout == "paged64":
-            pool = torch.empty(layers, -(-slots // 64), 64, latent + rotary, dtype=dtype)
+            pool = torch.empty(layers, -(-slots // 64), 64, width, dtype=dtype)
         elif layout == "list":
-            pool = [torch.empty(slots, latent + rotary, dtype=dtype) for _ in range(layers)]
+            pool = [torch.empty(slots, width, dtype=dtype) for _ in range(layers)]
         else:
-            pool = [torch.empty(slots, 1, latent + rotary, dtype=dtype) for _ in range(layers)]
-        scale = 0.5 if dtype != torch.bfloat16 else None
+            pool = [torch.empty(slots, 1, width, dtype=dtype) for _ in range(layers)]
+        scale = 0.5 if dtype == torch.float8_e4m3fn else None
         return typedkv.materialize_mla_kv_into_pool(
             ckv, weight, 1e-6, _tables(rotary), positions, torch.randperm(slots)[:t], pool,
-            rope_style="gptj", kv_scale=scale,
+            rope_style="gptj", kv_scale=scale, cache_format="fp8_ds_mla" if ds_mla else "plain",
         )  # fmt: skip
 
     return call

@@ -69,10 +69,12 @@ class Inputs:
             rope_style=self.rope_style, out=out,
         )  # fmt: skip
 
-    def into_pool(self, cache_loc: Tensor, kv_pool: Pool, kv_scale: Any = None) -> None:
+    def into_pool(
+        self, cache_loc: Tensor, kv_pool: Pool, kv_scale: Any = None, cache_format: typedkv.CacheFormat = "plain"
+    ) -> None:
         typedkv.materialize_mla_kv_into_pool(
             self.ckv, self.kv_norm_weight, self.eps, self.cos_sin_cache, self.positions, cache_loc, kv_pool,
-            rope_style=self.rope_style, kv_scale=kv_scale,
+            rope_style=self.rope_style, kv_scale=kv_scale, cache_format=cache_format,
         )  # fmt: skip
 
     def cpu(self) -> Inputs:

@@ -89,9 +89,36 @@ def test_pool_compiled(layout: str) -> None:
         assert torch.equal(a, b) and bool(a.any())
 
 
+DS_CKV = torch.randn(T, L, 512 + 64, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "paged", "list", "sglang"])
+def test_ds_mla_pool_compiled(layout: str) -> None:
+    """DeepSeek's FP8 rows (cache_format="fp8_ds_mla") through the traced op: the eager bytes, in place."""
+    weight, cache = torch.rand(L, 512) + 0.5, torch.randn(P, 64)
+
+    def make() -> Tensor | list[Tensor]:
+        shape = {"stacked": (L, S, 656), "paged": (L, 3, 4, 656), "list": (S, 656), "sglang": (S, 1, 656)}[layout]
+        if layout in ("stacked", "paged"):
+            return torch.zeros(shape, dtype=torch.uint8)
+        return [torch.zeros(shape, dtype=torch.uint8) for _ in range(L)]
+
+    def fn(ckv: Tensor, pool: Tensor | list[Tensor]) -> None:
+        typedkv.materialize_mla_kv_into_pool(
+            ckv, weight, EPS, cache, POSITIONS, CACHE_LOC, pool, rope_style="gptj", cache_format="fp8_ds_mla"
+        )
+
+    got, want = make(), make()
+    compiled(fn)(DS_CKV, got)
+    fn(DS_CKV, want)
+    for a, b in zip(got if isinstance(got, list) else [got], want if isinstance(want, list) else [want], strict=True):
+        assert torch.equal(a, b) and bool(a.any())
+
+
 def test_misuse_rejected_while_tracing() -> None:
     wrong_norm = torch.ones(L, C + 2)
     fp16_pool = torch.zeros(L, S, C + R, dtype=torch.float16)
+    ds_pool = torch.zeros(L, S, 656, dtype=torch.uint8)
 
     def dense() -> object:
         return typedkv.materialize_mla_kv(CKV, wrong_norm, 1e-6, CACHE, POSITIONS, rope_style="gptj")
@@ -101,7 +128,12 @@ def test_misuse_rejected_while_tracing() -> None:
             CKV, WEIGHT, 1e-6, CACHE, POSITIONS, CACHE_LOC, fp16_pool, rope_style="gptj"
         )
 
-    for call in (dense, pool):
+    def ds_geometry() -> None:  # C = 16, R = 8: not DeepSeek's rows
+        typedkv.materialize_mla_kv_into_pool(
+            CKV, WEIGHT, 1e-6, CACHE, POSITIONS, CACHE_LOC, ds_pool, rope_style="gptj", cache_format="fp8_ds_mla"
+        )
+
+    for call in (dense, pool, ds_geometry):
         with pytest.raises(typedkv.InputError) as eager:
             call()
         torch._dynamo.reset()
@@ -117,9 +149,9 @@ def test_schemas() -> None:
     assert schemas == {
         f"typedkv::materialize_mla_kv_out({common}, str rope_style, Tensor(a7!) out) -> ()",
         f"typedkv::materialize_mla_kv_into_pool_stacked({common}, Tensor cache_loc, Tensor(a7!) kv_pool, "
-        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor) -> ()",
+        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor, str cache_format) -> ()",
         f"typedkv::materialize_mla_kv_into_pool_list({common}, Tensor cache_loc, Tensor(a7!)[] kv_pool, "
-        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor) -> ()",
+        "str rope_style, float? kv_scale_value, Tensor? kv_scale_tensor, str cache_format) -> ()",
     }
 
 
@@ -137,7 +169,15 @@ def test_opcheck() -> None:
     stacked, listed = mla_api.POOL_OPS.ops
     torch.library.opcheck(dense, (CKV, WEIGHT, 1e-6, None, CACHE, POSITIONS, "neox", torch.empty(L, T, C + R)))
     torch.library.opcheck(
-        stacked, (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None)
+        stacked,
+        (CKV, None, None, EPS, CACHE, POSITIONS, CACHE_LOC, torch.zeros(L, S, C + R), "gptj", None, None, "plain"),
     )
     pools = [torch.zeros(S, C + R) for _ in range(L)]
-    torch.library.opcheck(listed, (CKV, WEIGHT, None, EPS, CACHE, POSITIONS, CACHE_LOC, pools, "neox", None, None))
+    torch.library.opcheck(
+        listed, (CKV, WEIGHT, None, EPS, CACHE, POSITIONS, CACHE_LOC, pools, "neox", None, None, "plain")
+    )
+    ckv, weight, cache = DS_CKV, torch.rand(L, 512, generator=g) + 0.5, torch.randn(P, 64, generator=g)
+    ds_pools = [torch.zeros(S, 1, 656, dtype=torch.uint8) for _ in range(L)]
+    torch.library.opcheck(
+        listed, (ckv, weight, None, EPS, cache, POSITIONS, CACHE_LOC, ds_pools, "gptj", None, None, "fp8_ds_mla")
+    )

@@ -151,12 +151,12 @@ POOL_CASES: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"kv_pool": torch.zeros(L, 4, 2, 2, C + R, dtype=BF16)},
-        "kv_pool: expected shape (L=3, S, C+R=48) or (L=3, N, B, C+R=48), got (3, 4, 2, 2, 48): "
+        "kv_pool: expected shape (L=3, S, C+R=48) or (L=3, N, B, C+R=48) for cache_format='plain', got (3, 4, 2, 2, 48): "
         "an MLA pool holds one row of C+R per slot, with no head dim (sglang's [S, 1, C+R] is pages of one slot)",
     ),
     (
         {"kv_pool": [torch.zeros(4, 2, 2, C + R, dtype=BF16) for _ in range(L)]},
-        "kv_pool[0]: expected shape (S, C+R=48) or (N, B, C+R=48), got (4, 2, 2, 48): "
+        "kv_pool[0]: expected shape (S, C+R=48) or (N, B, C+R=48) for cache_format='plain', got (4, 2, 2, 48): "
         "an MLA pool holds one row of C+R per slot, with no head dim (sglang's [S, 1, C+R] is pages of one slot)",
     ),
     (
@@ -182,6 +182,112 @@ POOL_CASES: list[tuple[dict[str, Any], str]] = [
         "allocate it with a contiguous last dim (kv_pool.contiguous() would write into a copy)",
     ),
 ]
+
+
+def ds_into_pool(**overrides: Any) -> None:
+    """A ``cache_format="fp8_ds_mla"`` call: DeepSeek's geometry, C = 512 and R = 64, into rows of 656 bytes."""
+    g = torch.Generator().manual_seed(1)
+    args = {
+        "ckv": torch.randn(T, L, 512 + 64, generator=g).to(BF16),
+        "kv_norm_weight": torch.ones(L, 512),
+        "eps": 1e-6,
+        "cos_sin_cache": torch.randn(P, 64, generator=g),
+        "positions": torch.arange(T),
+        "cache_loc": torch.arange(T),
+        "kv_pool": torch.zeros(L, S, 656, dtype=torch.uint8),
+        "rope_style": "gptj",
+        "cache_format": "fp8_ds_mla",
+        **overrides,
+    }
+    typedkv.materialize_mla_kv_into_pool(
+        args.pop("ckv"), args.pop("kv_norm_weight"), args.pop("eps"), args.pop("cos_sin_cache"),
+        args.pop("positions"), args.pop("cache_loc"), args.pop("kv_pool"), **args,
+    )  # fmt: skip
+
+
+_DS_ALIGNED = "each row holds float32 scales and bfloat16 rope values, written on 4-byte boundaries"
+
+DS_POOL_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"cache_format": "fp8"}, "cache_format: expected 'plain' or 'fp8_ds_mla', got 'fp8'"),
+    (
+        {"kv_scale": 0.5},
+        "kv_scale: expected None for cache_format='fp8_ds_mla', got 0.5: each row holds its own scales, "
+        "one per 128 latent values",
+    ),
+    (
+        {"kv_scale": torch.ones(L)},
+        "kv_scale: expected None for cache_format='fp8_ds_mla', got a tensor of shape (3,): each row holds its own "
+        "scales, one per 128 latent values",
+    ),
+    (
+        {"kv_norm_weight": torch.ones(L, 448), "ckv": torch.zeros(T, L, 448 + 64, dtype=BF16)},
+        "cache_format: expected C=512 and R=64 for 'fp8_ds_mla', got C=448 (from kv_norm_weight) and R=64 "
+        "(from cos_sin_cache): DeepSeek's FP8 rows hold that geometry only; other widths take cache_format='plain'",
+    ),
+    (
+        {"kv_norm_weight": None, "ckv": torch.zeros(T, L, C + R, dtype=BF16), "cos_sin_cache": torch.zeros(P, R)},
+        "cache_format: expected C=512 and R=64 for 'fp8_ds_mla', got C=32 (ckv's width less R) and R=16 "
+        "(from cos_sin_cache): DeepSeek's FP8 rows hold that geometry only; other widths take cache_format='plain'",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 576, dtype=torch.uint8)},
+        "kv_pool: expected shape (L=3, S, 656), got (3, 10, 576): an fp8_ds_mla row is 656 bytes: 512 "
+        "float8_e4m3fn latent values, 4 float32 scales (one per 128 values), 64 bfloat16 rope values",
+    ),
+    (
+        {"kv_pool": [torch.zeros(4, 4, 576, dtype=torch.uint8) for _ in range(L)]},
+        "kv_pool[0]: expected shape (N, B, 656), got (4, 4, 576): an fp8_ds_mla row is 656 bytes: 512 "
+        "float8_e4m3fn latent values, 4 float32 scales (one per 128 values), 64 bfloat16 rope values",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 656, dtype=torch.float8_e4m3fn)},
+        "kv_pool: expected dtype uint8, got float8_e4m3fn: an fp8_ds_mla pool holds bytes: "
+        "pass kv_pool.view(torch.uint8), the same bytes",
+    ),
+    (
+        {"kv_pool": [torch.zeros(S, 1, 656, dtype=BF16) for _ in range(L)]},
+        "kv_pool[0]: expected dtype uint8, got bfloat16: an fp8_ds_mla pool holds bytes: "
+        "allocate it with dtype=torch.uint8, 656 bytes a row",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 576, dtype=BF16)},
+        "kv_pool: expected shape (L=3, S, 656) for cache_format='fp8_ds_mla', got (3, 10, 576): "
+        "that is a plain pool [L, S, C+R]: pass cache_format='plain'",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 656, dtype=torch.uint8), "cache_format": "plain"},
+        "kv_pool: expected dtype bfloat16 (ckv's), float8_e4m3fn or float8_e5m2, got uint8: "
+        "rows of 656 bytes are DeepSeek's FP8 rows: pass cache_format='fp8_ds_mla'",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 657, dtype=torch.uint8)[..., :656]},
+        f"kv_pool: expected strides that are multiples of 4 for cache_format='fp8_ds_mla', got (6570, 657, 1): "
+        f"{_DS_ALIGNED}",
+    ),
+    (
+        {"kv_pool": torch.zeros(L, S, 658, dtype=torch.uint8)[..., 2:]},
+        f"kv_pool: expected strides that are multiples of 4 for cache_format='fp8_ds_mla', got (6580, 658, 1): "
+        f"{_DS_ALIGNED}",
+    ),
+    (
+        {"kv_pool": list(torch.zeros(L * S * 656 + 2, dtype=torch.uint8)[2:].view(L, S, 656))},
+        "kv_pool[0]: expected memory starting on a 4-byte boundary for cache_format='fp8_ds_mla', got an address "
+        f"2 bytes past one: {_DS_ALIGNED}",
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("overrides", "message"), DS_POOL_CASES)
+def test_fp8_ds_mla_messages(overrides: dict[str, Any], message: str, mode: str) -> None:
+    """cache_format="fp8_ds_mla": every refusal before anything is written."""
+    pool = overrides.get("kv_pool")
+    layers = [pool] if isinstance(pool, Tensor) else pool or []
+    before = [t.clone() for t in layers]
+    with pytest.raises(typedkv.InputError) as err:
+        ds_into_pool(**overrides)
+    assert str(err.value) == message
+    assert all(a.view(torch.uint8).equal(b.view(torch.uint8)) for a, b in zip(layers, before, strict=True))
 
 
 @pytest.mark.parametrize("mode", MODES)

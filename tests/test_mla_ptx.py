@@ -44,7 +44,7 @@ def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0
     fp8 = {"fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}.get(dst, (0.0, 0, 0))
     const = {
         "C": 512, "R": 64, "NEOX": False, "NORM": True, "EPS_PER_LAYER": True, "INDEXED": True, "PAGE": 64,
-        "LAYER_TABLE": False, "SCALE": scale, "FP8_MAX": fp8[0], "FP8_MANT": fp8[1], "FP8_MIN_EXP": fp8[2],
+        "LAYER_TABLE": False, "SCALE": scale, "DS_MLA": False, "FP8_MAX": fp8[0], "FP8_MANT": fp8[1], "FP8_MIN_EXP": fp8[2],
         "LAYER_VEC": 16, "BLOCK_T": 4, "BLOCK_C": 512, "BLOCK_HALF": 32, "SOFT_ROUND": False, "NUM_LAYERS": 5,
         "WIDE": False, **dict.fromkeys(_UNIT, 1), **constexprs,
     }  # fmt: skip
@@ -85,6 +85,8 @@ def compile_for_hopper(*, dtype: str = "bf16", dst: str = "bf16", scale: int = 0
         {"LAYER_TABLE": 1},
         {"dst": "fp8e4nv", "scale": 2},
         {"dst": "fp8e5", "scale": 1, "NEOX": True},
+        {"dst": "fp8e4nv", "scale": 1, "DS_MLA": True},
+        {"dst": "fp8e4nv", "scale": 1, "DS_MLA": True, "NORM": False, "NEOX": True, "LAYER_TABLE": 16},
         {"dtype": "fp16", "dst": "fp16", "C": 96, "BLOCK_C": 128, "R": 32, "BLOCK_HALF": 16},
         {"dtype": "fp32", "dst": "fp32", "C": 0, "BLOCK_C": 1, "R": 16, "BLOCK_HALF": 8, "NORM": False},
     ],

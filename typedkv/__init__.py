@@ -5,7 +5,7 @@ The public surface is exactly what this module re-exports.
 
 from typedkv.core.config import debug_enabled, set_debug
 from typedkv.core.errors import InputError
-from typedkv.core.tensor_types import Index, KVLayout, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+from typedkv.core.tensor_types import CacheFormat, Index, KVLayout, ParamFloat, PoolFloat, RopeStyle, StorageFloat
 from typedkv.kv.api import materialize_kv, materialize_kv_into_pool
 from typedkv.mla.api import materialize_mla_kv, materialize_mla_kv_into_pool
 from typedkv.projection.materializer import KVMaterializer
@@ -15,6 +15,7 @@ from typedkv.rope import cos_sin_cache, cos_sin_cache_from_hf
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFormat",
     "Index",
     "InputError",
     "KVLayout",

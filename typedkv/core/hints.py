@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from typedkv.core.tensor_types import Derived, KVLayout, PageLayout
+from typedkv.core.tensor_types import CacheFormat, Derived, KVLayout, PageLayout
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
@@ -88,8 +88,9 @@ def unwrap(hint: Any) -> tuple[Any, str | None]:
 
 
 def is_layout_choice(hint: Any) -> bool:
-    """Whether ``hint`` is `KVLayout` (or ``KVLayout | None``): the argument that picks a pool's page layout."""
-    return hint == KVLayout or KVLayout in typing.get_args(hint)
+    """Whether ``hint`` is `KVLayout` (or ``KVLayout | None``) or `CacheFormat`: the argument that picks a pool's
+    shape among those of one rank (`PageLayout`)."""
+    return hint in (KVLayout, CacheFormat) or KVLayout in typing.get_args(hint)
 
 
 def is_array_hint(hint: Any) -> bool:

@@ -236,9 +236,11 @@ class Messages:
         dims: Mapping[str, int],
     ) -> str:
         """A pool that fits another layout than the one asked for."""
+        # "an NHD", "an HND", "an fp8_ds_mla" pool (letters read by name), but "a plain" one.
+        article = "a" if other.layout == "plain" else "an"
         return (
             f"{label}: expected shape {self.expected(spec, dims)} for {layout_of}={layout!r}, got "
-            f"{tuple(value.shape)}: that is an {other.layout} pool {self.brackets(other)}: pass "
+            f"{tuple(value.shape)}: that is {article} {other.layout} pool {self.brackets(other)}: pass "
             f"{layout_of}={other.layout!r}"
         )
 

@@ -47,7 +47,8 @@ class Signature:
         ``{param: other}``: ``param`` must have ``other``'s dtype.
     storage_of
         ``{param: other}``: ``param`` (a pool) has ``other``'s dtype or one
-        of its annotation's FP8 dtypes.
+        of its annotation's FP8 dtypes (in a shape whose dtypes hold
+        ``other``'s; another shape, an MLA pool's bytes, has its own dtypes).
     outputs
         Arguments the function writes; their fixes show how to allocate them.
     rules
@@ -109,8 +110,8 @@ class Signature:
         self.outputs = self._outputs = frozenset(outputs)
         self._rules = [(compile(expr, expr, "eval"), expr, blame, what, fixes) for expr, blame, what, *fixes in rules]
         self._inner_contiguous = frozenset(inner_contiguous)
-        # The argument annotated `KVLayout` picks, among an argument's shapes of
-        # one rank, the one tagged with its value (`PageLayout`).
+        # The argument annotated `KVLayout` (or `CacheFormat`) picks, among an
+        # argument's shapes of one rank, the one tagged with its value (`PageLayout`).
         layout_of = next((p.name for p in params if is_layout_choice(hints[p.name])), None)
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
@@ -270,9 +271,11 @@ class Signature:
         if len(chosen) == 1:
             spec = chosen[0]
             if not self._fits(spec, value.shape, bound.dims):
-                # A pool of the other layout passed without saying so: name the argument that fixes it.
+                # A pool of the other layout passed without saying so: name the argument that fixes it (one
+                # whose dtypes, where the layouts' differ, take the tensor's: an MLA pool of bytes is no plain one).
                 for other in same_rank:
-                    if other.layout not in (None, layout) and self._fits(other, value.shape, bound.dims):
+                    takes = value.dtype in other.dtypes or other.dtypes == spec.dtypes
+                    if other.layout not in (None, layout) and takes and self._fits(other, value.shape, bound.dims):
                         raise InputError(
                             self._messages.other_layout(self._layout_of, label, spec, other, layout, value, bound.dims)
                         )
@@ -383,7 +386,7 @@ class Signature:
                 raise InputError(
                     self._messages.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound)
                 )
-        elif storage is not None:
+        elif storage is not None and args[storage[0]].dtype in spec.dtypes:
             # A pool holds kv's dtype or an FP8 one: say which, not the whole family.
             want = args[storage[0]].dtype
             fp8 = [d for d in spec.dtype_names if is_fp8(getattr(torch, d))]

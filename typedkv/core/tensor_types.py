@@ -23,10 +23,14 @@ import torch
 from jaxtyping import AbstractDtype
 
 __all__ = [
+    "DS_MLA_ROW_BYTES",
+    "FP8_DS_MLA",
     "HND",
     "KV_WIDTH",
     "MLA_WIDTH",
     "NHD",
+    "PLAIN",
+    "CacheFormat",
     "Derived",
     "Index",
     "KVLayout",
@@ -48,6 +52,14 @@ KVLayout = Literal["NHD", "HND"]
 
 FlashInfer's names. A pool without page dims (``[S, H, D]``) is NHD with pages of one slot.
 """
+
+CacheFormat = Literal["plain", "fp8_ds_mla"]
+"""How an MLA pool stores a row: ``"plain"`` in the pool's dtype (ckv's, or FP8 with one scale per layer);
+``"fp8_ds_mla"`` as DeepSeek's FP8 row of `DS_MLA_ROW_BYTES` bytes (vLLM's ``kv_cache_dtype="fp8_ds_mla"``):
+512 ``float8_e4m3fn`` latent values, 4 float32 scales (one per 128 values), 64 bfloat16 rope values."""
+
+DS_MLA_ROW_BYTES = 656
+"""An ``"fp8_ds_mla"`` row: 512 latent bytes, 4 * 4 scale bytes, 64 * 2 rope bytes."""
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The FP8 formats a pool may hold (`PoolFloat`'s one-byte dtypes)."""
@@ -179,11 +191,13 @@ MLA_WIDTH = Derived("W = C+R")
 
 @dataclass(frozen=True)
 class PageLayout:
-    """The `KVLayout` a pool shape belongs to, as ``Annotated`` metadata.
+    """The `KVLayout` (or an MLA pool's `CacheFormat`) a pool shape belongs to, as ``Annotated`` metadata.
 
     A pool argument is a union of shapes; two of them have the same rank (NHD's
-    ``[L, N, B, H, D]`` and HND's ``[L, N, H, B, D]``), so the run-time check
-    picks the one tagged with the call's layout argument. Static checkers ignore
+    ``[L, N, B, H, D]`` and HND's ``[L, N, H, B, D]``; a plain MLA pool's
+    ``[L, S, C+R]`` and an ``"fp8_ds_mla"`` one's ``[L, S, 656]``), so the
+    run-time check picks the one tagged with the call's layout argument (its
+    ``kv_layout``, or an MLA pool's ``cache_format``). Static checkers ignore
     the tag and accept any member.
     """
 
@@ -192,3 +206,5 @@ class PageLayout:
 
 NHD = PageLayout("NHD")
 HND = PageLayout("HND")
+PLAIN = PageLayout("plain")
+FP8_DS_MLA = PageLayout("fp8_ds_mla")

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
+from jaxtyping import UInt8
 from torch import Tensor
 
 from typedkv.core import torch_ops
-from typedkv.core.tensor_types import MLA_WIDTH, RopeStyle, static_jaxtyping
+from typedkv.core.tensor_types import FP8_DS_MLA, MLA_WIDTH, PLAIN, CacheFormat, RopeStyle, static_jaxtyping
 from typedkv.mla import impl as mla_impl
 
 if TYPE_CHECKING:
@@ -138,7 +139,8 @@ DENSE_OPS = torch_ops.TorchOps(mla_impl.DENSE, ("materialize_mla_kv_out",), allo
 
 # An MLA pool's shapes: stacked over layers or a sequence of per-layer tensors;
 # slots in a flat dim S, or in N pages of B slots. sglang's [S, 1, C+R] is the
-# paged shape with pages of one slot.
+# paged shape with pages of one slot. The same four in bytes hold rows of
+# DeepSeek's FP8 format (cache_format="fp8_ds_mla", `DS_MLA_ROW_BYTES`).
 @static_jaxtyping("T L W C P R S N B")
 def materialize_mla_kv_into_pool(
     ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
@@ -148,15 +150,20 @@ def materialize_mla_kv_into_pool(
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
     kv_pool: Annotated[
-        PoolFloat[Tensor, "L S W"]
-        | PoolFloat[Tensor, "L N B W"]
-        | Sequence[PoolFloat[Tensor, "S W"]]
-        | Sequence[PoolFloat[Tensor, "N B W"]],
+        Annotated[PoolFloat[Tensor, "L S W"], PLAIN]
+        | Annotated[PoolFloat[Tensor, "L N B W"], PLAIN]
+        | Sequence[Annotated[PoolFloat[Tensor, "S W"], PLAIN]]
+        | Sequence[Annotated[PoolFloat[Tensor, "N B W"], PLAIN]]
+        | Annotated[UInt8[Tensor, "L S 656"], FP8_DS_MLA]
+        | Annotated[UInt8[Tensor, "L N B 656"], FP8_DS_MLA]
+        | Sequence[Annotated[UInt8[Tensor, "S 656"], FP8_DS_MLA]]
+        | Sequence[Annotated[UInt8[Tensor, "N B 656"], FP8_DS_MLA]],
         MLA_WIDTH,
     ],
     *,
     rope_style: RopeStyle,
     kv_scale: float | ParamFloat[Tensor, " L"] | None = None,
+    cache_format: CacheFormat = "plain",
 ) -> None:
     """Materialize the MLA cache rows of every layer straight into an MLA pool.
 
@@ -179,14 +186,29 @@ def materialize_mla_kv_into_pool(
         one slot). Slot ``s`` is page ``s // B``, offset ``s % B``. ckv's dtype,
         or ``float8_e4m3fn`` / ``float8_e5m2``. Any page and slot strides (a view
         into a larger cache), last dim contiguous; per-layer tensors share one
-        dtype and one set of strides. Written in place.
+        dtype and one set of strides. Written in place. With
+        ``cache_format="fp8_ds_mla"``: ``uint8`` rows of 656 bytes in the same
+        four shapes (``[L, S, 656]``, ``[L, N, B, 656]``, ``[S, 656]``,
+        ``[N, B, 656]``; sglang-style ``[S, 1, 656]``).
     rope_style : {"gptj", "neox"}
         As in :func:`materialize_mla_kv`.
     kv_scale : float, or Tensor of shape ``[L]``, optional
         FP8 pools only: the stored value is ``x / scale`` (computed as
         ``x * (1 / scale)`` in float32) saturated to the format's finite range.
         A missing scale means 1.0 (values are still saturated). A tensor scale
-        is read in the kernel: no host sync.
+        is read in the kernel: no host sync. Not taken with
+        ``cache_format="fp8_ds_mla"``, whose rows carry their own scales.
+    cache_format : {"plain", "fp8_ds_mla"}, default "plain"
+        How a row is stored. ``"plain"``: the ``C+R`` values in the pool's
+        dtype. ``"fp8_ds_mla"``: DeepSeek's FP8 row (vLLM's
+        ``kv_cache_dtype="fp8_ds_mla"``), for ``C = 512`` and ``R = 64`` only:
+        bytes ``[0, 512)`` hold the latent in ``float8_e4m3fn``, ``[512, 528)``
+        four float32 scales, ``[528, 656)`` the rope part in bfloat16. The
+        (normed) latent is rounded to bfloat16, then each tile of 128 values
+        is stored as ``x / scale`` saturated, with ``scale = max(amax(|tile|) /
+        448, 2**-126)`` (NaN left out of the amax; an all-zero tile gets the
+        smallest normal float32 as its scale, as vLLM's kernel gives it). The
+        rotated rope part is rounded once, to bfloat16.
 
     Raises
     ------
@@ -204,10 +226,25 @@ def materialize_mla_kv_into_pool(
     True
     >>> bool(kv_pool[:, [0, 2, 4, 5, 7]].any())  # slots cache_loc does not name stay untouched
     False
+
+    DeepSeek's FP8 rows (C = 512, R = 64), in a pool of bytes:
+
+    >>> C, R = 512, 64
+    >>> ckv = torch.randn(T, L, C + R, dtype=torch.bfloat16)
+    >>> ds_pool = torch.zeros(L, S, 656, dtype=torch.uint8)
+    >>> typedkv.materialize_mla_kv_into_pool(ckv, torch.ones(L, C), 1e-6, typedkv.cos_sin_cache(64, R),
+    ...                                      torch.arange(T), torch.tensor([6, 1, 3, -1]), ds_pool,
+    ...                                      rope_style="gptj", cache_format="fp8_ds_mla")
+    >>> latent = ds_pool[0, 6, :C].view(torch.float8_e4m3fn).float().view(4, 128)
+    >>> latent.abs().amax(dim=1)  # each tile's largest value lands on e4m3's largest, 448
+    tensor([448., 448., 448., 448.])
+    >>> scales = ds_pool[0, 6, C : C + 16].view(torch.float32)  # one per tile: latent * scale dequantizes
+    >>> ds_pool[0, 6, C + 16 :].view(torch.bfloat16).shape  # the rotated rope part
+    torch.Size([64])
     """
     # In the signature's order (tests/test_mla_compile.py checks the fields against it).
     call = mla_impl.PoolCall(
-        ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale
+        ckv, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, rope_style, kv_scale, cache_format
     )
     if torch.compiler.is_compiling():
         return POOL_OPS(call)  # type: ignore[no-any-return]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
+import torch
 from torch import Tensor
 
 from typedkv.core import reference as core_reference
@@ -25,6 +26,8 @@ from typedkv.core.implementation import (
     checked,
     planner,
 )
+from typedkv.core.messages import fmt_dtype
+from typedkv.core.tensor_types import DS_MLA_ROW_BYTES
 from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.mla import launch as mla_launch
 from typedkv.mla import reference as mla_reference
@@ -59,6 +62,7 @@ class PoolCall(NamedTuple):
     kv_pool: Tensor | Sequence[Tensor]
     rope_style: str
     kv_scale: float | Tensor | None
+    cache_format: str
 
 
 # --------------------------------------------------------------------- dense
@@ -113,7 +117,7 @@ def materialize_mla_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bo
 def check_pool(call: PoolCall) -> Bound:
     """The production check of a `typedkv.materialize_mla_kv_into_pool` call."""
     bound = _checked(POOL.signature.check, call)
-    _pool_layout(call)
+    _pool_layout(call, bound)
     return bound
 
 
@@ -138,12 +142,18 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
     geometry = cast(PoolGeometry, plan.geometry)
     dims, page_size = plan.bound.dims, geometry.page_size
     inputs = (call.kv_norm_weight, layer_eps(call.eps, ckv), call.cos_sin_cache, call.positions)
+    ds_mla = call.cache_format == "fp8_ds_mla"
+    if ds_mla:
+        _check_rows_aligned(kv_pool, addresses)
     if not plan.kernel:
         with core_reference.writing():
-            rows = mla_reference.mla_rows(ckv, inputs, call.rope_style == "neox")
             layers = kv_pool.unbind(0) if isinstance(kv_pool, Tensor) else kv_pool
             # As [.., 1, C+R] rows of one head: the K/V pool writer's layout.
-            stored = core_reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
+            if ds_mla:
+                stored = mla_reference.ds_mla_rows(ckv, inputs, call.rope_style == "neox").unsqueeze(2)
+            else:
+                rows = mla_reference.mla_rows(ckv, inputs, call.rope_style == "neox")
+                stored = core_reference.quantize(rows.unsqueeze(2), call.kv_scale, layers[0].dtype)
             core_reference.write_pool(stored, call.cache_loc, [p.unsqueeze(-2) for p in layers], page_size)
         return
     table_multiple = 0
@@ -157,6 +167,9 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         addresses = cast(list[int], addresses)
         dst = kv_pool[0]
         table, table_multiple = layer_table(kv_pool, kv_pool, addresses + addresses)
+    if ds_mla:
+        # The kernel addresses the rows' bytes as the latent's e4m3 values (its FP8 store), the rest by casts.
+        dst = dst.view(torch.float8_e4m3fn)
     values = mla_launch.call_values(ckv, inputs, call.cache_loc, dst, table, call.kv_scale)
     launch = plan.launch if table_multiple != 1 else None
     if launch is None:
@@ -164,7 +177,7 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         strides = (by_dim.get("L", 0), by_dim["N"] if "N" in by_dim else by_dim["S"], by_dim.get("B", 0))
         launch = mla_launch.mla_launch(
             values, strides, kv_lora_rank=dims["C"], page_size=page_size, num_rows=geometry.num_slots,
-            neox=call.rope_style == "neox", table_multiple=table_multiple,
+            neox=call.rope_style == "neox", table_multiple=table_multiple, ds_mla=ds_mla,
         )  # fmt: skip
         if table_multiple != 1:
             plan.launch = launch
@@ -191,13 +204,92 @@ def _checked(check: Callable[..., _R], call: DenseCall | PoolCall, *more: Any) -
         heads_dim = 4 if isinstance(kv_pool, Tensor) else 3
         if message.startswith("kv_pool") and isinstance(first, Tensor) and first.dim() == heads_dim + 1:
             message += ": an MLA pool holds one row of C+R per slot, with no head dim (sglang's [S, 1, C+R] is pages of one slot)"
+        elif message.startswith("kv_pool") and isinstance(first, Tensor):
+            message = _cache_format_fix(message, first, call)
         if message == str(err):
             raise
         raise InputError(message) from None
 
 
-def _pool_layout(call: PoolCall) -> None:
-    """The relations between the pool's layers and the scale that shapes cannot say."""
+_DS_MLA_ROW = (
+    f"an fp8_ds_mla row is {DS_MLA_ROW_BYTES} bytes: 512 float8_e4m3fn latent values, 4 float32 scales "
+    "(one per 128 values), 64 bfloat16 rope values"
+)
+
+
+_ALIGNED = "each row holds float32 scales and bfloat16 rope values, written on 4-byte boundaries"
+
+
+def _check_rows_aligned(kv_pool: Tensor | Sequence[Tensor], addresses: list[int] | None) -> None:
+    """Every call into DeepSeek's FP8 rows: each layer's pool starts on 4 bytes (its strides were checked with its
+    layout). ``addresses``: the per-layer pools' (`check_memory`'s), None for a stacked pool."""
+    layers = [kv_pool.data_ptr()] if isinstance(kv_pool, Tensor) else addresses or []
+    for i, address in enumerate(layers):
+        if address % 4:
+            label = "kv_pool" if isinstance(kv_pool, Tensor) else f"kv_pool[{i}]"
+            raise InputError(
+                f"{label}: expected memory starting on a 4-byte boundary for cache_format='fp8_ds_mla', got "
+                f"an address {address % 4} bytes past one: {_ALIGNED}"
+            )
+
+
+def _cache_format_fix(message: str, pool: Tensor, call: DenseCall | PoolCall) -> str:
+    """A pool message told what the pool's bytes say of its cache format: DeepSeek's rows passed as a plain pool, or
+    a pool of another dtype or width passed as DeepSeek's (``pool``: the stacked pool or its first layer)."""
+    label = message.split(":", 1)[0]
+    if getattr(call, "cache_format", "plain") == "plain":
+        ds_rows = pool.dtype == torch.uint8 and pool.shape[-1] == DS_MLA_ROW_BYTES != call.ckv.shape[-1]
+        kept_as_bytes = message.find(": an FP8 cache kept as bytes")
+        if ds_rows and kept_as_bytes > 0:
+            return (
+                f"{message[:kept_as_bytes]}: rows of {DS_MLA_ROW_BYTES} bytes are DeepSeek's FP8 rows: "
+                "pass cache_format='fp8_ds_mla'"
+            )
+        return message
+    if message.startswith(f"{label}: expected dtype uint8, got "):
+        fix = (
+            f"pass {label}.view(torch.uint8), the same bytes"
+            if pool.element_size() == 1
+            else f"allocate it with dtype=torch.uint8, {DS_MLA_ROW_BYTES} bytes a row"
+        )
+        return f"{label}: expected dtype uint8, got {fmt_dtype(pool.dtype)}: an fp8_ds_mla pool holds bytes: {fix}"
+    if pool.shape[-1] != DS_MLA_ROW_BYTES and message.endswith(f", got {tuple(pool.shape)}"):
+        return f"{message}: {_DS_MLA_ROW}"
+    return message
+
+
+def _ds_mla_geometry(call: PoolCall, bound: Bound) -> None:
+    """An ``"fp8_ds_mla"`` call: DeepSeek's row geometry (C = 512, R = 64), and no kv_scale (each row holds its tiles'
+    own scales; vLLM's kernel takes one and ignores it)."""
+    scale = call.kv_scale
+    if scale is not None:
+        got = f"a tensor of shape {tuple(scale.shape)}" if isinstance(scale, Tensor) else repr(scale)
+        raise InputError(
+            f"kv_scale: expected None for cache_format='fp8_ds_mla', got {got}: each row holds its own scales, "
+            "one per 128 latent values"
+        )
+    kv_pool = call.kv_pool
+    first = kv_pool if isinstance(kv_pool, Tensor) else kv_pool[0] if kv_pool else None
+    if first is not None and any(st % 4 for st, n in zip(first.stride()[:-1], first.shape[:-1], strict=True) if n > 1):
+        label = "kv_pool" if first is kv_pool else "kv_pool[0]"
+        raise InputError(
+            f"{label}: expected strides that are multiples of 4 for cache_format='fp8_ds_mla', got "
+            f"{tuple(first.stride())}: {_ALIGNED}"
+        )
+    dims = bound.dims
+    if (dims["C"], dims["R"]) != (512, 64):
+        c_from = "ckv's width less R" if "C" in bound.solved else f"from {bound.bound_by['C']}"
+        raise InputError(
+            f"cache_format: expected C=512 and R=64 for 'fp8_ds_mla', got C={dims['C']} ({c_from}) and "
+            f"R={dims['R']} (from {bound.bound_by['R']}): DeepSeek's FP8 rows hold that geometry only; "
+            "other widths take cache_format='plain'"
+        )
+
+
+def _pool_layout(call: PoolCall, bound: Bound) -> None:
+    """The relations between the pool's layers and the scale that shapes cannot say; a DeepSeek FP8 row's geometry."""
+    if call.cache_format == "fp8_ds_mla":
+        _ds_mla_geometry(call, bound)
     kv_pool = call.kv_pool
     if not isinstance(kv_pool, Tensor) and not kv_pool:
         return  # L == 0: nothing to write
@@ -205,7 +297,7 @@ def _pool_layout(call: PoolCall) -> None:
 
 
 _DENSE_PLANNER = planner()
-_POOL_PLANNER = planner(lambda call, bound: _pool_layout(call))
+_POOL_PLANNER = planner(_pool_layout)
 
 
 def check_numbers(call: DenseCall | PoolCall) -> None:

@@ -69,6 +69,29 @@ def _rope_part(
         _store_scaled(dst[:, None] + rot[None, :], o, row_ok[:, None] & (rot < R)[None, :], scale, QUANT)
 
 
+@triton.jit
+def _ds_mla_latent(dst, y, row_ok, QUANT, C: tl.constexpr):
+    """The latent of DeepSeek's FP8 rows (float32 ``y``, ``[BLOCK_T, C]``), as vLLM's ``fp8_ds_mla`` cache holds it.
+
+    Rounded to bfloat16, then each tile of 128 values divided by its own scale, ``max(amax / 448,
+    2**-126)`` (NaN left out of the amax, as CUDA's fmaxf leaves it), and stored as e4m3 (QUANT,
+    by a scale of 1.0: the division is IEEE ``x / scale``, vLLM's, not ``x * (1 / scale)``); the
+    ``C // 128`` scales follow the ``C`` bytes as float32.
+    """
+    TILES: tl.constexpr = C // 128
+    SOFT_ROUND: tl.constexpr = QUANT[4]
+    y = _cast(y, tl.bfloat16, SOFT_ROUND).to(tl.float32)
+    tiles = tl.reshape(y, (y.shape[0], TILES, 128))
+    amax = tl.max(tl.where(tiles == tiles, tl.abs(tiles), 0.0), axis=2)
+    tile_scale = tl.maximum(tl.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    tile = tl.arange(0, TILES)
+    lane = tl.arange(0, 128)
+    values = dst[:, None, None] + (tile[:, None] * 128 + lane[None, :])[None, :, :]
+    _store_scaled(values, tl.div_rn(tiles, tile_scale[:, :, None]), row_ok[:, None, None], 1.0, QUANT)
+    scales = (dst + C).to(tl.pointer_type(tl.float32))
+    tl.store(scales[:, None] + tile[None, :], tile_scale, mask=row_ok[:, None])
+
+
 # As in `typedkv.kv.kernel`: ints that change with every batch are not specialised
 # on (one compiled kernel serves every T); the layer stride arrives divided by
 # LAYER_VEC so the compiler still sees 16-byte aligned rows.
@@ -108,6 +131,7 @@ def materialize_mla_kv_kernel(
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,  # 0: layer l at l * dst_stride_l; else offsets from a table, multiples of this
     SCALE: tl.constexpr,  # 0: store as is, 1: divide by kv_scale's float, 2: by its tensor's entry for the layer
+    DS_MLA: tl.constexpr,  # DeepSeek's FP8 rows (dst: their bytes as e4m3): latent | C // 128 scales | bf16 rope part
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
@@ -155,7 +179,12 @@ def materialize_mla_kv_kernel(
 
     QUANT: tl.constexpr = (SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
     rope = (positions_ptr, positions_stride, num_positions, cos_sin_ptr, cos_sin_stride_p, cos_sin_stride_r)
-    _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF)
+    if DS_MLA:
+        ROPE_QUANT: tl.constexpr = (0, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        rope_dst = (dst + C + 4 * (C // 128)).to(tl.pointer_type(tl.bfloat16))
+        _rope_part(src + C, rope_dst, tok, tok_ok, row_ok, rope, scale, ROPE_QUANT, R, NEOX, BLOCK_HALF)
+    else:
+        _rope_part(src + C, dst + C, tok, tok_ok, row_ok, rope, scale, QUANT, R, NEOX, BLOCK_HALF)
 
     out = dst[:, None] + dim[None, :]
     out_ok = row_ok[:, None] & dim_ok[None, :]
@@ -165,10 +194,15 @@ def materialize_mla_kv_kernel(
         xf = x.to(tl.float32)
         rstd = _rstd(tl.sum(xf * xf, axis=1), C, eps)
         y = xf * rstd[:, None] * w.to(tl.float32)[None, :]
-        if SCALE != 0:
-            # Rounded to the storage dtype first, as the unfused path stores the norm's output.
-            y = _cast(y, ckv_ptr.dtype.element_ty, SOFT_ROUND).to(tl.float32)
-        _store_scaled(out, y, out_ok, scale, QUANT)
+        if DS_MLA:
+            _ds_mla_latent(dst, y, row_ok, QUANT, C)
+        else:
+            if SCALE != 0:
+                # Rounded to the storage dtype first, as the unfused path stores the norm's output.
+                y = _cast(y, ckv_ptr.dtype.element_ty, SOFT_ROUND).to(tl.float32)
+            _store_scaled(out, y, out_ok, scale, QUANT)
+    elif DS_MLA:
+        _ds_mla_latent(dst, x.to(tl.float32), row_ok, QUANT, C)
     elif SCALE == 0:
         tl.store(out, x, mask=out_ok)  # bit for bit
     else:

@@ -76,14 +76,16 @@ def mla_launch(
     num_rows: int,
     neox: bool,
     table_multiple: int = 1,
+    ds_mla: bool = False,
     config: MLAConfig = MLAConfig(),
 ) -> KernelLaunch:
     """The MLA kernel's launch of a layout, from a call's `call_values`; called with each call's.
 
     ``strides`` are ``(layer, page, slot in page)`` element strides of the destination
     (rows are contiguous); ``page_size``, ``num_rows`` and ``table_multiple`` as in
-    `typedkv.kv.launch.KVGeometry`. ``config``: the launch configuration (the default
-    unless a sweep asks for another).
+    `typedkv.kv.launch.KVGeometry`. ``ds_mla``: rows in DeepSeek's FP8 format, the
+    destination their bytes viewed as ``float8_e4m3fn``. ``config``: the launch
+    configuration (the default unless a sweep asks for another).
     """
     named = dict(zip(VALUES, values, strict=True))
     ckv, dst = named["ckv_ptr"], named["dst_ptr"]
@@ -101,6 +103,7 @@ def mla_launch(
         ckv_stride_l=ckv.stride(1),
         C=kv_lora_rank,
         SCALE=scale_mode(named["kv_scale"], dst.dtype),
+        DS_MLA=ds_mla,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         BLOCK_HALF=block_half,

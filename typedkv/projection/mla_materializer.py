@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import UInt8
 from torch import Tensor, nn
 
 from typedkv.core.checking import Bound, CheckedLayouts
 from typedkv.core.memory import Footprint
-from typedkv.core.tensor_types import MLA_WIDTH, RopeStyle, static_jaxtyping
+from typedkv.core.tensor_types import MLA_WIDTH, CacheFormat, RopeStyle, static_jaxtyping
 from typedkv.mla.api import DENSE_OPS, POOL_OPS
 from typedkv.mla.impl import DenseCall, PoolCall, dense_layout, pool_layout
 from typedkv.mla.impl import materialize_mla_kv as materialize_mla_kv_planned
@@ -110,6 +111,17 @@ class MLAKVMaterializer(nn.Module):
     MLAKVMaterializer(num_layers=2, kv_lora_rank=32, rotary_dim=16, hidden_size=24, rope_style='gptj')
     >>> m(torch.randn(T, hidden_size), torch.arange(T)).shape
     torch.Size([2, 4, 48])
+
+    DeepSeek's geometry (C = 512, R = 64) into vLLM's ``fp8_ds_mla`` rows of 656 bytes:
+
+    >>> C, R = 512, 64
+    >>> m = typedkv.MLAKVMaterializer(torch.randn(L, C + R, hidden_size), torch.ones(L, C), 1e-6,
+    ...                               typedkv.cos_sin_cache(64, R), rope_style="gptj")
+    >>> ds_pool = torch.zeros(L, 8, 656, dtype=torch.uint8)
+    >>> m.into_pool(torch.randn(T, hidden_size), torch.arange(T), torch.tensor([4, 0, 7, -1]), ds_pool,
+    ...             cache_format="fp8_ds_mla")
+    >>> ds_pool[:, 4, :C].view(torch.float8_e4m3fn).float().abs().max().item()  # tiles scaled onto e4m3's range
+    448.0
     """
 
     kv_a_weight: Tensor
@@ -214,10 +226,16 @@ class MLAKVMaterializer(nn.Module):
             PoolFloat[Tensor, "L S W"]
             | PoolFloat[Tensor, "L N B W"]
             | Sequence[PoolFloat[Tensor, "S W"]]
-            | Sequence[PoolFloat[Tensor, "N B W"]],
+            | Sequence[PoolFloat[Tensor, "N B W"]]
+            | UInt8[Tensor, "L S 656"]
+            | UInt8[Tensor, "L N B 656"]
+            | Sequence[UInt8[Tensor, "S 656"]]
+            | Sequence[UInt8[Tensor, "N B 656"]],
             MLA_WIDTH,
         ],
         kv_scale: float | ParamFloat[Tensor, " L"] | None = None,
+        *,
+        cache_format: CacheFormat = "plain",
     ) -> None:
         """The cache rows of every layer for ``hidden``, written straight into an MLA pool.
 
@@ -225,9 +243,10 @@ class MLAKVMaterializer(nn.Module):
         ----------
         hidden, positions
             As in :meth:`forward`.
-        cache_loc, kv_pool, kv_scale
+        cache_loc, kv_pool, kv_scale, cache_format
             As in :func:`typedkv.materialize_mla_kv_into_pool` (stacked, per-layer
-            or paged pools, FP8 with a scale). Written in place, slots named by
+            or paged pools, FP8 with a scale, DeepSeek's FP8 rows of 656 bytes with
+            ``cache_format="fp8_ds_mla"``). Written in place, slots named by
             ``cache_loc`` only.
 
         Raises
@@ -237,8 +256,9 @@ class MLAKVMaterializer(nn.Module):
         """
         _, _, kv_norm_weight, eps, cos_sin_cache = state = self._state()
         call = PoolCall(
-            hidden, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, self.rope_style, kv_scale
-        )
+            hidden, kv_norm_weight, eps, cos_sin_cache, positions, cache_loc, kv_pool, self.rope_style, kv_scale,
+            cache_format,
+        )  # fmt: skip
         self._materialize(call, state, _POOL_PATH)
 
     def _materialize(self, call: DenseCall | PoolCall, state: _State, path: _Path) -> Any:
