@@ -30,8 +30,39 @@ def titled_blocks() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in _FENCE.finditer(PAGE.read_text())}
 
 
+_DS_TITLE = "vLLM: fp8_ds_mla caches of the draft's layers"
+
+
 def test_every_snippet_is_run() -> None:
-    assert set(titled_blocks()) == set(_SLOTS)
+    assert set(titled_blocks()) == {*_SLOTS, _DS_TITLE}
+
+
+def test_fp8_ds_mla_snippet() -> None:
+    """The fp8_ds_mla snippet writes vLLM's rows of materialize_mla_kv's (tests/test_mla_fp8_ds.py) at its slots."""
+    from test_mla_fp8_ds import vllm_ds_mla_rows
+
+    gen = torch.Generator().manual_seed(5)
+    L, C, R, P, T, N, B = 2, 512, 64, 64, 6, 3, 4
+    angles = torch.rand(P, R // 2, generator=gen) * 6.2
+    ckv = torch.randn(T, L, C + R, generator=gen).to(torch.bfloat16)
+    slot_mapping = torch.randperm(N * B, generator=gen)[:T]
+    slot_mapping[2] = -1  # padding: not written
+    namespace: dict[str, Any] = {
+        "torch": torch, "typedkv": typedkv, "num_layers": L, "num_blocks": N, "block_size": B, "device": "cpu",
+        "ckv": ckv, "kv_norm_weight": torch.rand(L, C, generator=gen) + 0.5, "eps": 1e-6,
+        "cos_sin_cache": torch.cat((angles.cos(), angles.sin()), dim=-1),
+        "positions": torch.randint(0, P, (T,), generator=gen), "slot_mapping": slot_mapping,
+    }  # fmt: skip
+    rows = typedkv.materialize_mla_kv(
+        ckv, namespace["kv_norm_weight"], 1e-6, namespace["cos_sin_cache"], namespace["positions"], rope_style="gptj"
+    )
+    exec(compile(titled_blocks()[_DS_TITLE], f"{PAGE}:{_DS_TITLE}", "exec"), namespace)
+    slots = slot_mapping.tolist()
+    for layer in range(L):
+        want = vllm_ds_mla_rows(rows[layer, :, :C], rows[layer, :, C:])
+        cache = namespace["kv_caches"][layer].view(N * B, 656)
+        for slot in range(N * B):
+            assert cache[slot].equal(want[slots.index(slot)]) if slot in slots else not cache[slot].any(), slot
 
 
 @pytest.mark.parametrize("title", list(_SLOTS))

@@ -431,8 +431,8 @@ def test_gpu_no_host_sync_and_cuda_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         inputs.into_pool(loc, pool, cache_format="fp8_ds_mla")
-    for layer in pool:
-        layer.zero_()
+    for layer_pool in pool:
+        layer_pool.zero_()
     fresh = ds_inputs(16, 5, torch.bfloat16, "neox", norm=False)
     inputs.ckv.copy_(fresh.ckv)
     graph.replay()

@@ -5,12 +5,15 @@ Hypothesis draws whole calls: ``T`` from 0, ``L`` 1-3, ``C`` in {0, 8, 32, 96, 5
 maybe a column window of wider rows, a norm weight or none, eps as a float or an ``[L]``
 tensor, ``P`` from 0, positions outside ``[0, P)``, and either a dense call (with or
 without a given ``out``) or a pool of any layout of tests/test_mla.py (16-bit or FP8
-with a float or ``[L]`` scale) with slots that are negative, past the pool or repeated.
+with a float or ``[L]`` scale, or DeepSeek's FP8 rows of 656 bytes, ``cache_format="fp8_ds_mla"``,
+with C = 512 and R = 64, in any layout whose rows start on 4 bytes) with slots that are
+negative, past the pool or repeated.
 
 Every call ends one of two ways:
 
 (a) it returns: the rows are the oracle's within the tolerance of tests/test_mla.py
-    (FP8: within one FP8 step of ``saturate(ref / scale)``), the latent bit for bit
+    (FP8: within one FP8 step of ``saturate(ref / scale)``; DeepSeek's rows decoded, as
+    tests/test_mla_fp8_ds.py's `assert_ds_rows_close_to_oracle`), the latent bit for bit
     without a norm; a pool's named rows hold them, match the dense op's rows
     (`assert_rows_match_dense`), and every other byte of its allocation is unchanged;
 (b) it raises ``InputError`` naming ``positions`` or ``cache_loc`` (debug mode, for a
@@ -32,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference64 import materialize_mla_kv64
 from test_mla import _BITS, LAYOUTS, PAGE, SENTINEL, STORAGE, STYLES, Inputs, _pages, _pool_rows, assert_close_to_oracle
+from test_mla_fp8_ds import assert_ds_rows_close_to_oracle
 from torch import Tensor
 
 import typedkv
@@ -70,6 +74,11 @@ class Spec:
     scale: str  # "none", "float" or "tensor" (FP8 pools)
     slot_kinds: tuple[str, ...]  # per token: "slot", "skip", "past" or "repeat"
     seed: int
+    ds_mla: bool = False  # DeepSeek's FP8 rows (cache_format="fp8_ds_mla"): C = 512, R = 64, a uint8 pool
+
+
+# Pool layouts whose rows start on 4 bytes: DeepSeek's rows store float32 and bfloat16 values.
+DS_LAYOUTS = tuple(name for name in LAYOUTS if name not in ("flat_list", "unaligned_list"))
 
 
 @st.composite
@@ -79,14 +88,18 @@ def specs(draw: st.DrawFn, *, debug: bool) -> Spec:
     dtype = draw(st.sampled_from(STORAGE))
     layout = draw(st.sampled_from(("dense", "dense-out", *LAYOUTS)))
     pool = layout in LAYOUTS
-    pool_dtype = draw(st.sampled_from((dtype, *FP8))) if pool else None
+    ds_mla = layout in DS_LAYOUTS and draw(st.integers(0, 3)) == 0
+    if ds_mla:
+        kv_lora_rank = 512
+    pool_dtype = torch.uint8 if ds_mla else draw(st.sampled_from((dtype, *FP8))) if pool else None
     fp8 = pool_dtype in FP8
     kinds = ("slot", "slot", "skip", "past", *(("repeat",) if debug else ()))
+    rotary_dim = 2 * draw(st.integers(1, 16))
     return Spec(
         num_tokens=num_tokens,
         num_layers=draw(st.integers(1, 3)),
         kv_lora_rank=kv_lora_rank,
-        rotary_dim=2 * draw(st.integers(1, 16)),
+        rotary_dim=64 if ds_mla else rotary_dim,
         dtype=dtype,
         rope_style=draw(st.sampled_from(STYLES)),
         norm=kv_lora_rank > 0 and draw(st.booleans()),
@@ -99,6 +112,7 @@ def specs(draw: st.DrawFn, *, debug: bool) -> Spec:
         scale=draw(st.sampled_from(("none", "float", "tensor"))) if fp8 else "none",
         slot_kinds=tuple(draw(st.sampled_from(kinds)) for _ in range(num_tokens)) if pool else (),
         seed=draw(st.integers(0, 2**16)),
+        ds_mla=ds_mla,
     )
 
 
@@ -182,6 +196,9 @@ def check(spec: Spec, debug: bool, device: str = "cpu") -> None:
     layout = LAYOUTS[spec.layout]
     num_slots = 9 if layout.page == 1 else _pages(9) * PAGE  # the pool's whole capacity
     pool_dtype = spec.pool_dtype or spec.dtype
+    cache_format: typedkv.CacheFormat = "fp8_ds_mla" if spec.ds_mla else "plain"
+    if spec.ds_mla:
+        width = 656  # the pool's rows: bytes
     base = torch.zeros(layout.base(L, num_slots, width), device=device).to(pool_dtype)
     if pool_dtype.itemsize == 1:
         base.view(torch.uint8).fill_(SENTINEL)
@@ -198,10 +215,10 @@ def check(spec: Spec, debug: bool, device: str = "cpu") -> None:
     past = bool((cache_loc >= num_slots).any())
     if debug and (bad_position or repeated or past):
         with pytest.raises(typedkv.InputError, match=r"^positions: " if bad_position else r"^cache_loc: "):
-            inputs.into_pool(cache_loc.to(device), pool, scale)
+            inputs.into_pool(cache_loc.to(device), pool, scale, cache_format)
         assert base.view(torch.uint8).equal(before.view(torch.uint8))
         return
-    inputs.into_pool(cache_loc.to(device), pool, scale)
+    inputs.into_pool(cache_loc.to(device), pool, scale, cache_format)
     base, before = base.cpu(), before.cpu()
     pool = layout.make(base, L, num_slots, width)
     keep = (cache_loc >= 0) & (cache_loc < num_slots)
@@ -223,8 +240,11 @@ def check(spec: Spec, debug: bool, device: str = "cpu") -> None:
         kept = Inputs(
             host.ckv[keep], host.kv_norm_weight, host.eps, host.cos_sin_cache, host.positions[keep], spec.rope_style
         )
-        assert_close_to_oracle(rows, kept)
-        assert_rows_match_dense(rows, inputs.dense().cpu()[:, keep], C, spec.norm)
+        if spec.ds_mla:
+            assert_ds_rows_close_to_oracle(rows, kept)
+        else:
+            assert_close_to_oracle(rows, kept)
+            assert_rows_match_dense(rows, inputs.dense().cpu()[:, keep], C, spec.norm)
     # Nothing else of the allocation changed.
     bits = _BITS[pool_dtype.itemsize]
     assert base.view(bits)[~written].equal(before.view(bits)[~written])

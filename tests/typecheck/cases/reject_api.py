@@ -25,6 +25,10 @@ typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positio
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, kv_layout="hnd")  # E: arg-type
 bad_layout: typedkv.KVLayout = "paged"  # E: assignment
 
+# An MLA pool's cache_format is "plain" or "fp8_ds_mla", keyword-only.
+typedkv.materialize_mla_kv_into_pool(kv, None, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, rope_style="gptj", cache_format="fp8")  # E: arg-type
+bad_format: typedkv.CacheFormat = "fp8_e4m3"  # E: assignment
+
 # positions (and cache_loc) are tensors, not lists.
 typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, [0, 1, 2, 3], num_kv_heads=H)  # E: arg-type
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, [0, 1, 2, 3], k_pool, v_pool, num_kv_heads=H)  # E: arg-type

@@ -41,12 +41,24 @@ typedkv.materialize_mla_kv_into_pool(
     ckv, kv_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, sglang_buffers, rope_style="gptj"
 )
 
+# DeepSeek's FP8 rows: uint8 pools of 656-byte rows, stacked or per layer.
+typedkv.materialize_mla_kv_into_pool(
+    ckv, kv_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc,
+    torch.empty(5, 256, 656, dtype=torch.uint8), rope_style="gptj", cache_format="fp8_ds_mla",
+)  # fmt: skip
+ds_caches = [torch.empty(4, 64, 656, dtype=torch.uint8) for _ in range(5)]
+typedkv.materialize_mla_kv_into_pool(
+    ckv, kv_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, ds_caches, rope_style="gptj",
+    cache_format="fp8_ds_mla",
+)  # fmt: skip
+
 materializer = typedkv.MLAKVMaterializer(
     torch.randn(5, 576, 1024, dtype=torch.bfloat16), kv_norm_weight, 1e-6, cos_sin_cache, rope_style="gptj"
 )
 hidden = torch.randn(16, 1024, dtype=torch.bfloat16)
 rows = materializer(hidden, positions)
 materializer.into_pool(hidden, positions, cache_loc, vllm_caches)
+materializer.into_pool(hidden, positions, cache_loc, ds_caches, cache_format="fp8_ds_mla")
 
 
 @static_jaxtyping("T L W C P R S")
