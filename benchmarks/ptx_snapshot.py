@@ -182,11 +182,23 @@ def cases() -> dict[str, Callable[[], object]]:
                 for scale in (None, "float", "tensor") if pool_dtype != torch.bfloat16 else (None,):
                     name = f"fused-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
                     out[name] = _fused(t, pool=_pool_alloc(t, layout, pool_dtype, scale))
+    # V normed as K (v_norm_weight) and a RoPE table per layer ([L, P, R]): their own compiled kernels.
+    for t in (16, 8192):
+        out[f"dense-T{t}-vnorm"] = _dense(t, 5, 8, 128, 128, "neox", v_norm=True)
+        out[f"dense-T{t}-R64-layer-tables"] = _dense(t, 5, 8, 128, 64, "neox", per_layer=True)
+        out[f"dense-T{t}-gptj-vnorm-layer-tables"] = _dense(t, 5, 8, 128, 128, "gptj", v_norm=True, per_layer=True)
+        out[f"pool-T{t}-NHD16-fp8e4nv-tensor-vnorm"] = _pool(t, "NHD16", torch.float8_e4m3fn, "tensor", v_norm=True)
+        out[f"mla-T{t}-flat-bf16-layer-tables"] = _mla(t, "flat", torch.bfloat16, per_layer=True)
+        out[f"fused-T{t}-dense-vnorm-layer-tables"] = _fused(t, rotary=64, v_norm=True, per_layer=True)
+        out[f"fused-T{t}-flat-fp8e4nv-float-vnorm"] = _fused(
+            t, v_norm=True, pool=_pool_alloc(t, "flat", torch.float8_e4m3fn, "float")
+        )
     return out
 
 
-def _tables(rotary: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(4096, rotary).to(dtype)
+def _tables(rotary: int, dtype: torch.dtype = torch.float32, layers: int = 0) -> torch.Tensor:
+    """A cos/sin cache of 4096 positions: one table, or one per layer (``layers``)."""
+    return torch.randn(*((layers,) if layers else ()), 4096, rotary).to(dtype)
 
 
 def _dense(
@@ -200,19 +212,22 @@ def _dense(
     norm: bool = True,
     eps: Any = 1e-6,
     dtype: torch.dtype = torch.bfloat16,
+    v_norm: bool = False,
+    per_layer: bool = False,
 ) -> Callable[[], object]:
     def call() -> object:
         kv = _kv(t, layers, heads, dim, dtype)
         weight = torch.randn(layers, dim).to(dtype) if norm else None
         positions = torch.randint(0, 4096, (t,))
         return typedkv.materialize_kv(
-            kv, weight, eps, _tables(rotary), positions, num_kv_heads=heads, rope_style=rope_style
-        )
+            kv, weight, eps, _tables(rotary, layers=layers if per_layer else 0), positions, num_kv_heads=heads,
+            rope_style=rope_style, v_norm_weight=torch.randn(layers, dim) if v_norm else None,
+        )  # fmt: skip
 
     return call
 
 
-def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Callable[[], object]:
+def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None, *, v_norm: bool = False) -> Callable[[], object]:
     layers, heads, dim = 5, 8, 128
     pools = _pool_alloc(t, layout, dtype, scale)
 
@@ -230,6 +245,7 @@ def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> Callabl
             num_kv_heads=heads,
             rope_style="neox",
             kv_layout=kv_layout,
+            v_norm_weight=torch.randn(layers, dim) if v_norm else None,
             **scales,
         )
 
@@ -280,6 +296,8 @@ def _fused(
     hidden: int = 1024,
     dtype: torch.dtype = torch.bfloat16,
     pool: Pools | None = None,
+    v_norm: bool = False,
+    per_layer: bool = False,
 ) -> Callable[[], object]:
     """A `KVMaterializer` call (5 layers, 8 heads) with the fused projection pinned: dense, or into ``pool``."""
     layers, heads = 5, 8
@@ -289,10 +307,11 @@ def _fused(
             torch.randn(layers, 2 * heads * dim, hidden).to(dtype),
             torch.randn(layers, dim).to(dtype) if norm else None,
             eps,
-            _tables(rotary),
+            _tables(rotary, layers=layers if per_layer else 0),
             num_kv_heads=heads,
             rope_style=rope_style,  # type: ignore[arg-type]
             kv_bias=torch.randn(layers, 2 * heads * dim).to(dtype) if bias else None,
+            v_norm_weight=torch.randn(layers, dim).to(dtype) if v_norm else None,
         )
         m.projection_path = "fused"
         x, positions = torch.randn(t, hidden).to(dtype), torch.randint(0, 4096, (t,))
@@ -304,17 +323,18 @@ def _fused(
     return call
 
 
-def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
+def _mla(t: int, layout: str, dtype: torch.dtype, *, per_layer: bool = False) -> Callable[[], object]:
     layers, latent, rotary, slots = 5, 512, 64, t + 64
     ds_mla = dtype == torch.uint8
     width = 656 if ds_mla else latent + rotary
 
     def call() -> object:
+        tables = _tables(rotary, layers=layers if per_layer else 0)
         ckv = torch.randn(t, layers, latent + rotary).to(torch.bfloat16)
         weight = torch.randn(layers, latent).to(torch.bfloat16)
         positions = torch.randint(0, 4096, (t,))
         if layout == "dense":
-            return typedkv.materialize_mla_kv(ckv, weight, 1e-6, _tables(rotary), positions, rope_style="gptj")
+            return typedkv.materialize_mla_kv(ckv, weight, 1e-6, tables, positions, rope_style="gptj")
         pool: Any
         if layout == "flat":
             pool = torch.empty(layers, slots, width, dtype=dtype)
@@ -326,7 +346,7 @@ def _mla(t: int, layout: str, dtype: torch.dtype) -> Callable[[], object]:
             pool = [torch.empty(slots, 1, width, dtype=dtype) for _ in range(layers)]
         scale = 0.5 if dtype == torch.float8_e4m3fn else None
         return typedkv.materialize_mla_kv_into_pool(
-            ckv, weight, 1e-6, _tables(rotary), positions, torch.randperm(slots)[:t], pool,
+            ckv, weight, 1e-6, tables, positions, torch.randperm(slots)[:t], pool,
             rope_style="gptj", kv_scale=scale, cache_format="fp8_ds_mla" if ds_mla else "plain",
         )  # fmt: skip
 

@@ -125,12 +125,23 @@ def _normed(x, rstd, weight, store_ty: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _norm_weight_row(norm, layer, WIDTH: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """A layer's norm weight, ``[BLOCK]`` (float32, 0 past ``WIDTH``); ``norm`` is ``(weight_ptr, its layer stride,
+    its dim stride)``, ``WIDE`` as the kernels' (the dim's offsets in int64)."""
+    dim = tl.arange(0, BLOCK)
+    if WIDE:
+        dim = dim.to(tl.int64)
+    return tl.load(norm[0] + layer * norm[1] + dim * norm[2], mask=dim < WIDTH, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rope_row(rope, tok, tok_ok, freq, freq_ok, HALF: tl.constexpr):
     """``(pos_ok, cos, sin)`` of each token at frequencies ``freq`` (float32, ``[T, F]``).
 
     ``rope`` is ``(positions_ptr, positions_stride, num_positions, cos_sin_ptr,
     cos_sin_stride_p, cos_sin_stride_r)``: the tokens' positions and the
-    ``[P, R]`` cos/sin cache (cos in the first ``HALF`` columns, sin after).
+    ``[P, R]`` cos/sin cache (cos in the first ``HALF`` columns, sin after; the layer's
+    table of a per-layer cache, ``cos_sin_ptr`` moved to it by the kernel).
     Issued before K's loads: the position and then its cos/sin row are two
     dependent loads, whose latency then overlaps K's instead of following the
     norm. A position outside ``[0, P)`` is never read (``pos_ok`` is False).

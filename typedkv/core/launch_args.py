@@ -31,7 +31,8 @@ Inputs = tuple[torch.Tensor | None, float | torch.Tensor, torch.Tensor, torch.Te
 """What every kernel and reference reads beside its rows: ``(norm_weight, eps, cos_sin_cache, positions)``.
 
 ``norm_weight`` ``[L, D]`` (None: no norm); ``eps`` a float, or ``[L]`` (`typedkv.core.device_tables.layer_eps`);
-``cos_sin_cache`` ``[P, R]``; ``positions`` ``[T]``. A plain tuple: a call builds one (host time at decode sizes).
+``cos_sin_cache`` ``[P, R]``, or ``[L, P, R]`` (layer ``l`` reads table ``l``); ``positions`` ``[T]``. A plain
+tuple: a call builds one (host time at decode sizes).
 """
 
 
@@ -88,20 +89,23 @@ def shared_arguments(
     """
     norm_weight, eps_t, cos_sin_cache = values["weight_ptr"], values["eps_ptr"], values["cos_sin_ptr"]
     positions, slots = values["positions_ptr"], values["slots_ptr"]
+    # A table per layer: its layer stride, else None (a constant to Triton: the launch of one table is unchanged).
+    per_layer = cos_sin_cache.dim() == 3
     weight_strides = norm_weight.stride() if norm_weight is not None else (0, 0)
     fp8_max, fp8_mant, fp8_min_exp = _fp8_format(store)
     return dict(
         weight_stride_l=weight_strides[0],
         weight_stride_d=weight_strides[1],
         eps_stride=eps_t.stride(0) if eps_t is not None else 0,
-        cos_sin_stride_p=cos_sin_cache.stride(0),
-        cos_sin_stride_r=cos_sin_cache.stride(1),
+        cos_sin_stride_l=cos_sin_cache.stride(0) if per_layer else None,
+        cos_sin_stride_p=cos_sin_cache.stride(-2),
+        cos_sin_stride_r=cos_sin_cache.stride(-1),
         positions_stride=positions.stride(0),
         slots_stride=slots.stride(0) if slots is not None else 0,
         num_tokens=positions.shape[0],
-        num_positions=cos_sin_cache.shape[0],
+        num_positions=cos_sin_cache.shape[-2],
         num_rows=num_rows,
-        R=cos_sin_cache.shape[1],
+        R=cos_sin_cache.shape[-1],
         NEOX=neox,
         NORM=norm_weight is not None,
         EPS_PER_LAYER=eps_t is not None,
@@ -127,7 +131,9 @@ def input_extents(
     norm_weight, cos_sin_cache, positions, slots = (
         values["weight_ptr"], values["cos_sin_ptr"], values["positions_ptr"], values["slots_ptr"]
     )  # fmt: skip
-    extents = [(cos_sin_cache.shape[1], cos_sin_cache.stride(1)), (positions.shape[0], positions.stride(0))]
+    extents = [(cos_sin_cache.shape[-1], cos_sin_cache.stride(-1)), (positions.shape[0], positions.stride(0))]
+    if cos_sin_cache.dim() == 3:
+        extents.append((num_layers, cos_sin_cache.stride(0)))
     if norm_weight is not None:
         extents += [(num_layers, norm_weight.stride(0)), (norm_weight.shape[1], norm_weight.stride(1))]
     if slots is not None:

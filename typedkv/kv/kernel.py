@@ -3,7 +3,9 @@
 One program handles ``BLOCK_T`` tokens of one layer, all ``H`` heads at once:
 it reads each token's K and V blocks from ``kv`` once, applies the layer's K
 RMSNorm (``NORM``; float32, rounded to the storage dtype as the unfused path
-does) and RoPE, and writes K and V. The destination row of a token is the token
+does) and RoPE, and V's RMSNorm where there is one (``V_NORM``), and writes K and
+V. A cos/sin cache with a table per layer is read at the layer's table
+(``cos_sin_stride_l``). The destination row of a token is the token
 itself (dense ``[L, T, H, D]`` outputs) or its pool slot (``INDEXED``); a paged
 pool's row ``r`` is slot ``r % PAGE`` of page ``r // PAGE``, each with its own
 stride (NHD and HND pages differ only in strides); the layer base is
@@ -36,6 +38,7 @@ from typedkv.core.epilogue import (
     _destination_rows,
     _layer_base,
     _layer_scale,
+    _norm_weight_row,
     _normed,
     _rope_row,
     _row_offset,
@@ -264,6 +267,7 @@ def materialize_kv_kernel(
     eps_stride,
     eps,
     cos_sin_ptr,
+    cos_sin_stride_l,  # a table per layer: its layer stride (None: one table for all layers)
     cos_sin_stride_p,
     cos_sin_stride_r,
     positions_ptr,
@@ -282,6 +286,7 @@ def materialize_kv_kernel(
     v_stride_h,
     layer_offsets_ptr,
     scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
+    v_norm,  # V_NORM: V's norm weight (tensor, its layer stride, its dim stride); else None
     num_tokens,
     num_positions,
     num_rows,
@@ -290,6 +295,7 @@ def materialize_kv_kernel(
     R: tl.constexpr,
     NEOX: tl.constexpr,
     NORM: tl.constexpr,  # a K RMSNorm (else K is RoPE(k) only)
+    V_NORM: tl.constexpr,  # a V RMSNorm (else V is copied bit for bit)
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
@@ -337,6 +343,8 @@ def materialize_kv_kernel(
         v_stride_h += wide
         weight_stride_d += wide
         cos_sin_stride_r += wide
+    if cos_sin_stride_l is not None:
+        cos_sin_ptr += layer * cos_sin_stride_l  # the layer's own RoPE table
     head = tl.arange(0, BLOCK_H)
     tok_ok = tok < num_tokens
     head_ok = tok_ok[:, None] & (head < H)[None, :]  # [T, H]
@@ -383,6 +391,12 @@ def materialize_kv_kernel(
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
         if not V_FIRST:
             v = _v_load(k_head, head_ok, H, D, BLOCK_D, LOAD_CACHE)
+        if V_NORM:
+            # V's RMSNorm as K's (float32, rounded to the storage dtype), without RoPE.
+            v_ty: tl.constexpr = kv_ptr.dtype.element_ty
+            vf = v.to(tl.float32)
+            vw = _norm_weight_row(v_norm, layer, D, BLOCK_D, WIDE)
+            v = _normed(vf, _rstd(tl.sum(vf * vf, axis=2), D, eps)[:, :, None], vw, v_ty, SOFT_ROUND).to(v_ty)
         _v_part(
             v, row_ok, v_base, row, PAGE, (v_stride_page, v_stride_slot), v_stride_h, scale[1], V_QUANT,
             H, D, BLOCK_H, BLOCK_D,

@@ -83,7 +83,7 @@ def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
 
 
-VALUES = ("kv_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales")
+VALUES = ("kv_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm")
 """The names of `call_values`' values: the K/V kernel's per-call arguments."""
 
 
@@ -93,6 +93,7 @@ def call_values(
     slots: torch.Tensor | None,
     destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     scales: tuple[Scale, Scale] = (None, None),
+    v_norm_weight: torch.Tensor | None = None,
 ) -> tuple[Any, ...]:
     """A call's values, in `VALUES`' order: what `KernelLaunch` fills in at each call of a `Launch`.
 
@@ -100,7 +101,7 @@ def call_values(
     ``destinations`` is ``(k_dst, v_dst, layer_offsets)``: K's and V's destination, layer 0's when
     ``layer_offsets`` is a ``[2, L]`` int64 table of element offsets from them to each layer's tensor
     (``None``: layer ``l`` starts at ``l * stride``); ``scales`` K's and V's FP8 scales (float, ``[L]``
-    tensor or None), for FP8 destinations only.
+    tensor or None), for FP8 destinations only; ``v_norm_weight`` V's ``[L, D]`` norm weight (None: none).
     """
     norm_weight, eps, cos_sin_cache, positions = inputs
     k_dst, v_dst, layer_offsets = destinations
@@ -110,7 +111,18 @@ def call_values(
         eps_tensor, eps = None, float(eps)
     # No FP8 scales, the usual call: no helper's call (host time at decode sizes).
     scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
-    return kv, norm_weight, eps_tensor, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scale_values
+    v_norm = v_norm_of(v_norm_weight)
+    return (
+        kv, norm_weight, eps_tensor, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scale_values,
+        v_norm,
+    )  # fmt: skip
+
+
+def v_norm_of(v_norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, int, int] | None:
+    """V's norm weight as the kernels' ``v_norm`` argument: ``(weight, layer stride, dim stride)``, or None."""
+    if v_norm_weight is None:
+        return None
+    return v_norm_weight, v_norm_weight.stride(0), v_norm_weight.stride(1)
 
 
 class KVGeometry(NamedTuple):
@@ -148,7 +160,7 @@ def launch_params(
     named = dict(zip(VALUES, values, strict=True))
     kv = named["kv_ptr"]
     num_tokens, num_layers, _ = kv.shape
-    rotary_dim = named["cos_sin_ptr"].shape[1]
+    rotary_dim = named["cos_sin_ptr"].shape[-1]
     block_t, block_h, block_d, num_warps = block_config(num_kv_heads, head_dim)
     block_t = config.block_t or block_t
     split = k_only or split_kv(num_tokens, num_layers, block_t, config)
@@ -176,17 +188,19 @@ def kv_arguments(
     """The arguments, by name, that the K/V kernel and the fused projection's take alike from a call's values (by
     name) and its `KVGeometry`: `shared_arguments`, K's and V's destinations, the heads. ``extents``: the kernel's
     own ``(count, stride)`` products beside these (`typedkv.core.launch_args.wide_offsets`)."""
-    k_dst, v_dst, scales = named["k_ptr"], named["v_ptr"], named["scales"]
+    k_dst, v_dst, scales, v_norm = named["k_ptr"], named["v_ptr"], named["scales"], named["v_norm"]
     layer_vec = layer_vec_of(geometry.k_strides[0], geometry.v_strides[0])
+    # V's norm weight: its layer and dim strides' products, as the K norm weight's (`input_extents`).
+    v_norm_extents = () if v_norm is None else ((num_layers, v_norm[1]), (geometry.head_dim, v_norm[2]))
     return dict(
         **shared_arguments(
             named, k_dst.dtype, scales, num_layers=num_layers, num_rows=geometry.num_rows,
             page_size=geometry.page_size, neox=geometry.neox, table_multiple=geometry.table_multiple,
-            layer_vec=layer_vec, extents=(*extents, *head_extents(geometry)),
+            layer_vec=layer_vec, extents=(*extents, *head_extents(geometry), *v_norm_extents),
         ),
         **destination_strides("k", geometry.k_strides, layer_vec),
         **destination_strides("v", geometry.v_strides, layer_vec),
-        H=geometry.num_kv_heads, D=geometry.head_dim,
+        H=geometry.num_kv_heads, D=geometry.head_dim, V_NORM=v_norm is not None,
         K_SCALE=scale_mode(scales[0], k_dst.dtype), V_SCALE=scale_mode(scales[1], v_dst.dtype),
     )  # fmt: skip
 

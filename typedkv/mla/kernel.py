@@ -107,6 +107,7 @@ def materialize_mla_kv_kernel(
     eps_stride,
     eps,
     cos_sin_ptr,
+    cos_sin_stride_l,  # a table per layer: its layer stride (None: one table for all layers)
     cos_sin_stride_p,
     cos_sin_stride_r,
     positions_ptr,
@@ -158,6 +159,8 @@ def materialize_mla_kv_kernel(
         tok += wide
         weight_stride_d += wide
         cos_sin_stride_r += wide
+    if cos_sin_stride_l is not None:
+        cos_sin_ptr += layer * cos_sin_stride_l  # the layer's own RoPE table
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     src = ckv_ptr + tok.to(tl.int64) * ckv_stride_t + layer * ckv_stride_l

@@ -90,7 +90,7 @@ def mla_launch(
     named = dict(zip(VALUES, values, strict=True))
     ckv, dst = named["ckv_ptr"], named["dst_ptr"]
     num_tokens, num_layers, _ = ckv.shape
-    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, named["cos_sin_ptr"].shape[1], config)
+    block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, named["cos_sin_ptr"].shape[-1], config)
     layer_vec = layer_vec_of(strides[0])
     arguments = dict(
         **named,

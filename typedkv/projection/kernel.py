@@ -7,9 +7,10 @@ accumulators over ``hidden`` in ``BLOCK_K`` chunks. In the epilogue each tile is
 first rounded to the storage dtype (``hidden``'s), as a GEMM that stores ``kv``
 would; from there K and V follow `typedkv.kv.kernel` step by step: K's RMSNorm in
 float32, rounded to the storage dtype, then RoPE, rounded once on store; V as
-it is. Nothing is written but K and V at their destination: dense ``[L, T, H,
-D]`` outputs or pool rows, addressed as in `typedkv.kv.kernel` (``INDEXED``,
-``PAGE``, ``LAYER_TABLE``, FP8 stores through `typedkv.core.epilogue`).
+it is, or RMSNorm'ed as K's (``V_NORM``). Nothing is written but K and V at their
+destination: dense ``[L, T, H, D]`` outputs or pool rows, addressed as in
+`typedkv.kv.kernel` (``INDEXED``, ``PAGE``, ``LAYER_TABLE``, FP8 stores through
+`typedkv.core.epilogue`); a per-layer cos/sin cache as there (``cos_sin_stride_l``).
 
 A K head keeps its rotary pairs in two accumulators, so RoPE is elementwise
 between them: NeoX pairs weight rows ``j`` and ``j + R/2``, GPT-J rows ``2j`` and
@@ -41,6 +42,7 @@ from typedkv.core.epilogue import (
     _destination_rows,
     _layer_base,
     _layer_scale,
+    _norm_weight_row,
     _rope_row,
     _row_offset,
     _rstd,
@@ -197,6 +199,7 @@ def project_kv_kernel(
     eps_stride,
     eps,
     cos_sin_ptr,
+    cos_sin_stride_l,  # a table per layer: its layer stride (None: one table for all layers)
     cos_sin_stride_p,
     cos_sin_stride_r,
     positions_ptr,
@@ -215,6 +218,7 @@ def project_kv_kernel(
     v_stride_h,
     layer_offsets_ptr,
     scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
+    v_norm,  # V_NORM: V's norm weight (tensor, its layer stride, its dim stride); else None
     num_tokens,
     num_positions,
     num_rows,
@@ -224,6 +228,7 @@ def project_kv_kernel(
     R: tl.constexpr,
     NEOX: tl.constexpr,
     NORM: tl.constexpr,  # a K RMSNorm (else K is RoPE(k) only)
+    V_NORM: tl.constexpr,  # a V RMSNorm (else V is the projection's value)
     HAS_BIAS: tl.constexpr,
     EPS_PER_LAYER: tl.constexpr,
     INDEXED: tl.constexpr,
@@ -289,6 +294,8 @@ def project_kv_kernel(
         v_stride_h += wide
         weight_stride_d += wide
         cos_sin_stride_r += wide
+    if cos_sin_stride_l is not None:
+        cos_sin_ptr += layer * cos_sin_stride_l  # the layer's own RoPE table
     tok_ok = tok < num_tokens
     # Row offsets in int64: T * stride overflows int32 for large batches.
     a_row = hidden_ptr + tok.to(tl.int64)[:, None] * hidden_stride_t
@@ -449,8 +456,14 @@ def project_kv_kernel(
                 acc = _project(acc, a, w_head, w_stride_n, w_stride_k, dim, dim_ok, kk, HIDDEN, EVEN_K, PRECISION)
         if SIGNAL_NEXT:
             gdc_launch_dependents()
-        # V is kv's value, bit for bit (quantized for an FP8 pool).
+        # V is kv's value, bit for bit (normed with V_NORM; quantized for an FP8 pool).
         v = _rounded(acc, bias_head, dim, dim_ok, store_ty, HAS_BIAS, SOFT_ROUND)
+        if V_NORM:
+            # V's RMSNorm as K's (float32, rounded to the storage dtype), without RoPE.
+            if EPS_PER_LAYER:
+                eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
+            vw = _norm_weight_row(v_norm, layer, D, BLOCK_D, WIDE)
+            v = _normed2(v, _rstd(tl.sum(v * v, axis=1), D, eps)[:, None], vw, store_ty, SOFT_ROUND)
         if not (EARLY_LOADS or W_TMA):
             v_base = _layer_base(
                 v_ptr, layer_offsets_ptr, NUM_LAYERS + layer, layer, v_stride_l, LAYER_VEC, LAYER_TABLE

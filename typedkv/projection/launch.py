@@ -21,11 +21,11 @@ from typedkv.core.launch_args import (
     wide_offsets,
 )
 from typedkv.core.launcher import INTERPRETED, KernelLaunch, TensorDescriptor, device_name
-from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments
+from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments, v_norm_of
 from typedkv.projection.kernel import project_kv_kernel
 from typedkv.projection.tuning import ProjectionConfig
 
-VALUES = ("hidden_ptr", "w_ptr", "bias_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales")
+VALUES = ("hidden_ptr", "w_ptr", "bias_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm")
 """The names of `call_values`' values: the fused projection kernel's per-call arguments."""
 
 _DESCRIPTORS = ("w_half_desc", "w_head_desc", "w_pass_desc")
@@ -40,6 +40,7 @@ def call_values(
     slots: torch.Tensor | None,
     destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     scales: tuple[Scale, Scale] = (None, None),
+    v_norm_weight: torch.Tensor | None = None,
 ) -> tuple[Any, ...]:
     """A call's values, in `VALUES`' order (what `KernelLaunch` fills in at each call of a `projection_launch`).
 
@@ -53,7 +54,7 @@ def call_values(
     scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
     return (
         hidden, kv_weight, kv_bias, norm_weight, eps_tensor, eps_float, cos_sin_cache, positions, slots,
-        k_dst, v_dst, layer_offsets, scale_values,
+        k_dst, v_dst, layer_offsets, scale_values, v_norm_of(v_norm_weight),
     )  # fmt: skip
 
 
@@ -100,7 +101,7 @@ def projection_launch(
     named = dict(zip(VALUES, values, strict=True))
     hidden, kv_weight = named["hidden_ptr"], named["w_ptr"]
     num_tokens, hidden_size = hidden.shape
-    rotary_dim = named["cos_sin_ptr"].shape[1]
+    rotary_dim = named["cos_sin_ptr"].shape[-1]
     # tl.dot takes tiles of at least 16 along every dim.
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_half = max(16, triton.next_power_of_2(rotary_dim // 2))
