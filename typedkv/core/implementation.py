@@ -107,7 +107,7 @@ def check_values(
     for name, scale in scales.items():
         if isinstance(scale, Tensor):
             check_layer_values(name, scale, zero_ok=False)
-    check_positions(positions, cos_sin_cache.shape[0])
+    check_positions(positions, cos_sin_cache.shape[-2])  # [P, R], or a table per layer [L, P, R]
 
 
 def debug_pass(sig: Signature, plan: Plan, args: tuple[Any, ...]) -> None:

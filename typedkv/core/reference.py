@@ -35,14 +35,17 @@ def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float | torch.Tensor,
 
 def roped(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, neox: bool) -> torch.Tensor:
     """``x`` (float32, ``[L, T, ..., F]``) with its first R dims rotated by RoPE at ``positions`` (NeoX halves, else
-    GPT-J pairs) and the others passed; all NaN for a token whose position is outside ``[0, P)``."""
-    rotary_dim = cos_sin_cache.shape[1]
+    GPT-J pairs) and the others passed; all NaN for a token whose position is outside ``[0, P)``.
+
+    ``cos_sin_cache`` is ``[P, R]``, or ``[L, P, R]``: layer ``l`` rotates with table ``l``."""
+    tables = cos_sin_cache if cos_sin_cache.dim() == 3 else cos_sin_cache[None]  # [L or 1, P, R]
+    num_positions, rotary_dim = tables.shape[1:]
     half = rotary_dim // 2
-    valid = (positions >= 0) & (positions < cos_sin_cache.shape[0])
-    if cos_sin_cache.shape[0] == 0:  # no position is valid: nothing may be read
-        cos_sin_cache = cos_sin_cache.new_zeros(1, rotary_dim)
-    cos_sin = cos_sin_cache[torch.where(valid, positions, 0).long()].float()
-    tokens = (None, slice(None), *(None,) * (x.dim() - 3))  # [T, ...] as x's dims from the layers' on
+    valid = (positions >= 0) & (positions < num_positions)
+    if num_positions == 0:  # no position is valid: nothing may be read
+        tables = tables.new_zeros(tables.shape[0], 1, rotary_dim)
+    cos_sin = tables[:, torch.where(valid, positions, 0).long()].float()  # [L or 1, T, R]
+    tokens = (slice(None), slice(None), *(None,) * (x.dim() - 3))  # [L or 1, T, ...] as x's dims
     cos, sin = cos_sin[(*tokens, slice(None, half))], cos_sin[(*tokens, slice(half, None))]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     if neox:
@@ -51,7 +54,7 @@ def roped(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     else:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.where(valid[(*tokens, None)], torch.cat((rotated, rest), dim=-1), torch.nan)
+    return torch.where(valid[(None, *tokens[1:], None)], torch.cat((rotated, rest), dim=-1), torch.nan)
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

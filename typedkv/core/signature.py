@@ -283,7 +283,7 @@ class Signature:
         allowed = [s for s in specs if s.layout in (None, layout)]
         shapes = " or ".join(self._messages.expected(s, bound.dims) for s in allowed)
         msg = f"{label}: expected shape {shapes}"
-        if self._layout_of is not None:
+        if self._layout_of is not None and any(s.layout for s in specs):  # shapes of the layout argument's choice
             msg += f" for {self._layout_of}={layout!r}"
         msg += f", got {tuple(value.shape)}"
         others = sorted({s.layout for s in same_rank if s.layout not in (None, layout)})

@@ -39,19 +39,20 @@ def materialize_kv(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
     eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     positions: Index[Tensor, " T"],
     *,
     num_kv_heads: int,
     rope_style: RopeStyle = "neox",
+    v_norm_weight: ParamFloat[Tensor, "L D"] | None = None,
     k_out: StorageFloat[Tensor, "L T H D"] | None = None,
     v_out: StorageFloat[Tensor, "L T H D"] | None = None,
 ) -> tuple[StorageFloat[Tensor, "L T H D"], StorageFloat[Tensor, "L T H D"]]:
     """Materialize K and V of every layer from a stacked K/V projection.
 
     For every token ``t``, layer ``l`` and kv head ``h``: K is
-    ``RoPE(RMSNorm(kv[t, l, K block of h]))`` and V is copied bit for bit. One
-    Triton launch covers all layers on CUDA.
+    ``RoPE(RMSNorm(kv[t, l, K block of h]))`` and V is copied bit for bit (or
+    RMSNorm'ed, with ``v_norm_weight``). One Triton launch covers all layers on CUDA.
 
     Parameters
     ----------
@@ -64,12 +65,14 @@ def materialize_kv(
         width divided by ``2*H`` (a width that is not a multiple is rejected).
     eps : float, a sequence of L numbers, or Tensor of shape ``[L]``
         RMSNorm epsilon, one for all layers or one per layer (a sequence is
-        copied to the device once per set of values, then reused). Checked but
-        unused when ``k_norm_weight`` is None.
-    cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
+        copied to the device once per set of values, then reused); K's and V's
+        norms share it. Checked but unused when neither norm weight is given.
+    cos_sin_cache : Tensor, shape ``[P, R]`` or ``[L, P, R]``, any float dtype
         Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
         ``[R/2, R)`` for position ``p``. ``R`` (rotary dim) is even, ``2 <= R <= D``;
-        dims ``[R, D)`` pass through unrotated.
+        dims ``[R, D)`` pass through unrotated. ``[L, P, R]``: a table per
+        layer, layer ``l`` rotated with table ``l`` (drafts whose layers differ
+        in RoPE base or scaling).
     positions : Tensor, shape ``[T]``, int32 | int64
         Each token's position, on kv's device. A position outside ``[0, P)``
         gives NaN in that token's K (debug mode raises instead).
@@ -77,6 +80,11 @@ def materialize_kv(
         ``H``, the number of KV heads (on this rank).
     rope_style : {"neox", "gptj"}
         ``"neox"`` rotates the two halves, ``"gptj"`` interleaved pairs.
+    v_norm_weight : Tensor, shape ``[L, D]``, any float dtype, optional
+        The V RMSNorm weight of each layer (a draft that norms V): V is
+        ``RMSNorm(v)`` with ``eps``, in float32, rounded to kv's dtype as K's norm
+        is; no RoPE. A weightless norm is a weight of ones. ``None`` (the
+        default): V is copied bit for bit.
     k_out, v_out : Tensor, shape ``[L, T, H, D]``, kv's dtype and device, optional
         Where to write; may be ``[:, :T]`` views of a larger slab (last dim
         contiguous). Allocated when ``None``.
@@ -101,9 +109,19 @@ def materialize_kv(
     (torch.Size([2, 4, 2, 16]), torch.bfloat16)
     >>> torch.equal(v[1, 3, 0], kv[3, 1, H * D : H * D + D])  # V of layer 1, token 3, head 0: copied as is
     True
+
+    A draft that norms V too, and rotates each layer with its own table (two RoPE bases):
+
+    >>> tables = torch.stack([typedkv.cos_sin_cache(64, D, base=1e4), typedkv.cos_sin_cache(64, D, base=1e6)])
+    >>> k, v = typedkv.materialize_kv(kv, torch.ones(L, D), 1e-6, tables, torch.arange(T), num_kv_heads=H,
+    ...                               v_norm_weight=torch.ones(L, D))
+    >>> round(float(v[1, 3, 0].float().square().mean()), 1)  # V of layer 1, token 3, head 0: RMS-normed
+    1.0
     """
     # In the signature's order (tests/test_compile.py checks the fields against it).
-    call = kv_impl.DenseCall(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, k_out, v_out)
+    call = kv_impl.DenseCall(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, rope_style, v_norm_weight, k_out, v_out
+    )
     if torch.compiler.is_compiling():
         return DENSE_OPS(call)  # type: ignore[no-any-return]
     return kv_impl.materialize_kv(call)
@@ -133,7 +151,7 @@ def materialize_kv_into_pool(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
     eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
     k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
@@ -151,6 +169,7 @@ def materialize_kv_into_pool(
     *,
     num_kv_heads: int,
     rope_style: RopeStyle = "neox",
+    v_norm_weight: ParamFloat[Tensor, "L D"] | None = None,
     k_scale: float | ParamFloat[Tensor, " L"] | None = None,
     v_scale: float | ParamFloat[Tensor, " L"] | None = None,
     kv_layout: KVLayout | None = None,
@@ -183,11 +202,12 @@ def materialize_kv_into_pool(
         k_pool; it may be the other half of one combined K/V tensor.
     num_kv_heads : int
         ``H``.
-    rope_style : {"neox", "gptj"}
+    rope_style, v_norm_weight
         As in :func:`materialize_kv`.
     k_scale, v_scale : float, or Tensor of shape ``[L]``, optional
         FP8 pools only: the stored value is ``x / scale`` (computed as
-        ``x * (1 / scale)`` in float32) saturated to the format's finite range.
+        ``x * (1 / scale)`` in float32) saturated to the format's finite range
+        (a normed V is rounded to kv's dtype first, as K is).
         A missing scale means 1.0 (values are still saturated). A tensor scale
         is read in the kernel: no host sync.
     kv_layout : "NHD", "HND" or None, default None
@@ -216,7 +236,7 @@ def materialize_kv_into_pool(
     # In the signature's order (tests/test_compile.py checks the fields against it).
     call = kv_impl.PoolCall(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, k_scale, v_scale, kv_layout,
+        num_kv_heads, rope_style, v_norm_weight, k_scale, v_scale, kv_layout,
     )  # fmt: skip
     if torch.compiler.is_compiling():
         return POOL_OPS(call)  # type: ignore[no-any-return]

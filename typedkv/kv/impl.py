@@ -56,6 +56,7 @@ class DenseCall(NamedTuple):
     positions: Tensor
     num_kv_heads: int
     rope_style: str
+    v_norm_weight: Tensor | None
     k_out: Tensor | None
     v_out: Tensor | None
 
@@ -73,6 +74,7 @@ class PoolCall(NamedTuple):
     v_pool: Tensor | Sequence[Tensor]
     num_kv_heads: int
     rope_style: str
+    v_norm_weight: Tensor | None
     k_scale: float | Tensor | None
     v_scale: float | Tensor | None
     kv_layout: str | None
@@ -117,7 +119,7 @@ def dense_plan(call: DenseCall, plan: Plan | None = None) -> tuple[Plan, Tensor,
         plan = dense_layout(call)
     kv, k_out, v_out = call.kv, call.k_out, call.v_out
     # Outputs left None are allocated below: apart from everything.
-    checked(DENSE, plan, call, call.k_norm_weight, {}, k_out is not None or v_out is not None)
+    checked(DENSE, plan, call, norm_weight(call), {}, k_out is not None or v_out is not None)
     if k_out is None or v_out is None:
         dims = plan.bound.dims
         shape = (dims["L"], dims["T"], dims["H"], dims["D"])
@@ -160,12 +162,14 @@ def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool =
     inputs = (call.k_norm_weight, layer_eps(call.eps, kv), call.cos_sin_cache, call.positions)
     if not plan.kernel:
         with core_reference.writing():
-            k, v = kv_reference.rmsnorm_rope(kv, inputs, plan.bound.dims["H"], call.rope_style == "neox")
+            k, v = kv_reference.rmsnorm_rope(
+                kv, inputs, plan.bound.dims["H"], call.rope_style == "neox", call.v_norm_weight
+            )
             k_out.copy_(k)
             v_out.copy_(v)
         return k_out, v_out
     destinations = (k_out, v_out, None)
-    values = kv_launch.call_values(kv, inputs, None, destinations)
+    values = kv_launch.call_values(kv, inputs, None, destinations, v_norm_weight=call.v_norm_weight)
     if plan.launch is None:
         plan.launch = kv_launch.Launch(values, kv_geometry(call, plan, destinations))
     plan.launch(values, after_gemm)
@@ -199,7 +203,7 @@ def pool_plan(call: PoolCall, plan: Plan | None = None) -> tuple[Plan, PoolGeome
     """
     if plan is None:
         plan = pool_layout(call)
-    addresses = checked(POOL, plan, call, call.k_norm_weight, call.named_scales, slots=call.cache_loc)
+    addresses = checked(POOL, plan, call, norm_weight(call), call.named_scales, slots=call.cache_loc)
     return plan, plan.geometry, addresses  # no geometry where nothing is written
 
 
@@ -238,14 +242,16 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
     if not plan.kernel:
         page, hnd = geometry.page_size, plan.bound.specs["k_pool"].layout == "HND"
         with core_reference.writing():
-            rows = kv_reference.rmsnorm_rope(kv, inputs, plan.bound.dims["H"], call.rope_style == "neox")
+            rows = kv_reference.rmsnorm_rope(
+                kv, inputs, plan.bound.dims["H"], call.rope_style == "neox", call.v_norm_weight
+            )
             for computed, scale, pool in zip(rows, call.scales, (call.k_pool, call.v_pool), strict=True):
                 layers = _layers(pool)
                 stored = core_reference.quantize(computed, scale, layers[0].dtype)
                 core_reference.write_pool(stored, call.cache_loc, layers, page, hnd)
         return
     destinations, table_multiple = pool_destinations(call, addresses)
-    values = kv_launch.call_values(kv, inputs, call.cache_loc, destinations, call.scales)
+    values = kv_launch.call_values(kv, inputs, call.cache_loc, destinations, call.scales, call.v_norm_weight)
     # The plan keeps the launch of layers on 16 bytes (or of stacked pools); a call whose per-layer
     # pools are not gets a launch of its own, uncached, which stores element by element.
     launch = plan.launch if table_multiple != 1 else None
@@ -286,9 +292,14 @@ def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
     return pool.unbind(0) if isinstance(pool, Tensor) else pool
 
 
+def norm_weight(call: DenseCall | PoolCall) -> Tensor | None:
+    """A norm weight of the call, K's or else V's: eps is read (and checked) where there is one."""
+    return call.k_norm_weight if call.k_norm_weight is not None else call.v_norm_weight
+
+
 def check_numbers(call: DenseCall | PoolCall) -> None:
     """Every call: eps (with a norm weight) and, into pools, the FP8 scales given as numbers in range."""
-    check_eps(call.eps, call.k_norm_weight)
+    check_eps(call.eps, norm_weight(call))
     if isinstance(call, PoolCall):
         check_scale_numbers(call.named_scales)
 

@@ -37,7 +37,7 @@ def materialize_mla_kv(
     ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
     kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
     eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     positions: Index[Tensor, " T"],
     *,
     rope_style: RopeStyle,
@@ -63,10 +63,11 @@ def materialize_mla_kv(
         RMSNorm epsilon, one for all layers or one per layer (a sequence is
         copied to the device once per set of values, then reused). Checked but
         unused when ``kv_norm_weight`` is None.
-    cos_sin_cache : Tensor, shape ``[P, R]``, any float dtype
+    cos_sin_cache : Tensor, shape ``[P, R]`` or ``[L, P, R]``, any float dtype
         Row ``p`` holds ``cos`` in columns ``[0, R/2)`` and ``sin`` in
         ``[R/2, R)``. ``R`` (the rotary dim, qk_rope_head_dim) is even and at
-        least 2; every one of the rope part's ``R`` dims rotates.
+        least 2; every one of the rope part's ``R`` dims rotates. ``[L, P, R]``:
+        a table per layer, layer ``l`` rotated with table ``l``.
     positions : Tensor, shape ``[T]``, int32 | int64
         Each token's position, on ckv's device. A position outside ``[0, P)``
         gives NaN in that token's rope part (debug mode raises instead).
@@ -97,6 +98,12 @@ def materialize_mla_kv(
     (torch.Size([2, 4, 48]), torch.bfloat16)
     >>> torch.equal(out[:, 0, C:], ckv[0, :, C:])  # token 0 is at position 0: its rope part turns by no angle
     True
+
+    Each layer rotated with its own table (``[L, P, R]``):
+
+    >>> tables = torch.stack([typedkv.cos_sin_cache(64, R, base=1e4), typedkv.cos_sin_cache(64, R, base=1e6)])
+    >>> typedkv.materialize_mla_kv(ckv, None, 1e-6, tables, torch.arange(T), rope_style="gptj").shape
+    torch.Size([2, 4, 48])
     """
     # In the signature's order (tests/test_mla_compile.py checks the fields against it).
     call = mla_impl.DenseCall(ckv, kv_norm_weight, eps, cos_sin_cache, positions, rope_style, out)
@@ -146,7 +153,7 @@ def materialize_mla_kv_into_pool(
     ckv: Annotated[StorageFloat[Tensor, "T L W"], MLA_WIDTH],
     kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
     eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
     kv_pool: Annotated[

@@ -192,7 +192,7 @@ def _checked(check: Callable[..., _R], call: DenseCall | PoolCall, *more: Any) -
         message = str(err)
         if "the size must be C+R = " in message:
             # Three arguments make the row width: say which gave C and R.
-            rotary_dim = call.cos_sin_cache.shape[1]
+            rotary_dim = call.cos_sin_cache.shape[-1]
             if isinstance(call.kv_norm_weight, Tensor):
                 message += (
                     f"; C={call.kv_norm_weight.shape[1]} comes from kv_norm_weight, R={rotary_dim} from cos_sin_cache"

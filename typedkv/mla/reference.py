@@ -20,10 +20,8 @@ def mla_rows(ckv: torch.Tensor, inputs: Inputs, neox: bool, latent_dtype: torch.
     """
     norm_weight, eps, cos_sin_cache, positions = inputs
     rows = ckv.transpose(0, 1).float()
-    latent, rope = (
-        rows[..., : rows.shape[-1] - cos_sin_cache.shape[1]],
-        rows[..., rows.shape[-1] - cos_sin_cache.shape[1] :],
-    )
+    latent_dim = rows.shape[-1] - cos_sin_cache.shape[-1]
+    latent, rope = rows[..., :latent_dim], rows[..., latent_dim:]
     if norm_weight is not None:
         latent = rms_normed(latent, norm_weight, eps, latent_dtype or ckv.dtype)
     return torch.cat((latent, roped(rope, cos_sin_cache, positions, neox)), dim=-1)

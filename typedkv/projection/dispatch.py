@@ -28,8 +28,8 @@ Way = Literal["fused", "split", "gemm"]
 V written by the GEMM into dense outputs and the K/V kernel on K (`typedkv.projection.fused.project_kv_split`);
 or the GEMM into the workspace, then the K/V kernel."""
 
-State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor]
-"""``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``: what a call reads of the materializer."""
+State = tuple[Tensor, Tensor | None, Tensor | None, float | Tensor, Tensor, Tensor | None]
+"""``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache, v_norm_weight)``: what a call reads of the materializer."""
 
 
 def way(
@@ -44,6 +44,8 @@ def way(
     if (
         isinstance(call, DenseCall)
         and state[1] is None  # no bias (`typedkv.projection.layers.split_gemm`)
+        # No V norm: V would be read back to be normed, which the split exists to avoid (GEMM + kernel does it).
+        and state[5] is None
         and isinstance(hidden, Tensor)
         and hidden.dim() == 2
         and launcher.use_kernel(hidden.device)
@@ -77,7 +79,7 @@ def takes_fused(path: ProjectionPath, hidden: object, state: State, *, head_dim:
         return path == "fused"
     if path == "fused":
         return True
-    weight, rotary_dim = state[0], state[4].shape[1]
+    weight, rotary_dim = state[0], state[4].shape[-1]
     tma = fused_launch.weight_aligned(weight) and (
         fused_launch.weight_blocks(weight, head_dim, rotary_dim, neox) is not None
     )
@@ -98,11 +100,11 @@ def _takes_warp_specialized(
     if isinstance(call, PoolCall):
         runs = warp_specialized.launchable_pool(
             hidden, state[0], state[1], state[4], call.k_pool, call.scales, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, neox=neox,
+            head_dim=head_dim, neox=neox, v_norm_weight=state[5],
         )  # fmt: skip
     else:
         runs = warp_specialized.launchable(
             hidden, state[0], state[1], state[4], call.k_out, call.v_out, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, neox=neox,
+            head_dim=head_dim, neox=neox, v_norm_weight=state[5],
         )  # fmt: skip
     return runs and warp_specialized.faster(hidden.device, hidden.shape[0])

@@ -162,7 +162,9 @@ def _project(
     hidden, kv_weight, kv_bias = projection
     inputs = (call.k_norm_weight, layer_eps(call.eps, hidden), call.cos_sin_cache, call.positions)
     scales = call.scales if isinstance(call, PoolCall) else (None, None)
-    values = fused_launch.call_values(hidden, kv_weight, kv_bias, inputs, slots, destinations, scales)
+    values = fused_launch.call_values(
+        hidden, kv_weight, kv_bias, inputs, slots, destinations, scales, call.v_norm_weight
+    )
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     num_layers = plan.bound.dims["L"]
     if launches.warp_specialised is None:
@@ -197,11 +199,11 @@ def _warp_specialised_launchable(
     if isinstance(call, PoolCall):
         return warp_specialized.launchable_pool(
             hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_pool, call.scales, num_kv_heads=heads,
-            head_dim=head_dim, neox=neox,
+            head_dim=head_dim, neox=neox, v_norm_weight=call.v_norm_weight,
         )  # fmt: skip
     return warp_specialized.launchable(
         hidden, kv_weight, kv_bias, call.cos_sin_cache, call.k_out, call.v_out, num_kv_heads=heads, head_dim=head_dim,
-        neox=neox,
+        neox=neox, v_norm_weight=call.v_norm_weight,
     )  # fmt: skip
 
 

@@ -94,8 +94,8 @@ class KVMaterializer(nn.Module):
         from here; ``None`` for a draft without a K norm (K is RoPE(k), ``D`` is
         kv_weight's rows divided by ``2*H``).
     eps : float, a sequence of L numbers, or Tensor ``[L]``
-        RMSNorm epsilon, one for all layers or one per layer; unused without a norm weight.
-    cos_sin_cache : Tensor ``[P, R]``
+        RMSNorm epsilon, one for all layers or one per layer (K's and V's norms); unused without a norm weight.
+    cos_sin_cache : Tensor ``[P, R]``, or ``[L, P, R]`` (a table per layer)
         As in :func:`typedkv.materialize_kv`. Every tensor argument must be on its device.
     num_kv_heads : int
         ``H``.
@@ -103,6 +103,9 @@ class KVMaterializer(nn.Module):
         As in :func:`typedkv.materialize_kv`.
     kv_bias : Tensor ``[L, 2*H*D]``, or a sequence of L tensors ``[2*H*D]``, optional
         Each layer's projection bias, kv_weight's dtype.
+    v_norm_weight : Tensor ``[L, D]``, or a sequence of L tensors ``[D]``, optional
+        Each layer's V RMSNorm weight, any float dtype: V is normed as in
+        :func:`typedkv.materialize_kv` on every path (a weightless norm is a weight of ones).
 
     Raises
     ------
@@ -130,7 +133,7 @@ class KVMaterializer(nn.Module):
     straight to the GEMM and the launch, with the checks that depend on values
     (outputs or pools sharing memory; debug mode's) still run on every call.
     A buffer replaced after construction (``kv_weight``, ``kv_bias``,
-    ``k_norm_weight``, ``eps``, ``cos_sin_cache``) is checked against the others
+    ``k_norm_weight``, ``v_norm_weight``, ``eps``, ``cos_sin_cache``) is checked against the others
     at the next eager call: one of another shape or dtype is an `InputError`
     naming it. The buffers are the constructor's tensors where they were stacked
     and contiguous, else copies (per-layer lists are always copied): weights
@@ -165,10 +168,11 @@ class KVMaterializer(nn.Module):
     On the GEMM path (``"gemm"``, or ``"auto"`` outside the fused ranges), an
     eager call into dense outputs at a ``T`` where a second per-GPU table says
     so (on the H200: ``T >= 65536``; a contiguous or absent ``v_out``, no
-    ``kv_bias``) splits the GEMM in two batched GEMMs: V's rows go straight
-    into ``v_out`` and only K passes through the workspace and the kernel, so
-    V is never read back. The results are GEMM + kernel's, up to the GEMM's
-    accumulation order.
+    ``kv_bias``, no ``v_norm_weight``) splits the GEMM in two batched GEMMs: V's
+    rows go straight into ``v_out`` and only K passes through the workspace and
+    the kernel, so V is never read back. The results are GEMM + kernel's, up to
+    the GEMM's accumulation order. A V norm keeps GEMM + kernel: normed, V must
+    be read back anyway, and the split would save nothing.
 
     Examples
     --------
@@ -185,6 +189,7 @@ class KVMaterializer(nn.Module):
     kv_weight: Tensor
     kv_bias: Tensor | None
     k_norm_weight: Tensor | None
+    v_norm_weight: Tensor | None
     cos_sin_cache: Tensor
     eps: float | Tensor
 
@@ -196,32 +201,36 @@ class KVMaterializer(nn.Module):
         ],
         k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
         eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-        cos_sin_cache: ParamFloat[Tensor, "P R"],
+        cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
         *,
         num_kv_heads: int,
         rope_style: RopeStyle = "neox",
         kv_bias: Annotated[
             StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH
         ] = None,
+        v_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None = None,
     ) -> None:
         """Build the K/V path of ``kv_weight``'s layers, checking every argument once.
 
         The parameters are the class's (``help(typedkv.KVMaterializer)``):
         ``kv_weight`` ``[L, 2*H*D, hidden]`` or L ``[2*H*D, hidden]``,
-        ``k_norm_weight`` ``[L, D]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]``,
-        ``num_kv_heads``, ``rope_style``, ``kv_bias``.
+        ``k_norm_weight`` ``[L, D]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]`` or ``[L, P, R]``,
+        ``num_kv_heads``, ``rope_style``, ``kv_bias``, ``v_norm_weight``.
         """
         super().__init__()
         check_layer_counts(
-            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias, "eps": eps}, KV_STACKED_DIMS
-        )
-        layer_eps = eps_of_layers(eps, cos_sin_cache, k_norm_weight)
+            {
+                "kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "v_norm_weight": v_norm_weight,
+                "kv_bias": kv_bias, "eps": eps, "cos_sin_cache": cos_sin_cache,
+            },
+            KV_STACKED_DIMS,
+        )  # fmt: skip
+        layer_eps = eps_of_layers(eps, cos_sin_cache, k_norm_weight if k_norm_weight is not None else v_norm_weight)
         bound = KV_WEIGHTS.check(
-            (k_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style)
+            (k_norm_weight, v_norm_weight, cos_sin_cache, kv_weight, kv_bias, layer_eps, num_kv_heads, rope_style)
         )
-        check_layer_dtypes(
-            {"kv_weight": kv_weight, "k_norm_weight": k_norm_weight, "kv_bias": kv_bias}, "kv_weight", "kv_bias"
-        )
+        norm_weights = {"k_norm_weight": k_norm_weight, "v_norm_weight": v_norm_weight}
+        check_layer_dtypes({"kv_weight": kv_weight, **norm_weights, "kv_bias": kv_bias}, "kv_weight", "kv_bias")
         weight = stacked(kv_weight)
         self.num_layers = weight.shape[0]
         self.num_kv_heads = num_kv_heads
@@ -232,6 +241,9 @@ class KVMaterializer(nn.Module):
             self, ("kv_weight", "kv_bias", "k_norm_weight"), weight, kv_bias, k_norm_weight, cos_sin_cache,
             cast("float | Tensor", layer_eps),
         )  # fmt: skip
+        self.register_buffer(
+            "v_norm_weight", None if v_norm_weight is None else stacked(v_norm_weight), persistent=False
+        )
         self._dims = (self.num_layers, num_kv_heads, self.head_dim, self.hidden_size)
         self._rows = Workspace()
         self._path: ProjectionPath = "auto"
@@ -283,11 +295,12 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype or device misuse.
         """
-        _, _, k_norm_weight, eps, cos_sin_cache = state = self._state()
+        _, _, k_norm_weight, eps, cos_sin_cache, v_norm_weight = state = self._state()
         # The call as typedkv.materialize_kv takes it, hidden in kv's place until the path fills it in.
         call = DenseCall(
-            hidden, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, k_out, v_out
-        )
+            hidden, k_norm_weight, eps, cos_sin_cache, positions, self.num_kv_heads, self.rope_style, v_norm_weight,
+            k_out, v_out,
+        )  # fmt: skip
         return self._materialize(call, state, DENSE_PATH)  # type: ignore[no-any-return]
 
     @static_jaxtyping("T S N B")
@@ -329,10 +342,10 @@ class KVMaterializer(nn.Module):
         InputError
             For any shape, dtype, device or layout misuse.
         """
-        _, _, k_norm_weight, eps, cos_sin_cache = state = self._state()
+        _, _, k_norm_weight, eps, cos_sin_cache, v_norm_weight = state = self._state()
         call = PoolCall(
             hidden, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
-            self.rope_style, k_scale, v_scale, kv_layout,
+            self.rope_style, v_norm_weight, k_scale, v_scale, kv_layout,
         )  # fmt: skip
         self._materialize(call, state, POOL_PATH)
 
@@ -356,7 +369,7 @@ class KVMaterializer(nn.Module):
         kept = self._plans.get(layout)
         if kept is None:
             # The layout includes the buffers: one replaced since construction is checked here.
-            KV_BUFFERS.check((state[2], state[4], weight, bias, state[3], *self._dims))
+            KV_BUFFERS.check((state[2], state[5], state[4], weight, bias, state[3], *self._dims))
             # The call's own arguments first: deciding the way reads hidden's sizes.
             cache_loc = call.cache_loc if isinstance(call, PoolCall) else None
             PROJECTION.plan((weight, hidden, call.positions, cache_loc), _checked)
@@ -415,14 +428,15 @@ class KVMaterializer(nn.Module):
         return stand_in(row, hidden.shape[0], self.num_layers, width)
 
     def _state(self) -> State:
-        """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache)``, eagerly read without nn.Module's attribute lookup."""
+        """``(kv_weight, kv_bias, k_norm_weight, eps, cos_sin_cache, v_norm_weight)``, eagerly read without
+        nn.Module's attribute lookup."""
         if torch.compiler.is_compiling():
-            return self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache
+            return self.kv_weight, self.kv_bias, self.k_norm_weight, self.eps, self.cos_sin_cache, self.v_norm_weight
         buffers = self._buffers
         eps = buffers["eps"] if "eps" in buffers else self.__dict__["eps"]
         return (
             cast(Tensor, buffers["kv_weight"]), buffers["kv_bias"], buffers["k_norm_weight"], cast("float | Tensor", eps),
-            cast(Tensor, buffers["cos_sin_cache"]),
+            cast(Tensor, buffers["cos_sin_cache"]), buffers["v_norm_weight"],
         )  # fmt: skip
 
     def _gemm(self, hidden: Tensor, state: State) -> Tensor:

@@ -73,7 +73,7 @@ class MLAKVMaterializer(nn.Module):
         projection gives it, and ``C`` is kv_a_weight's rows less ``R``.
     eps : float, a sequence of L numbers, or Tensor ``[L]``
         RMSNorm epsilon, one for all layers or one per layer.
-    cos_sin_cache : Tensor ``[P, R]``
+    cos_sin_cache : Tensor ``[P, R]``, or ``[L, P, R]`` (a table per layer)
         As in :func:`typedkv.materialize_mla_kv`. Every tensor argument must be on its device.
     rope_style : {"gptj", "neox"}
         Required, as in :func:`typedkv.materialize_mla_kv`.
@@ -138,7 +138,7 @@ class MLAKVMaterializer(nn.Module):
         ],
         kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
         eps: float | Sequence[float] | ParamFloat[Tensor, " L"],
-        cos_sin_cache: ParamFloat[Tensor, "P R"],
+        cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
         *,
         rope_style: RopeStyle,
         kv_a_bias: Annotated[
@@ -149,14 +149,17 @@ class MLAKVMaterializer(nn.Module):
 
         The parameters are the class's (``help(typedkv.MLAKVMaterializer)``):
         ``kv_a_weight`` ``[L, C+R, hidden]`` or L ``[C+R, hidden]``,
-        ``kv_norm_weight`` ``[L, C]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]``,
+        ``kv_norm_weight`` ``[L, C]`` or None, ``eps``, ``cos_sin_cache`` ``[P, R]`` or ``[L, P, R]``,
         ``rope_style``, ``kv_a_bias``.
         """
         super().__init__()
         check_layer_counts(
-            {"kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps},
+            {
+                "kv_a_weight": kv_a_weight, "kv_norm_weight": kv_norm_weight, "kv_a_bias": kv_a_bias, "eps": eps,
+                "cos_sin_cache": cos_sin_cache,
+            },
             MLA_STACKED_DIMS,
-        )
+        )  # fmt: skip
         layer_eps = eps_of_layers(eps, cos_sin_cache, kv_norm_weight)
         bound = MLA_WEIGHTS.check((kv_norm_weight, cos_sin_cache, kv_a_weight, kv_a_bias, layer_eps, rope_style))
         check_layer_dtypes(

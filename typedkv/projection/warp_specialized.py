@@ -11,6 +11,7 @@ everywhere else the fused path launches `typedkv.projection.kernel` as before:
 - a CUDA device of compute capability 9.0, not Triton's interpreter, and a Triton
   release whose Gluon this kernel is written against (`available`: 3.6);
 - ``hidden``, the weight and the outputs bfloat16 or float16, all one dtype; no bias;
+  no V norm; one RoPE table for all layers;
 - NeoX RoPE over the whole head, of ``D`` = 128 dims; ``H*D`` a multiple of 256
   (a tile is one head or two by T, `WS_TILES`, never across K and V);
 - TMA's layout rules: ``hidden``'s and the weight's rows contiguous and on 16
@@ -156,6 +157,7 @@ def launchable(
     num_kv_heads: int,
     head_dim: int,
     neox: bool,
+    v_norm_weight: torch.Tensor | None = None,
 ) -> bool:
     """Whether this kernel can compute a dense call of this layout (the module's list; addresses aside, `aligned`)."""
     if not isinstance(hidden, torch.Tensor) or not available() or not _hopper(hidden.device):
@@ -164,6 +166,7 @@ def launchable(
     return (
         dtype in (torch.bfloat16, torch.float16)
         and kv_bias is None
+        and v_norm_weight is None
         and neox
         and head_dim == HEAD_DIM
         and isinstance(cos_sin_cache, torch.Tensor)
@@ -250,12 +253,13 @@ def launchable_pool(
     num_kv_heads: int,
     head_dim: int,
     neox: bool,
+    v_norm_weight: torch.Tensor | None = None,
 ) -> bool:
     """Whether this kernel can compute a pool call of this layout: `launchable`'s list with pools of ``hidden``'s
     dtype (not FP8, no scales) in place of the outputs (any page size, NHD or HND, stacked or per layer)."""
     if not launchable(
         hidden, kv_weight, kv_bias, cos_sin_cache, None, None, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        neox=neox,
+        neox=neox, v_norm_weight=v_norm_weight,
     ):  # fmt: skip
         return False
     first: Any

@@ -31,7 +31,8 @@ else:
 
 def _kv_weights(
     k_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    v_norm_weight: ParamFloat[Tensor, "L D"] | Sequence[ParamFloat[Tensor, " D"]] | None,
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     kv_weight: Annotated[StorageFloat[Tensor, "L KV hidden"] | Sequence[StorageFloat[Tensor, "KV hidden"]], KV_WIDTH],
     kv_bias: Annotated[StorageFloat[Tensor, "L KV"] | Sequence[StorageFloat[Tensor, " KV"]] | None, KV_WIDTH],
     eps: float | ParamFloat[Tensor, " L"],
@@ -50,14 +51,15 @@ KV_WEIGHTS = Signature(
     _kv_weights,
     scalar_dims={"H": "num_kv_heads"},
     device_of="cos_sin_cache",
-    sequence_len={"k_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
+    sequence_len={"k_norm_weight": "L", "v_norm_weight": "L", "kv_weight": "L", "kv_bias": "L"},
     rules=(ROTARY_RULE,),
 )
 
 
 def _kv_buffers(
     k_norm_weight: ParamFloat[Tensor, "L D"] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    v_norm_weight: ParamFloat[Tensor, "L D"] | None,
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     kv_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _KV_ROWS],
     kv_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _KV_ROWS],
     eps: float | ParamFloat[Tensor, " L"],
@@ -79,8 +81,11 @@ KV_BUFFERS = Signature(
 """A buffer replaced after construction (``m.kv_bias = ...``) is checked against the others at a call's new layout."""
 
 
-# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
-KV_STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
+# An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence
+# (a cos/sin cache of 2 dims, one table for all layers, has none).
+KV_STACKED_DIMS = {
+    "kv_weight": 3, "k_norm_weight": 2, "v_norm_weight": 2, "kv_bias": 2, "eps": 1, "cos_sin_cache": 3,
+}  # fmt: skip
 
 
 # ------------------------------------------------------------------ MLAKVMaterializer
@@ -88,7 +93,7 @@ KV_STACKED_DIMS = {"kv_weight": 3, "k_norm_weight": 2, "kv_bias": 2, "eps": 1}
 
 def _mla_weights(
     kv_norm_weight: ParamFloat[Tensor, "L C"] | Sequence[ParamFloat[Tensor, " C"]] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     kv_a_weight: Annotated[StorageFloat[Tensor, "L W hidden"] | Sequence[StorageFloat[Tensor, "W hidden"]], MLA_WIDTH],
     kv_a_bias: Annotated[StorageFloat[Tensor, "L W"] | Sequence[StorageFloat[Tensor, " W"]] | None, MLA_WIDTH],
     eps: float | ParamFloat[Tensor, " L"],
@@ -114,7 +119,7 @@ _MLA_ROWS = Derived("ROWS = L*(C+R)")
 
 def _mla_buffers(
     kv_norm_weight: ParamFloat[Tensor, "L C"] | None,
-    cos_sin_cache: ParamFloat[Tensor, "P R"],
+    cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     kv_a_weight: Annotated[StorageFloat[Tensor, "ROWS hidden"], _MLA_ROWS],
     kv_a_bias: Annotated[StorageFloat[Tensor, " ROWS"] | None, _MLA_ROWS],
     eps: float | ParamFloat[Tensor, " L"],
@@ -150,4 +155,4 @@ MLA_PROJECTION = Signature(
 )
 
 # An argument's layer count, read where it has one: a stacked tensor of this many dims, or a sequence.
-MLA_STACKED_DIMS = {"kv_a_weight": 3, "kv_norm_weight": 2, "kv_a_bias": 2, "eps": 1}
+MLA_STACKED_DIMS = {"kv_a_weight": 3, "kv_norm_weight": 2, "kv_a_bias": 2, "eps": 1, "cos_sin_cache": 3}
