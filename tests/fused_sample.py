@@ -89,11 +89,13 @@ def dense_cases() -> Iterator[tuple[str, dict[str, Any], int]]:
     )
     yield "rope only", {"norm": False}, 9
     yield "head_dim 32 rotary 4", {"head_dim": 32, "rotary_dim": 4}, 5
+    yield "V normed, a table per layer", {"v_norm": True, "layer_tables": True, "rotary_dim": 8}, 19
     # From T = 33 with whole pieces of 16 rows: the weights by TMA (Hopper; the interpreter), above 64 in
     # bands (blocks of 64 tokens up to 256, three stages from 129, then of 128); hidden's last step past
     # the weight's columns.
     for num_tokens in (40, 70, 200, 300):
         yield f"head_dim 32 T={num_tokens} TMA", {"head_dim": 32, "rotary_dim": 32, "hidden": 80}, num_tokens
+    yield "head_dim 32 T=70 TMA, V normed", {"head_dim": 32, "rotary_dim": 32, "hidden": 80, "v_norm": True}, 70
 
 
 def run_dense(device: torch.device, dtype: torch.dtype) -> None:

@@ -9,11 +9,13 @@ path" literally:
 2. the normed K rounded to the storage dtype (what an unfused model stores between
    the norm and RoPE);
 3. RoPE in float64 on the first ``R`` dims, with ``cos``/``sin`` read from row
-   ``positions[t]`` of the cache; dims ``>= R`` pass through;
-4. V copied unchanged.
+   ``positions[t]`` of the cache (of layer ``l``'s table, for a cache of a table
+   per layer); dims ``>= R`` pass through;
+4. V copied unchanged, or, with a V norm weight, RMSNorm'ed as K in step 1.
 
-K is returned in float64 *without* the final rounding to the storage dtype, so a
-test can measure the op's error against the exact value of the unfused path.
+K (and a normed V) is returned in float64 *without* the final rounding to the
+storage dtype, so a test can measure the op's error against the exact value of the
+unfused path.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def materialize_kv64(
     *,
     round_after_norm: bool = True,
     other_rounding: bool = False,
+    v_norm_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """K and V of every layer, K computed in float64.
 
@@ -80,7 +83,7 @@ def materialize_kv64(
     k_norm_weight : Tensor ``[L, D]``, or None
         None: no norm, K is RoPE(k); ``D`` is then kv's width / ``2*H``.
     eps : float or Tensor ``[L]``
-    cos_sin_cache : Tensor ``[P, R]``
+    cos_sin_cache : Tensor ``[P, R]``, or ``[L, P, R]`` (layer ``l`` reads table ``l``)
         Columns ``[0, R/2)`` cos, ``[R/2, R)`` sin.
     positions : Tensor ``[T]``
         Positions outside ``[0, P)`` give an all-NaN K row for that token (the
@@ -98,18 +101,19 @@ def materialize_kv64(
         norm in float32 (a sum in its own order, an rsqrt, products: a few 2**-24
         each), so there it may round either way; a test accepts either K
         (`tests/test_fused_projection.assert_matches_oracle`).
+    v_norm_weight : Tensor ``[L, D]``, or None
+        V's RMSNorm weight (with eps, as K's): V is returned normed in float64, not rounded.
 
     Returns
     -------
     k : Tensor ``[L, T, H, D]``, float64
         Not rounded to the storage dtype after RoPE.
     v : Tensor ``[L, T, H, D]``, kv's dtype
-        The V block, a copy of kv's bits.
+        The V block, a copy of kv's bits; with ``v_norm_weight``, float64: the exact normed V.
     """
     num_tokens, num_layers, width = kv.shape
     head_dim = width // (2 * num_kv_heads) if k_norm_weight is None else k_norm_weight.shape[1]
-    rotary_dim = cos_sin_cache.shape[1]
-    num_positions = cos_sin_cache.shape[0]
+    num_positions, rotary_dim = cos_sin_cache.shape[-2:]
     heads = num_kv_heads * head_dim
     if width != 2 * heads:
         raise ValueError(f"kv width {width} != 2*H*D = {2 * heads}")
@@ -120,16 +124,16 @@ def materialize_kv64(
     v = blocks[1].clone()
 
     # 1. RMSNorm, per layer eps and weight; a RoPE-only draft takes kv's values as they are.
-    if k_norm_weight is None:
-        y = x
-    else:
-        if isinstance(eps, Tensor):
-            eps64 = eps.to(torch.float64).reshape(num_layers, 1, 1, 1)
-        else:
-            eps64 = torch.full((num_layers, 1, 1, 1), float(eps), dtype=torch.float64, device=kv.device)
-        mean_square = (x * x).sum(dim=-1, keepdim=True) / head_dim
-        weight = k_norm_weight.to(torch.float64).reshape(num_layers, 1, 1, head_dim)
-        y = x / torch.sqrt(mean_square + eps64) * weight
+    eps64 = torch.as_tensor(eps, dtype=torch.float64, device=kv.device).reshape(-1, 1, 1, 1)  # one, or per layer
+
+    def rms_norm(rows: Tensor, norm_weight: Tensor) -> Tensor:
+        mean_square = (rows * rows).sum(dim=-1, keepdim=True) / head_dim
+        weight = norm_weight.to(torch.float64).reshape(num_layers, 1, 1, head_dim)
+        return rows / torch.sqrt(mean_square + eps64) * weight
+
+    y = x if k_norm_weight is None else rms_norm(x, k_norm_weight)
+    if v_norm_weight is not None:
+        v = rms_norm(v.to(torch.float64), v_norm_weight)
 
     # 2. The unfused model stores the normed K in kv's dtype.
     if round_after_norm and k_norm_weight is not None:
@@ -146,12 +150,14 @@ def materialize_kv64(
     pos = positions.to(torch.int64)
     valid = (pos >= 0) & (pos < num_positions)
     table = cos_sin_cache.to(torch.float64)
+    if table.dim() == 2:
+        table = table[None]  # one table for every layer
     if num_positions == 0:  # an empty cache: every position is out of range
-        table = torch.zeros(1, rotary_dim, dtype=torch.float64, device=kv.device)
-    rows = table[torch.where(valid, pos, 0)]  # [T, R]
+        table = torch.zeros(table.shape[0], 1, rotary_dim, dtype=torch.float64, device=kv.device)
+    rows = table[:, torch.where(valid, pos, 0)]  # [L or 1, T, R]
     half = rotary_dim // 2
-    cos = rows[:, :half].reshape(1, num_tokens, 1, half)
-    sin = rows[:, half:].reshape(1, num_tokens, 1, half)
+    cos = rows[:, :, None, :half]  # [L or 1, T, 1, R/2]
+    sin = rows[:, :, None, half:]
     first, second = (i.to(kv.device) for i in rotation_pairs(rotary_dim, rope_style))
     a, b = y[..., first], y[..., second]
     k = y.clone()
@@ -176,10 +182,11 @@ def materialize_mla_kv64(
     to ckv's dtype (the unfused path stores ``kv_a_layernorm``'s output), or taken
     as it is when ``kv_norm_weight`` is None; every dim of the rope part is rotated
     in float64 and *not* rounded, so a test measures the op's error against the
-    exact value. A position outside ``[0, P)`` gives NaN in that token's rope part.
+    exact value. A position outside ``[0, P)`` gives NaN in that token's rope part. A
+    cache of a table per layer (``[L, P, R]``) rotates layer ``l`` with table ``l``.
     """
-    num_tokens, num_layers, width = ckv.shape
-    rotary_dim = cos_sin_cache.shape[1]
+    _, num_layers, width = ckv.shape
+    num_positions, rotary_dim = cos_sin_cache.shape[-2:]
     latent_dim = width - rotary_dim
     rows = ckv.permute(1, 0, 2).to(torch.float64)  # [L, T, C+R], exact
     latent, rope = rows[..., :latent_dim], rows[..., latent_dim:]
@@ -192,14 +199,16 @@ def materialize_mla_kv64(
         weight = kv_norm_weight.to(torch.float64).reshape(num_layers, 1, latent_dim)
         latent = (latent / torch.sqrt(mean_square + eps64) * weight).to(ckv.dtype).to(torch.float64)
     pos = positions.to(torch.int64)
-    valid = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    valid = (pos >= 0) & (pos < num_positions)
     table = cos_sin_cache.to(torch.float64)
-    if cos_sin_cache.shape[0] == 0:
-        table = torch.zeros(1, rotary_dim, dtype=torch.float64)
-    angles = table[torch.where(valid, pos, 0)]  # [T, R]
+    if table.dim() == 2:
+        table = table[None]  # one table for every layer
+    if num_positions == 0:
+        table = torch.zeros(table.shape[0], 1, rotary_dim, dtype=torch.float64)
+    angles = table[:, torch.where(valid, pos, 0)]  # [L or 1, T, R]
     half = rotary_dim // 2
-    cos = angles[:, :half].reshape(1, num_tokens, half)
-    sin = angles[:, half:].reshape(1, num_tokens, half)
+    cos = angles[..., :half]  # [L or 1, T, R/2]
+    sin = angles[..., half:]
     first, second = rotation_pairs(rotary_dim, rope_style)
     a, b = rope[..., first], rope[..., second]
     rotated = rope.clone()

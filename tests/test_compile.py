@@ -381,9 +381,9 @@ def test_debug_mode_checks_values_when_the_graph_runs() -> None:
 
 # The schemas, as torch sees them: derived from the public signatures (typedkv.core.torch_ops), printed here.
 SCHEMAS = """
-typedkv::materialize_kv_out(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a8!) k_out, Tensor(a9!) v_out) -> ()
-typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
-typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!)[] k_pool, Tensor(a8!)[] v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::materialize_kv_out(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, Tensor(a9!) k_out, Tensor(a10!) v_out) -> ()
+typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!)[] k_pool, Tensor(a8!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
 """
 
 
@@ -408,16 +408,16 @@ def test_opcheck() -> None:
     rest = (x.cos_sin_cache, x.positions)
     torch.library.opcheck(
         dense,
-        (*common, 1e-6, None, *rest, H, "neox", torch.empty(L, 3, H, D), torch.empty(L, 3, H, D)),
+        (*common, 1e-6, None, *rest, H, "neox", None, torch.empty(L, 3, H, D), torch.empty(L, 3, H, D)),
     )
     torch.library.opcheck(
         stacked,
         (*common, None, x.eps, *rest, x.cache_loc, torch.zeros(L, S, H, D), torch.zeros(L, S, H, D), H, "gptj",
-         None, None, None, None, "NHD"),
+         None, None, None, None, None, "NHD"),
     )  # fmt: skip
     # FP8 pools stay out: opcheck compares results with allclose, which CPU lacks for FP8.
     pools = [torch.zeros(S, H, D) for _ in range(2 * L)]
     torch.library.opcheck(
         listed,
-        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, "NHD"),
+        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, None, "NHD"),
     )

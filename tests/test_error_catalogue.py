@@ -246,7 +246,9 @@ def _internal_debug_annotation() -> tuple[str, tuple[str, int] | None]:
     namespace: dict[str, Any] = {}
     exec(compile(SETUP, f"{CATALOGUE}:Setup", "exec"), namespace)
     ns = namespace
-    good = (ns["kv"], ns["k_norm_weight"], ns["eps"], ns["cos_sin_cache"], ns["positions"], ns["H"], "neox", None, None)
+    good = (
+        ns["kv"], ns["k_norm_weight"], ns["eps"], ns["cos_sin_cache"], ns["positions"], ns["H"], "neox", None, None, None
+    )  # fmt: skip
     bound = kv_impl.check_dense(kv_impl.DenseCall(*good))
     bad = (*good[:4], ns["positions"].float(), *good[5:])  # float positions
     try:

@@ -122,9 +122,9 @@ def test_misuse_rejected_while_tracing() -> None:
 # The fused ops' schemas: the projection's arguments in kv's place, then the public function's
 # (typedkv.projection.fused.declaration reads them from materialize_kv / materialize_kv_into_pool).
 SCHEMAS = """
-typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor(a11!) k_out, Tensor(a12!) v_out) -> ()
-typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
-typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!)[] k_pool, Tensor(a11!)[] v_pool, SymInt num_kv_heads, str rope_style, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, Tensor(a12!) k_out, Tensor(a13!) v_out) -> ()
+typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!)[] k_pool, Tensor(a11!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
 """
 
 
@@ -164,10 +164,10 @@ def test_opcheck() -> None:
     stacked, listed = paths.FUSED_POOL_OPS.ops
     head = (x, m.kv_weight, m.kv_bias, L, m.k_norm_weight, 1e-6, None, m.cos_sin_cache, positions)
     out = torch.empty(L, 3, H, 16, dtype=torch.float16)
-    torch.library.opcheck(dense, (*head, H, "neox", out, out.clone()))
+    torch.library.opcheck(dense, (*head, H, "neox", None, out, out.clone()))
     cache_loc = torch.tensor([4, -1, 0])
     pool = torch.zeros(L, 8, H, 16, dtype=torch.float16)
-    tail = (None, None, None, None, "NHD")
+    tail = (None, None, None, None, None, "NHD")  # v_norm_weight, K's and V's scales, kv_layout
     torch.library.opcheck(stacked, (*head, cache_loc, pool, pool.clone(), H, "gptj", *tail))
     torch.library.opcheck(listed, (*head, cache_loc, list(pool.clone()), list(pool.clone()), H, "neox", *tail))
 

@@ -1,8 +1,8 @@
 """`KVMaterializer`'s fused projection path fuzzed on the CPU (the kernel itself under ``TRITON_INTERPRET=1``).
 
 Hypothesis draws a draft -- storage dtype, head and rotary dims, rope style,
-K norm or RoPE only, bias, eps one or per layer (a tensor or a list), hidden
-width -- and a call: T (none included), and where K and V go: outputs the call
+K norm or RoPE only, V normed or not, bias, eps one or per layer (a tensor or a
+list), one cos/sin table or one per layer, hidden width -- and a call: T (none included), and where K and V go: outputs the call
 allocates, outputs given as views of a larger slab, or a pool of any layout
 (flat, NHD or HND pages of any size, per-layer lists, the two halves of one
 allocation) in the storage dtype or FP8, with or without scales. In production
@@ -11,8 +11,8 @@ or past the pool; debug mode rejects those, so its calls have none. Checked:
 
 - dense outputs hold the float64 oracle's K and V (`test_fused_projection.Draft`:
   V bit for bit, K within one storage ulp), and a slab's other bytes are untouched;
-- a pool holds GEMM + kernel's V values (a zero's sign aside), K within one FP8
-  step of its K in an FP8 pool, the rows no token names untouched, and in a
+- a pool holds GEMM + kernel's V values (a zero's sign aside; a normed V, like K,
+  within one FP8 step in an FP8 pool), K within one FP8 step of its K in an FP8 pool, the rows no token names untouched, and in a
   pool of the storage dtype the oracle's K and V at the named rows (so a
   mistake both paths share shows too). The paths are compared where their
   projections agree: on CUDA, GEMM + kernel's at T = 1 with a bias is rounded
@@ -81,6 +81,8 @@ class Case:
     scales: str  # "none", "float" or "tensor"
     bad_positions: list[int]
     bad_slots: list[int]
+    v_norm: bool = False
+    layer_tables: bool = False
 
 
 @st.composite
@@ -112,6 +114,8 @@ def cases(draw: st.DrawFn, production: bool, pool: bool, max_tokens: int = 24, m
         scales=draw(st.sampled_from(["none", "float", "tensor"])) if fp8 else "none",
         bad_positions=draw(flawed) if production and num_tokens else [],
         bad_slots=draw(flawed) if production and pool and num_tokens else [],
+        v_norm=draw(st.booleans()),
+        layer_tables=draw(st.booleans()),
     )
 
 
@@ -121,7 +125,8 @@ def _draft(case: Case, device: torch.device) -> Draft:
     eps: Any = {"one": 0.5, "tensor": torch.tensor(per_layer), "list": per_layer}[case.eps]
     draft = Draft(
         case.dtype, head_dim=case.head_dim, rotary_dim=case.rotary_dim, hidden=case.hidden,
-        rope_style=case.rope_style, norm=case.norm, bias=case.bias, eps=eps, seed=case.seed,
+        rope_style=case.rope_style, norm=case.norm, bias=case.bias, eps=eps, seed=case.seed, v_norm=case.v_norm,
+        layer_tables=case.layer_tables,
     )  # fmt: skip
     draft.eps = 0.5 if case.eps == "one" else torch.tensor(per_layer, dtype=torch.float64)
     draft.m.to(device)
@@ -302,10 +307,13 @@ def check_pools(case: Case, device: torch.device) -> None:
     # V is the projection, exact on the grid in any order of accumulation: where the GEMM rounded it once,
     # the same values (a zero may differ in sign: the kernel's sum starts from +0.0, and x * 0 for a negative
     # x is -0.0). K's norm is float32 in both kernels, in another order: K is compared with the oracle, or
-    # for FP8 with GEMM + kernel's.
-    assert torch.equal(paired(v_rows).float(), paired(gemm_v).float()), "V not GEMM + kernel's values"
+    # for FP8 with GEMM + kernel's; so is a normed V.
+    if not case.v_norm:
+        assert torch.equal(paired(v_rows).float(), paired(gemm_v).float()), "V not GEMM + kernel's values"
     if case.pool_dtype in FP8:
         _assert_fp8_steps_apart(paired(k_rows), paired(gemm_k), case.pool_dtype)
+        if case.v_norm:
+            _assert_fp8_steps_apart(paired(v_rows), paired(gemm_v), case.pool_dtype)
     else:
         want = draft.oracle(x, positions)
         oracle = Oracle(want[0][:, kept], want[1][:, kept], want.other_k64[:, kept])

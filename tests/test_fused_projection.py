@@ -13,7 +13,8 @@ of the GEMM is exact in float32 (at most ~21 significant bits): the accumulation
 change the float32 accumulator, and the projection rounded to the storage dtype
 (what a stored ``kv`` holds) is known exactly. From there:
 
-- V equals that rounded projection bit for bit;
+- V equals that rounded projection bit for bit (a normed V, ``v_norm_weight``: the
+  exact norm of it rounded once, `test_numerics.v_normed_ok`);
 - K is within one storage-dtype ulp at the scale of the row's largest value,
   ``eps * max |k|`` over the head row (``eps`` = ``torch.finfo(dtype).eps``; an
   element where RoPE cancels can be far smaller than its error), of the float64
@@ -44,6 +45,7 @@ from typing import Any
 import pytest
 import torch
 from reference64 import materialize_kv64
+from test_numerics import assert_v_normed
 from torch import Tensor
 
 import typedkv
@@ -80,7 +82,10 @@ class Draft:
         bias: bool = False,
         eps: float | Tensor = 1e-6,
         seed: int = 0,
+        v_norm: bool = False,
+        layer_tables: bool = False,
     ) -> None:
+        """``v_norm``: V normed too (``v_norm_weight``); ``layer_tables``: a cos/sin table per layer."""
         g = torch.Generator().manual_seed(seed)
         rows = 2 * H * head_dim
         self.dtype, self.head_dim, self.hidden, self.rope_style, self.eps = dtype, head_dim, hidden, rope_style, eps
@@ -88,9 +93,12 @@ class Draft:
         self.bias = _grid((L, rows), 8, 16, g) if bias else None
         self.norm = (torch.rand(L, head_dim, generator=g) + 0.5).to(dtype) if norm else None
         self.cos_sin_cache = torch.randn(P, rotary_dim, generator=g)
+        self.v_norm = (torch.rand(L, head_dim, generator=g) + 0.5).to(dtype) if v_norm else None
+        if layer_tables:
+            self.cos_sin_cache = torch.randn(L, P, rotary_dim, generator=g)
         self.m = typedkv.KVMaterializer(
             self.weight.to(dtype), self.norm, eps, self.cos_sin_cache, num_kv_heads=H, rope_style=rope_style,
-            kv_bias=None if self.bias is None else self.bias.to(dtype),
+            kv_bias=None if self.bias is None else self.bias.to(dtype), v_norm_weight=self.v_norm,
         )  # fmt: skip
 
     def call(self, num_tokens: int, seed: int = 1) -> tuple[Tensor, Tensor]:
@@ -106,8 +114,8 @@ class Draft:
         if self.bias is not None:
             kv = kv + self.bias
         args = (kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, H, self.rope_style)
-        k64, v = materialize_kv64(*args)
-        other_k64, _ = materialize_kv64(*args, other_rounding=True)
+        k64, v = materialize_kv64(*args, v_norm_weight=self.v_norm)
+        other_k64, _ = materialize_kv64(*args, other_rounding=True, v_norm_weight=self.v_norm)
         return Oracle(k64, v, other_k64)
 
 
@@ -127,7 +135,10 @@ def assert_matches_oracle(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor
     k, v = got
     k64, v_want = want
     assert k.dtype == v.dtype == dtype and k.shape == k64.shape
-    assert torch.equal(v, v_want), "V is the projection rounded to the storage dtype, bit for bit"
+    if v_want.dtype == torch.float64 and dtype != torch.float64:  # a normed V: the exact norm, rounded once
+        assert_v_normed(v, v_want)
+    else:
+        assert torch.equal(v, v_want), "V is the projection rounded to the storage dtype, bit for bit"
     bad = k64.isnan()
     assert torch.equal(k.isnan(), bad)
     if not k64.numel():

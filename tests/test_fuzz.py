@@ -7,8 +7,10 @@ Hypothesis draws whole calls of ``typedkv.materialize_kv`` and
 
 - sizes: ``T`` from 0, ``L`` 1-4, ``num_kv_heads`` 1-4, ``D`` in {16, 32, 64, 80, 96,
   128}, ``rotary_dim`` even in ``[2, D]`` (``R < D`` included), ``P`` from 0;
-- dtypes: kv bfloat16/float16/float32; the norm weight, the cos/sin cache, a per-layer
+- dtypes: kv bfloat16/float16/float32; the norm weights, the cos/sin cache, a per-layer
   eps and FP8 scales of any float dtype (float64 included); int32/int64 indices;
+- options: a V norm weight (``v_norm_weight``) or none; one cos/sin table, or one per
+  layer (``[L, P, R]``);
 - layouts: kv as a strided view of a larger buffer (every other token or layer, a
   column window of wider rows, layers-first memory); ``k_out``/``v_out`` as
   ``[:, :T]`` views of larger slabs (padded heads and head dims too); every pool
@@ -24,7 +26,8 @@ Every call must end in one of two ways, and no other exception may escape:
 (a) it returns, and the result is the unfused path of ``tests/reference64.py``: K
     within the tolerance derived in ``tests/test_numerics.py`` (FP8: within one FP8
     step of ``saturate(ref / scale)``), V bit for bit (FP8: bit for bit
-    ``saturate(v / scale)``, ``test_pool.to_fp8``);
+    ``saturate(v / scale)``, ``test_pool.to_fp8``); a normed V the exact norm rounded
+    once (``test_numerics.v_normed_ok``; FP8: within one FP8 step, as K);
 (b) it raises ``typedkv.InputError`` whose message starts with the argument to blame
     (``k_out:``, ``k_pool[1]:``, ``cache_loc:`` ...), and no output or pool byte changed.
 
@@ -79,7 +82,15 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from memcheck import run_under_memcheck
 from reference64 import materialize_kv64
-from test_numerics import ELEMENT_ULPS, assert_bitwise_equal, assert_k_close, bits, pair_length
+from test_numerics import (
+    ELEMENT_ULPS,
+    assert_bitwise_equal,
+    assert_k_close,
+    assert_v_normed,
+    bits,
+    pair_length,
+    v_normed_ok,
+)
 from test_pool import FP8, LAYOUTS, to_fp8
 from torch import Tensor
 
@@ -100,7 +111,7 @@ POSITION_FAULTS = ("negative", "past", "far-negative", "far-past")
 SLOT_FAULTS = ("past", "far-past", "repeat")
 # Finite in every pool and output dtype, whatever the element's alignment in the pattern.
 PATTERN = (0xA5, 0x5A, 0x3C, 0xC3)
-INPUTS = ("k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_scale", "v_scale")
+INPUTS = ("k_norm_weight", "v_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_scale", "v_scale")
 MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
 
 # Examples per test (and per mode); see the module docstring for the budget.
@@ -150,6 +161,8 @@ class Spec:
     seed: int
     mutation: str | None
     pool: bool
+    v_norm: torch.dtype | None = None  # the dtype of a V norm weight, or none
+    layer_tables: bool = False  # a cos/sin table per layer, [L, P, R]
     # materialize_kv
     k_out: str = "none"
     v_out: str = "none"
@@ -192,6 +205,8 @@ def specs(draw: st.DrawFn, *, pool: bool, max_tokens: int) -> Spec:
         "seed": draw(st.integers(0, 2**32 - 1)),
         "mutation": draw(st.sampled_from(_mutation_names(pool))) if draw(ONE_IN_THREE) else None,
         "pool": pool,
+        "v_norm": draw(st.sampled_from(PARAM_FLOATS)) if draw(ONE_IN_THREE) else None,
+        "layer_tables": draw(ONE_IN_THREE),
     }
     if not pool:
         return Spec(**common, k_out=draw(st.sampled_from(OUT_KINDS)), v_out=draw(st.sampled_from(OUT_KINDS)))
@@ -365,8 +380,10 @@ def build(spec: Spec, device: torch.device) -> Call:
         eps = torch.exp2(-20 * torch.rand(num_layers, generator=gen, dtype=torch.float64)).to(spec.eps).to(device)
     else:
         eps = spec.eps
-    angles = torch.rand(num_positions, spec.rotary_dim // 2, generator=gen, dtype=torch.float64) * (2 * math.pi)
-    cache = torch.cat((angles.cos(), angles.sin()), dim=1).to(spec.cache_dtype)
+    tables = (num_layers,) if spec.layer_tables else ()
+    half = spec.rotary_dim // 2
+    angles = torch.rand(*tables, num_positions, half, generator=gen, dtype=torch.float64) * (2 * math.pi)
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(spec.cache_dtype)
     positions = torch.randint(0, max(num_positions, 1), (num_tokens,), generator=gen)
     big = 2**31 - 1 if spec.positions_dtype == torch.int32 else 2**40
     for token, fault in enumerate(spec.position_faults):
@@ -375,6 +392,9 @@ def build(spec: Spec, device: torch.device) -> Call:
             faults = {"negative": -1 - near, "past": num_positions + near, "far-negative": -big - 1, "far-past": big}
             positions[token] = faults[fault]
     positions = positions.to(spec.positions_dtype)
+    v_weight = None
+    if spec.v_norm is not None:
+        v_weight = (torch.rand(num_layers, head_dim, generator=gen, dtype=torch.float64) + 0.5).to(spec.v_norm)
     args: dict[str, Any] = {
         "kv": kv_view,
         "k_norm_weight": weight.to(device),
@@ -383,6 +403,7 @@ def build(spec: Spec, device: torch.device) -> Call:
         "positions": positions.to(device),
         "num_kv_heads": heads,
         "rope_style": spec.rope_style,
+        "v_norm_weight": None if v_weight is None else v_weight.to(device),
     }
     arena = Arena(device, gen)
     bad_positions = bool(((positions < 0) | (positions >= num_positions)).any())
@@ -542,7 +563,22 @@ COMMON_MUTATIONS: dict[str, Mutation] = {
     "eps-nan": lambda c: _put(c, "eps", float("nan")),
     "eps-negative-layer": lambda c: _put(c, "eps", [1e-6] * (c.spec.num_layers - 1) + [-1e-6]),
     "eps-none": lambda c: _put(c, "eps", None),
-    "cos_sin_cache-odd-rotary-dim": lambda c: _put(c, "cos_sin_cache", c.args["cos_sin_cache"][:, :-1]),
+    "cos_sin_cache-odd-rotary-dim": lambda c: _put(c, "cos_sin_cache", c.args["cos_sin_cache"][..., :-1]),
+    "cos_sin_cache-extra-layer": lambda c: _put(
+        c, "cos_sin_cache", torch.rand(c.spec.num_layers + 1, c.spec.num_positions, c.spec.rotary_dim, device=c.device)
+    ),
+    "v_norm_weight-extra-layer": lambda c: _put(
+        c, "v_norm_weight", torch.rand(c.spec.num_layers + 1, c.spec.head_dim, device=c.device) + 0.5
+    ),
+    "v_norm_weight-head-dim": lambda c: _put(
+        c, "v_norm_weight", torch.rand(c.spec.num_layers, c.spec.head_dim + 8, device=c.device) + 0.5
+    ),
+    "v_norm_weight-int": lambda c: _put(
+        c, "v_norm_weight", torch.ones(c.spec.num_layers, c.spec.head_dim, dtype=torch.int32, device=c.device)
+    ),
+    "v_norm_weight-other-device": lambda c: _put(
+        c, "v_norm_weight", torch.ones(c.spec.num_layers, c.spec.head_dim, device=c.other_device)
+    ),
     "cos_sin_cache-wider-than-head": lambda c: _put(
         c, "cos_sin_cache", torch.rand(c.spec.num_positions, c.spec.head_dim + 2, device=c.device)
     ),
@@ -785,6 +821,7 @@ def _reference(call: Call) -> tuple[Tensor, Tensor]:
     """``tests/reference64.py`` on the call's inputs (on the CPU): K in float64, V in kv's dtype."""
     args = call.args
     eps = args["eps"].cpu() if isinstance(args["eps"], Tensor) else args["eps"]
+    v_norm_weight = args["v_norm_weight"]
     return materialize_kv64(
         args["kv"].cpu(),
         args["k_norm_weight"].cpu(),
@@ -793,6 +830,7 @@ def _reference(call: Call) -> tuple[Tensor, Tensor]:
         args["positions"].cpu(),
         call.spec.num_kv_heads,
         call.spec.rope_style,
+        v_norm_weight=None if v_norm_weight is None else v_norm_weight.cpu(),
     )
 
 
@@ -808,7 +846,10 @@ def _check_dense(call: Call, result: tuple[Tensor, Tensor], before: list[Tensor]
     call.arena.assert_equal(expected, "outside k_out/v_out")
     ref_k, ref_v = _reference(call)
     assert_k_close(result[0].cpu(), ref_k, spec.rotary_dim, spec.rope_style)
-    assert_bitwise_equal(result[1].cpu(), ref_v, "v")
+    if spec.v_norm is None:
+        assert_bitwise_equal(result[1].cpu(), ref_v, "v")
+    else:
+        assert_v_normed(result[1].cpu(), ref_v)
 
 
 def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
@@ -822,16 +863,16 @@ def _scale64(scale: float | Tensor | None, num_layers: int) -> Tensor:
     return torch.full((num_layers,), 1.0 if scale is None else scale, dtype=torch.float32).double()
 
 
-def _k_within(got: Tensor, ref: Tensor, spec: Spec, scale: Tensor) -> Tensor:
+def _k_within(got: Tensor, ref: Tensor, spec: Spec, scale: Tensor, rotary_dim: int | None = None) -> Tensor:
     """Per element: ``got`` within the K tolerance of ``ref`` (float64, NaN rows included).
 
     16/32-bit: `ELEMENT_ULPS` ulps of the pair length (tests/test_numerics.py). FP8
     stores ``saturate(k / scale)`` of the float32 K: within one FP8 step of
     ``saturate(ref / scale)``, plus twice the 16/32-bit bound over the scale, plus
-    one FP8 subnormal step.
+    one FP8 subnormal step. ``rotary_dim`` 0: a normed V's (nothing rotates).
     """
     info = torch.finfo(spec.kv_dtype)
-    length = pair_length(ref, spec.rotary_dim, spec.rope_style)
+    length = pair_length(ref, spec.rotary_dim if rotary_dim is None else rotary_dim, spec.rope_style)
     slack = ELEMENT_ULPS[spec.kv_dtype] * info.eps * length + 2 * info.smallest_normal * info.eps
     want = ref
     if got.dtype in FP8:
@@ -870,8 +911,9 @@ def _check_pool(call: Call, before: list[Tensor]) -> None:
         return
     ref_k, ref_v = _reference(call)
     got_k, got_v = (torch.stack([bits(t)[index] for t in ts]).cpu().view(ts[0].dtype) for ts in (k_layers, v_layers))
-    if got_v.dtype in FP8:
-        ref_v = to_fp8(ref_v, _scale64(call.args["v_scale"], spec.num_layers).float(), got_v.dtype)
+    v_scale = _scale64(call.args["v_scale"], spec.num_layers)
+    if got_v.dtype in FP8 and spec.v_norm is None:
+        ref_v = to_fp8(ref_v, v_scale.float(), got_v.dtype)
     k_scale = _scale64(call.args["k_scale"], spec.num_layers)
     ok_k = torch.zeros(got_k.shape, dtype=torch.bool)
     ok_v = torch.zeros(got_v.shape, dtype=torch.bool)
@@ -880,7 +922,12 @@ def _check_pool(call: Call, before: list[Tensor]) -> None:
     for j in range(depth):
         tokens = [tokens_of[s][min(j, len(tokens_of[s]) - 1)] for s in slots]
         ok_k |= _k_within(got_k, ref_k[:, tokens], spec, k_scale)
-        ok_v |= bits(got_v) == bits(ref_v[:, tokens])
+        if spec.v_norm is None:
+            ok_v |= bits(got_v) == bits(ref_v[:, tokens])
+        elif got_v.dtype in FP8:  # normed in float32, rounded to kv's dtype, then quantized: as K, nothing rotated
+            ok_v |= _k_within(got_v, ref_v[:, tokens], spec, v_scale, rotary_dim=0)
+        else:
+            ok_v |= v_normed_ok(got_v, ref_v[:, tokens])
     _assert_all(ok_k, got_k, ref_k[:, tokens], "k")
     _assert_all(ok_v, got_v, ref_v[:, tokens], "v")
     if depth == 1 and got_k.dtype not in FP8:

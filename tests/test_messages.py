@@ -338,7 +338,7 @@ DENSE = [
     ),
     _case(
         lambda: {"cos_sin_cache": torch.rand(R)},
-        "cos_sin_cache: expected shape (P, R), got (16,)",
+        "cos_sin_cache: expected shape (P, R) or (L=3, P, R), got (16,)",
         "cos_sin_cache-1d",
     ),
     _case(
@@ -394,6 +394,50 @@ DENSE = [
     _case(lambda: {"rope_style": "llama"}, "rope_style: expected 'neox' or 'gptj', got 'llama'", "rope_style-unknown"),
     _case(lambda: {"rope_style": "NEOX"}, "rope_style: expected 'neox' or 'gptj', got 'NEOX'", "rope_style-case"),
     _case(lambda: {"rope_style": None}, "rope_style: expected 'neox' or 'gptj', got None", "rope_style-None"),
+    # v_norm_weight: [L, D], as K's norm weight
+    _case(
+        lambda: {"v_norm_weight": torch.ones(L + 1, D)},
+        "v_norm_weight: expected shape (L=3, D=16), got (4, 16): L=3 comes from kv",
+        "v_norm_weight-extra-layer",
+    ),
+    _case(
+        lambda: {"v_norm_weight": torch.ones(D, L)},
+        "v_norm_weight: expected shape (L=3, D=16), got (16, 3): dims 0 and 1 look swapped",
+        "v_norm_weight-transposed",
+    ),
+    _case(
+        lambda: {"v_norm_weight": torch.ones(D)},
+        "v_norm_weight: expected shape (L=3, D=16), got (16,)",
+        "v_norm_weight-one-layer",
+    ),
+    _case(
+        lambda: {"v_norm_weight": torch.ones(L, D, dtype=torch.int64)},
+        "v_norm_weight: expected dtype bfloat16, float16, float32 or float64, got int64: "
+        "convert it with v_norm_weight.to(torch.float32)",
+        "v_norm_weight-int",
+    ),
+    _case(
+        lambda: {"v_norm_weight": torch.ones(L, D, device="meta")},
+        "v_norm_weight: expected device cpu (kv's device), got meta: "
+        "move it once, outside the hot loop: v_norm_weight.to(kv.device)",
+        "v_norm_weight-other-device",
+    ),
+    # cos_sin_cache: a table per layer, [L, P, R]
+    _case(
+        lambda: {"cos_sin_cache": torch.randn(L + 1, P, R)},
+        "cos_sin_cache: expected shape (L=3, P, R), got (4, 32, 16): L=3 comes from kv",
+        "cos_sin_cache-tables-for-other-layers",
+    ),
+    _case(
+        lambda: {"cos_sin_cache": torch.randn(1, L, P, R)},
+        "cos_sin_cache: expected shape (P, R) or (L=3, P, R), got (1, 3, 32, 16)",
+        "cos_sin_cache-4d",
+    ),
+    _case(
+        lambda: {"cos_sin_cache": torch.randn(L, P, R - 1)},
+        "cos_sin_cache: the rotary dim R must be even and 2 <= R <= D, got D=16, R=15",
+        "cos_sin_cache-tables-odd-rotary-dim",
+    ),
 ]
 
 
@@ -722,7 +766,7 @@ def test_materialize_kv_into_pool_messages(overrides: Overrides, message: str, m
     assert str(excinfo.value) == message
 
 
-_SHARED = {"kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "num_kv_heads", "rope_style"}
+_SHARED = {"kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "num_kv_heads", "rope_style", "v_norm_weight"}
 # Where the pool op says something else, and why.
 # (Nothing now: the inputs, kv among them, are checked before the pools they are written to.)
 _POOL_SAYS: dict[str, str] = {}
@@ -849,7 +893,7 @@ def test_input_error_is_a_value_error_and_a_type_error() -> None:
 
 def test_every_message_names_its_argument_first() -> None:
     names = {
-        "kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "num_kv_heads", "rope_style",
+        "kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "num_kv_heads", "rope_style", "v_norm_weight",
         "k_out", "v_out", "cache_loc", "k_pool", "v_pool", "k_scale", "v_scale",
     }  # fmt: skip
     for case in DENSE + POOL + VALUES_POOL:

@@ -127,7 +127,7 @@ def assert_close_to_oracle(out: Tensor, inputs: Inputs) -> None:
     ref = materialize_mla_kv64(
         inputs.ckv, inputs.kv_norm_weight, inputs.eps, inputs.cos_sin_cache, inputs.positions, inputs.rope_style
     )
-    rotary_dim = inputs.cos_sin_cache.shape[1]
+    rotary_dim = inputs.cos_sin_cache.shape[-1]
     latent_dim = ref.shape[-1] - rotary_dim
     size = ref.abs()
     # A rotated pair keeps its length: each element's error scales with the pair's.

@@ -3,11 +3,11 @@
 Hypothesis draws whole calls: ``T`` from 0, ``L`` 1-3, ``C`` in {0, 8, 32, 96, 512}
 (0: the row is all rope part), ``R`` even in ``[2, 32]``, ckv in any storage dtype and
 maybe a column window of wider rows, a norm weight or none, eps as a float or an ``[L]``
-tensor, ``P`` from 0, positions outside ``[0, P)``, and either a dense call (with or
-without a given ``out``) or a pool of any layout of tests/test_mla.py (16-bit or FP8
-with a float or ``[L]`` scale, or DeepSeek's FP8 rows of 656 bytes, ``cache_format="fp8_ds_mla"``,
-with C = 512 and R = 64, in any layout whose rows start on 4 bytes) with slots that are
-negative, past the pool or repeated.
+tensor, one cos/sin table or one per layer (``[L, P, R]``), ``P`` from 0, positions outside
+``[0, P)``, and either a dense call (with or without a given ``out``) or a pool of any layout of
+tests/test_mla.py (16-bit or FP8 with a float or ``[L]`` scale, or DeepSeek's FP8 rows of 656
+bytes, ``cache_format="fp8_ds_mla"``, with C = 512 and R = 64, in any layout whose rows start on 4
+bytes) with slots that are negative, past the pool or repeated.
 
 Every call ends one of two ways:
 
@@ -75,6 +75,7 @@ class Spec:
     slot_kinds: tuple[str, ...]  # per token: "slot", "skip", "past" or "repeat"
     seed: int
     ds_mla: bool = False  # DeepSeek's FP8 rows (cache_format="fp8_ds_mla"): C = 512, R = 64, a uint8 pool
+    layer_tables: bool = False  # a cos/sin table per layer, [L, P, R]
 
 
 # Pool layouts whose rows start on 4 bytes: DeepSeek's rows store float32 and bfloat16 values.
@@ -113,6 +114,7 @@ def specs(draw: st.DrawFn, *, debug: bool) -> Spec:
         slot_kinds=tuple(draw(st.sampled_from(kinds)) for _ in range(num_tokens)) if pool else (),
         seed=draw(st.integers(0, 2**16)),
         ds_mla=ds_mla,
+        layer_tables=draw(st.booleans()),
     )
 
 
@@ -124,7 +126,7 @@ def _inputs(spec: Spec) -> Inputs:
     if spec.wide_rows:
         ckv = torch.zeros(T, L, C + R + 8, dtype=spec.dtype)[..., 3 : 3 + C + R]
         ckv.copy_(rows)
-    angles = torch.rand(P, R // 2, generator=g) * 6.2
+    angles = torch.rand(*((L,) if spec.layer_tables else ()), P, R // 2, generator=g) * 6.2
     positions = torch.randint(0, max(P, 1), (T,), generator=g)
     for t in spec.bad_positions:
         positions[t] = -1 - t if t % 2 else P + t

@@ -57,7 +57,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference64 import materialize_kv64, rotation_pairs
+from reference64 import BOUNDARY, materialize_kv64, rotation_pairs
 from torch import Tensor
 
 import typedkv
@@ -229,6 +229,38 @@ def assert_k_close(k: Tensor, ref: Tensor, rotary_dim: int, rope_style: RopeStyl
     assert rel <= NORM_ULPS[dtype] * eps, (
         f"k ({dtype}): relative error {rel:.3g} = {rel / eps:.2f} eps, allowed {NORM_ULPS[dtype]} eps"
     )
+
+
+def v_normed_ok(v: Tensor, ref: Tensor) -> Tensor:
+    """Per element: a normed V (``v``, the storage dtype) is the exact normed V (``ref``, float64,
+    `reference64.materialize_kv64`'s with ``v_norm_weight``) rounded once to the storage dtype.
+
+    16-bit storage: rounded to nearest, or, where the exact value lies within ``BOUNDARY`` (relative) of a
+    rounding boundary, to the other neighbour (the op's float32 norm may land on either side); float32
+    storage: within `ELEMENT_ULPS` of it, the float32 norm being the error (as K's, module docstring).
+    """
+    dtype = v.dtype
+    if dtype == torch.float32:
+        info = torch.finfo(dtype)
+        slack = ELEMENT_ULPS[dtype] * info.eps * ref.abs() + 2 * info.smallest_normal * info.eps
+        return (v.double() - ref).abs() <= slack
+    # Values, not bits: a zero's sign may differ (a projection's exact zero, summed from +0.0 or not).
+    ok = v == ref.to(dtype)
+    for nudge in (1 - BOUNDARY, 1 + BOUNDARY):
+        ok |= v == (ref * nudge).to(dtype)
+    return ok
+
+
+def assert_v_normed(v: Tensor, ref: Tensor) -> None:
+    """``v`` is `v_normed_ok` everywhere (``[L, T, H, D]``)."""
+    assert v.shape == ref.shape, f"v: shape {tuple(v.shape)} != {tuple(ref.shape)}"
+    ok = v_normed_ok(v, ref)
+    if not bool(ok.all()):
+        i = tuple(int(j) for j in (~ok).nonzero()[0])
+        raise AssertionError(
+            f"v ({v.dtype}): {int((~ok).sum())} of {ok.numel()} normed elements are not the exact norm rounded once; "
+            f"first at [l, t, h, d] = {i}: got {v[i].item()!r}, want {ref[i].item()!r}"
+        )
 
 
 def assert_matches_reference(case: Case, k: Tensor, v: Tensor) -> None:

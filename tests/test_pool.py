@@ -66,6 +66,7 @@ class Inputs:
     positions: Tensor
     num_kv_heads: int
     rope_style: str
+    v_norm_weight: Tensor | None = None  # a draft that norms V too
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,7 @@ class Inputs:
             self.positions,
             num_kv_heads=self.num_kv_heads,
             rope_style=self.rope_style,  # type: ignore[arg-type]
+            v_norm_weight=self.v_norm_weight,
         )
 
     def into_pool(
@@ -111,6 +113,7 @@ class Inputs:
             v_pool,
             num_kv_heads=self.num_kv_heads,
             rope_style=self.rope_style,  # type: ignore[arg-type]
+            v_norm_weight=self.v_norm_weight,
             k_scale=k_scale,
             v_scale=v_scale,
             kv_layout=kv_layout,
@@ -127,6 +130,11 @@ class Inputs:
             self.rope_style == "neox",
         )
         return k
+
+    def v_stored(self) -> Tensor:
+        """V as an FP8 pool quantizes it: `v_slice`, or with a V norm the dense op's V (normed, rounded to kv's
+        dtype first, as K is)."""
+        return self.v_slice() if self.v_norm_weight is None else self.dense()[1]
 
     def v_slice(self) -> Tensor:
         """V ``[L, T, H, D]`` straight from kv (the FP8 tests' own oracle)."""
@@ -148,7 +156,10 @@ def make_inputs(
     eps_per_layer: bool = False,
     seed: int = 0,
     norm: bool = True,
+    v_norm: bool = False,
+    layer_tables: bool = False,
 ) -> Inputs:
+    """Random inputs; ``v_norm``: a V norm weight too; ``layer_tables``: a cos/sin table per layer ``[L, P, R]``."""
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(num_tokens, num_layers, 2 * num_kv_heads * head_dim, generator=gen).to(dtype)
     weight = torch.rand(num_layers, head_dim, generator=gen) + 0.5
@@ -156,7 +167,11 @@ def make_inputs(
     angles = torch.rand(num_positions, rotary_dim // 2, generator=gen) * 6.2
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     positions = torch.randint(0, num_positions, (num_tokens,), generator=gen)
-    return Inputs(kv, weight if norm else None, eps, cos_sin, positions, num_kv_heads, rope_style)
+    v_weight = torch.rand(num_layers, head_dim, generator=gen) + 0.5 if v_norm else None
+    if layer_tables:
+        angles = torch.rand(num_layers, num_positions, rotary_dim // 2, generator=gen) * 6.2
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return Inputs(kv, weight if norm else None, eps, cos_sin, positions, num_kv_heads, rope_style, v_weight)
 
 
 def slots_for(num_tokens: int, num_slots: int, *, seed: int, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -413,6 +428,14 @@ def write_slots(pool: Pool, rows: Tensor, tokens: Tensor, slots: Tensor, layout:
                 dst[slot // page, slot % page] = rows[layer][token]
 
 
+def pool_rows(pool: Pool, layout: Layout) -> Tensor:
+    """``[L, N*B (or S), H, D]``: every row of ``layout``'s pool by slot (pages flattened), layers stacked."""
+    layers = torch.stack(list(_layers(pool)))
+    if layout.kv_layout == "HND" and layout.page_size > 1:
+        layers = layers.transpose(2, 3)
+    return layers.flatten(1, -3) if layout.page_size > 1 else layers
+
+
 def _bits(t: Tensor) -> Tensor:
     return t.view(_BITS[t.element_size()])
 
@@ -491,7 +514,7 @@ def run_pool(
         if pool_dtype in FP8:
             expected_rows = (
                 to_fp8(inp.k_float32(), k_scale, pool_dtype),
-                to_fp8(inp.v_slice(), v_scale, pool_dtype),
+                to_fp8(inp.v_stored(), v_scale, pool_dtype),
             )
         else:
             expected_rows = inp.dense()

@@ -60,6 +60,16 @@ rows = materializer(hidden, positions)
 materializer.into_pool(hidden, positions, cache_loc, vllm_caches)
 materializer.into_pool(hidden, positions, cache_loc, ds_caches, cache_format="fp8_ds_mla")
 
+# A RoPE table per layer [L, P, R].
+layer_tables = torch.randn(5, 4096, 64)
+rows = typedkv.materialize_mla_kv(ckv, kv_norm_weight, 1e-6, layer_tables, positions, rope_style="gptj")
+typedkv.materialize_mla_kv_into_pool(
+    ckv, kv_norm_weight, 1e-6, layer_tables, positions, cache_loc, sglang_buffers, rope_style="gptj"
+)
+per_layer_rope = typedkv.MLAKVMaterializer(
+    torch.randn(5, 576, 1024, dtype=torch.bfloat16), kv_norm_weight, 1e-6, layer_tables, rope_style="gptj"
+)
+
 
 @static_jaxtyping("T L W C P R S")
 def write_mla_cache(

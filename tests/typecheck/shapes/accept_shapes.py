@@ -115,3 +115,30 @@ typedkv.materialize_kv_into_pool(
     kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, per_layer_pages, per_layer_pages, num_kv_heads=8
 )
 rope_only_k, rope_only_v = typedkv.materialize_kv(kv, None, 1e-6, cos_sin_cache, positions, num_kv_heads=8)
+
+# V normed as K, and a RoPE table per layer [L, P, R].
+layer_tables = torch.randn(5, 4096, 128)
+k, v = typedkv.materialize_kv(
+    kv, k_norm_weight, 1e-6, layer_tables, positions, num_kv_heads=8, v_norm_weight=torch.ones(5, 128)
+)
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, layer_tables, positions, cache_loc, k_pool, v_pool, num_kv_heads=8,
+    v_norm_weight=torch.ones(5, 128),
+)  # fmt: skip
+normed_v = typedkv.KVMaterializer(
+    torch.randn(5, 2048, 1024, dtype=torch.bfloat16), k_norm_weight, 1e-6, layer_tables, num_kv_heads=8,
+    v_norm_weight=torch.ones(5, 128),
+)  # fmt: skip
+
+
+@static_jaxtyping("T L KV D P R")
+def draft_with_v_norm(
+    kv: Float[Tensor, "T L KV"],
+    k_norm_weight: Float[Tensor, "L D"],
+    v_norm_weight: Float[Tensor, "L D"],
+    cos_sin_cache: Float[Tensor, "L P R"],
+    positions: Int[Tensor, " T"],
+) -> tuple[Float[Tensor, "L T 8 D"], Float[Tensor, "L T 8 D"]]:
+    return typedkv.materialize_kv(
+        kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=8, v_norm_weight=v_norm_weight
+    )

@@ -106,3 +106,25 @@ def materializer_call(
 ) -> None:
     m(hidden, positions)  # E: bad-argument-type
     m.into_pool(hidden, positions[:1].expand(hidden.shape[0]), positions, torch.empty(5, 256, 8, 128), torch.empty(5, 256, 8, 128))  # E: bad-argument-type
+
+
+@static_jaxtyping("T L M KV D P R")
+def tables_for_other_layers(
+    kv: Float[Tensor, "T L KV"],
+    k_norm_weight: Float[Tensor, "L D"],
+    cos_sin_cache: Float[Tensor, "M P R"],
+    positions: Int[Tensor, " T"],
+) -> None:
+    typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=8)  # E: bad-argument-type
+
+
+@static_jaxtyping("T L KV D E P R")
+def v_norm_weight_of_another_head_dim(
+    kv: Float[Tensor, "T L KV"],
+    k_norm_weight: Float[Tensor, "L D"],
+    v_norm_weight: Float[Tensor, "L E"],
+    cos_sin_cache: Float[Tensor, "P R"],
+    positions: Int[Tensor, " T"],
+) -> None:
+    typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=8, v_norm_weight=v_norm_weight)  # E: bad-argument-type
+    typedkv.materialize_kv(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, num_kv_heads=8, v_norm_weight=v_norm_weight.transpose(0, 1))  # E: bad-argument-type

@@ -33,6 +33,9 @@ typedkv.materialize_mla_kv_into_pool(ckv, kv_norm_weight, 1e-6, cos_sin_cache, p
 # DeepSeek's FP8 rows are 656 bytes: not C+R.
 typedkv.materialize_mla_kv_into_pool(ckv, kv_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, torch.empty(5, 256, 592, dtype=torch.uint8), rope_style="gptj", cache_format="fp8_ds_mla")  # E: bad-argument-type
 
+# A RoPE table per layer for another number of layers.
+typedkv.materialize_mla_kv(ckv, kv_norm_weight, 1e-6, torch.randn(4, 4096, 64), positions, rope_style="gptj")  # E: bad-argument-type
+
 # One position per token.
 typedkv.materialize_mla_kv(ckv, kv_norm_weight, 1e-6, cos_sin_cache, torch.arange(15), rope_style="gptj")  # E: bad-argument-type
 
