@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import test_mla
+import test_mla_fp8_ds
 import torch
 import torch.nn.functional as F
 from reference64 import materialize_kv64, materialize_mla_kv64
@@ -182,6 +183,23 @@ def test_mla_pools(layout: str, mode: str) -> None:
 def test_mla_fp8_pool(pool_dtype: torch.dtype) -> None:
     inputs = _mla_inputs(torch.bfloat16, "neox")
     test_mla.run_pool(inputs, "vllm", test_mla._slots(6, 11, 2), 11, pool_dtype, torch.tensor([0.5, 2.0, 0.01]))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "vllm", "sglang"])
+def test_mla_fp8_ds_pools(layout: str) -> None:
+    """DeepSeek's FP8 rows (``cache_format="fp8_ds_mla"``) with a table per layer: vLLM's entries of the dense op's
+    rows, typedkv's reference bit for bit, and the float64 oracle's (tests/test_mla_fp8_ds.py's checks)."""
+    inputs = test_mla_fp8_ds.ds_inputs(6, 3, torch.bfloat16, "gptj")
+    inputs = test_mla.Inputs(
+        inputs.ckv, inputs.kv_norm_weight, inputs.eps, tables(3, 40, 64, _seed("ds", layout)), inputs.positions,
+        "gptj",
+    )  # fmt: skip
+    rows = test_mla_fp8_ds.vllm_rows_of(inputs)
+    assert rows.equal(test_mla_fp8_ds.reference_rows(inputs))
+    test_mla_fp8_ds.assert_ds_rows_close_to_oracle(rows, inputs)
+    cache_loc = test_mla._slots(6, 11, _seed("ds-slots", layout))
+    cache_loc[2] = -1
+    test_mla_fp8_ds.run_ds_pool(inputs, layout, cache_loc, 11, rows)
 
 
 # ------------------------------------------------------------ materializers

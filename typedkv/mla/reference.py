@@ -35,7 +35,7 @@ def ds_mla_rows(ckv: torch.Tensor, inputs: Inputs, neox: bool) -> torch.Tensor:
     ``float8_e4m3fn``; then the 4 scales as float32 bytes, then the rotated rope part rounded to bfloat16.
     """
     rows = mla_rows(ckv, inputs, neox, torch.bfloat16)
-    kv_lora_rank = rows.shape[-1] - inputs[2].shape[1]
+    kv_lora_rank = rows.shape[-1] - inputs[2].shape[-1]
     # Without a norm, ckv's latent is rounded here (a normed one was already).
     tiles = rows[..., :kv_lora_rank].to(torch.bfloat16).float().unflatten(-1, (-1, DS_MLA_TILE))
     amax = torch.where(tiles.isnan(), 0.0, tiles.abs()).amax(-1, keepdim=True)
