@@ -382,8 +382,8 @@ def test_debug_mode_checks_values_when_the_graph_runs() -> None:
 # The schemas, as torch sees them: derived from the public signatures (typedkv.core.torch_ops), printed here.
 SCHEMAS = """
 typedkv::materialize_kv_out(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, Tensor(a9!) k_out, Tensor(a10!) v_out) -> ()
-typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
-typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!)[] k_pool, Tensor(a8!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::materialize_kv_into_pool_stacked(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!) k_pool, Tensor(a8!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, Tensor(a14!)? k_scale_out, Tensor(a15!)? v_scale_out, str? kv_layout) -> ()
+typedkv::materialize_kv_into_pool_list(Tensor kv, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a7!)[] k_pool, Tensor(a8!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, Tensor(a14!)[]? k_scale_out, Tensor(a15!)[]? v_scale_out, str? kv_layout) -> ()
 """
 
 
@@ -413,11 +413,24 @@ def test_opcheck() -> None:
     torch.library.opcheck(
         stacked,
         (*common, None, x.eps, *rest, x.cache_loc, torch.zeros(L, S, H, D), torch.zeros(L, S, H, D), H, "gptj",
-         None, None, None, None, None, "NHD"),
+         None, None, None, None, None, None, None, "NHD"),
     )  # fmt: skip
     # FP8 pools stay out: opcheck compares results with allclose, which CPU lacks for FP8.
     pools = [torch.zeros(S, H, D) for _ in range(2 * L)]
     torch.library.opcheck(
         listed,
-        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, None, "NHD"),
+        (*common, 1e-5, None, *rest, x.cache_loc, pools[:L], pools[L:], H, "neox", None, None, None, None, None, None,
+         None, "NHD"),
+    )  # fmt: skip
+    # int8 pools with their scales written per row, stacked and per layer (the latter with V normed too).
+    int8 = [torch.zeros(L, S, H, D, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(L, S, H) for _ in range(2)]
+    torch.library.opcheck(
+        stacked,
+        (*common, 1e-6, None, *rest, x.cache_loc, *int8, H, "neox", None, None, None, None, None, *scales, "NHD"),
     )
+    torch.library.opcheck(
+        listed,
+        (*common, 1e-6, None, *rest, x.cache_loc, *(list(p.clone()) for p in int8), H, "neox", torch.randn(L, D), None,
+         None, None, None, *(list(t.clone()) for t in scales), "NHD"),
+    )  # fmt: skip

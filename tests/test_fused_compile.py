@@ -123,8 +123,8 @@ def test_misuse_rejected_while_tracing() -> None:
 # (typedkv.projection.fused.declaration reads them from materialize_kv / materialize_kv_into_pool).
 SCHEMAS = """
 typedkv::project_kv_out(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, Tensor(a12!) k_out, Tensor(a13!) v_out) -> ()
-typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
-typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!)[] k_pool, Tensor(a11!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, str? kv_layout) -> ()
+typedkv::project_kv_into_pool_stacked(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!) k_pool, Tensor(a11!) v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, Tensor(a17!)? k_scale_out, Tensor(a18!)? v_scale_out, str? kv_layout) -> ()
+typedkv::project_kv_into_pool_list(Tensor hidden, Tensor kv_weight, Tensor? kv_bias, SymInt num_layers, Tensor? k_norm_weight, float? eps_value, Tensor? eps_tensor, Tensor cos_sin_cache, Tensor positions, Tensor cache_loc, Tensor(a10!)[] k_pool, Tensor(a11!)[] v_pool, SymInt num_kv_heads, str rope_style, Tensor? v_norm_weight, float? k_scale_value, Tensor? k_scale_tensor, float? v_scale_value, Tensor? v_scale_tensor, Tensor(a17!)[]? k_scale_out, Tensor(a18!)[]? v_scale_out, str? kv_layout) -> ()
 """
 
 
@@ -167,9 +167,15 @@ def test_opcheck() -> None:
     torch.library.opcheck(dense, (*head, H, "neox", None, out, out.clone()))
     cache_loc = torch.tensor([4, -1, 0])
     pool = torch.zeros(L, 8, H, 16, dtype=torch.float16)
-    tail = (None, None, None, None, None, "NHD")  # v_norm_weight, K's and V's scales, kv_layout
+    # v_norm_weight, K's and V's scales, the scales written per row, kv_layout.
+    tail = (None, None, None, None, None, None, None, "NHD")
     torch.library.opcheck(stacked, (*head, cache_loc, pool, pool.clone(), H, "gptj", *tail))
     torch.library.opcheck(listed, (*head, cache_loc, list(pool.clone()), list(pool.clone()), H, "neox", *tail))
+    # int8 pools with their scales written per row, V normed too.
+    int8 = torch.zeros(L, 8, H, 16, dtype=torch.int8)
+    scales = torch.zeros(L, 8, H)
+    written = (torch.randn(L, 16), None, None, None, None, scales, scales.clone(), "NHD")
+    torch.library.opcheck(stacked, (*head, cache_loc, int8, int8.clone(), H, "neox", *written))
 
 
 def test_changing_sizes_compile_dynamic() -> None:

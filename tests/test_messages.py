@@ -477,6 +477,17 @@ def _fp8_pools(**kw: Any) -> dict[str, Any]:
     return {"k_pool": _pool(torch.float8_e4m3fn), "v_pool": _pool(torch.float8_e4m3fn), **kw}
 
 
+def _written(**kw: Any) -> dict[str, Any]:
+    """int8 pools with their scales written per row (float32 ``[L, S, H]``), ``kw`` replacing any of them."""
+    scales = {"k_scale_out": torch.zeros(L, S, H), "v_scale_out": torch.zeros(L, S, H)}
+    return {"k_pool": _pool(torch.int8), "v_pool": _pool(torch.int8), **scales, **kw}
+
+
+def _same_scales() -> dict[str, Any]:
+    scales = torch.zeros(L, S, H)
+    return _written(k_scale_out=scales, v_scale_out=scales)
+
+
 def _padded_layer() -> Tensor:
     return _pool(shape=(S, H + 1, D))[:, :H]
 
@@ -631,25 +642,25 @@ POOL = [
     # dtypes
     _case(
         lambda: {"k_pool": _pool(torch.float16), "v_pool": _pool(torch.float16)},
-        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float16: allocate the pool"
-        " with dtype=kv.dtype or an FP8 dtype",
+        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn, float8_e5m2 or int8, got float16: allocate the"
+        " pool with dtype=kv.dtype, an FP8 dtype, or int8 with its scales written",
         "pool-float16-for-bfloat16-kv",
     ),
     _case(
         lambda: {"k_pool": list(_pool(torch.float32)), "v_pool": list(_pool(torch.float32))},
-        "k_pool[0]: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float32: allocate the pool"
-        " with dtype=kv.dtype or an FP8 dtype",
+        "k_pool[0]: expected dtype bfloat16 (kv's), float8_e4m3fn, float8_e5m2 or int8, got float32: allocate the"
+        " pool with dtype=kv.dtype, an FP8 dtype, or int8 with its scales written",
         "per-layer-pool-float32-for-bfloat16-kv",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.float64), "v_pool": _pool(torch.float64)},
-        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float64: allocate the pool"
-        " with dtype=kv.dtype or an FP8 dtype",
+        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn, float8_e5m2 or int8, got float64: allocate the"
+        " pool with dtype=kv.dtype, an FP8 dtype, or int8 with its scales written",
         "pool-float64",
     ),
     _case(
         lambda: {"k_pool": _pool(torch.uint8), "v_pool": _pool(torch.uint8)},
-        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got uint8: an FP8 "
+        "k_pool: expected dtype bfloat16 (kv's), float8_e4m3fn, float8_e5m2 or int8, got uint8: an FP8 "
         "cache kept as bytes can be passed as k_pool.view(torch.float8_e4m3fn)",
         "pool-uint8",
     ),
@@ -668,8 +679,8 @@ POOL = [
             "k_pool": [_pool(shape=(S, H, D)), _pool(torch.float16, (S, H, D)), _pool(shape=(S, H, D))],
             "v_pool": list(_pool()),
         },
-        "k_pool[1]: expected dtype bfloat16 (kv's), float8_e4m3fn or float8_e5m2, got float16: allocate the pool "
-        "with dtype=kv.dtype or an FP8 dtype",
+        "k_pool[1]: expected dtype bfloat16 (kv's), float8_e4m3fn, float8_e5m2 or int8, got float16: allocate the "
+        "pool with dtype=kv.dtype, an FP8 dtype, or int8 with its scales written",
         "k_pool-layers-dtypes-differ",
     ),
     _case(
@@ -710,6 +721,58 @@ POOL = [
         "v_scale: expected device cpu (kv's device), got meta: move it once, outside the hot loop: "
         "v_scale.to(kv.device)",
         "v_scale-other-device",
+    ),
+    # scales written per row
+    _case(
+        lambda: _written(k_pool=_pool(), v_pool=_pool()),
+        "k_scale_out: expected None for a bfloat16 pool (scales are written for FP8 and int8 pools), got a tensor "
+        "of shape (3, 10, 2)",
+        "k_scale_out-for-bfloat16-pool",
+    ),
+    _case(
+        lambda: _written(k_scale_out=None, v_scale_out=None),
+        "k_scale_out: expected a tensor to write K's scales into for an int8 pool, got None: an int8 pool holds row "
+        "/ scale, with a scale per (token, layer, head) that the call computes: pass k_scale_out and v_scale_out, "
+        "float32, shaped like the pools without their last dim",
+        "int8-pool-without-scales",
+    ),
+    _case(
+        lambda: _written(v_scale_out=None),
+        "v_scale_out: expected a tensor beside k_scale_out, got None: K's and V's scales are written together (pass "
+        "both, or neither)",
+        "v_scale_out-missing",
+    ),
+    _case(
+        lambda: _written(k_pool=_pool(torch.float8_e5m2), v_pool=_pool(torch.float8_e5m2), k_scale=2.0),
+        "k_scale: expected None beside k_scale_out, got 2.0: the call computes each row's scale and writes it into "
+        "k_scale_out; pass scales to apply or tensors to write them into, not both",
+        "k_scale-beside-k_scale_out",
+    ),
+    _case(
+        lambda: _written(v_scale_out=torch.zeros(L, S, H, dtype=torch.float16)),
+        "v_scale_out: expected dtype float32, got float16: allocate it with one of these dtypes",
+        "v_scale_out-float16",
+    ),
+    _case(
+        lambda: _written(k_scale_out=torch.zeros(L, S, H, D)),
+        "k_scale_out: expected shape (L=3, S=10, H=2), got (3, 10, 2, 16): one element per row of k_pool, its shape "
+        "without the last dim",
+        "k_scale_out-with-head-dim",
+    ),
+    _case(
+        lambda: _written(k_scale_out=list(torch.zeros(L, S, H))),
+        "k_scale_out: expected the same layout as k_pool (a stacked tensor), got list",
+        "k_scale_out-list-beside-stacked-pool",
+    ),
+    _case(
+        lambda: _written(v_scale_out=torch.zeros(L, S, H, device="meta")),
+        "v_scale_out: expected device cpu (kv's device), got meta: allocate it on kv.device",
+        "v_scale_out-other-device",
+    ),
+    _case(
+        _same_scales,
+        "v_scale_out: expected memory apart from k_scale_out, got the same tensor",
+        "v_scale_out-is-k_scale_out",
     ),
     # cache_loc
     _case(
@@ -894,7 +957,7 @@ def test_input_error_is_a_value_error_and_a_type_error() -> None:
 def test_every_message_names_its_argument_first() -> None:
     names = {
         "kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "num_kv_heads", "rope_style", "v_norm_weight",
-        "k_out", "v_out", "cache_loc", "k_pool", "v_pool", "k_scale", "v_scale",
+        "k_out", "v_out", "cache_loc", "k_pool", "v_pool", "k_scale", "v_scale", "k_scale_out", "v_scale_out",
     }  # fmt: skip
     for case in DENSE + POOL + VALUES_POOL:
         _, message = case.values

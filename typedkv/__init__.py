@@ -5,7 +5,16 @@ The public surface is exactly what this module re-exports.
 
 from typedkv.core.config import debug_enabled, set_debug
 from typedkv.core.errors import InputError
-from typedkv.core.tensor_types import CacheFormat, Index, KVLayout, ParamFloat, PoolFloat, RopeStyle, StorageFloat
+from typedkv.core.tensor_types import (
+    CacheFormat,
+    Index,
+    KVLayout,
+    KVPoolDtype,
+    ParamFloat,
+    PoolFloat,
+    RopeStyle,
+    StorageFloat,
+)
 from typedkv.kv.api import materialize_kv, materialize_kv_into_pool
 from typedkv.mla.api import materialize_mla_kv, materialize_mla_kv_into_pool
 from typedkv.projection.materializer import KVMaterializer
@@ -20,6 +29,7 @@ __all__ = [
     "InputError",
     "KVLayout",
     "KVMaterializer",
+    "KVPoolDtype",
     "MLAKVMaterializer",
     "ParamFloat",
     "PoolFloat",

@@ -5,7 +5,8 @@ Math only, no checking. `typedkv.kv.kernel` (per-head K/V),
 `typedkv.mla.kernel` (MLA latent rows) call them, so all store, round, norm
 and address pools alike. Pieces that need many arguments take them grouped as
 tuples: ``QUANT`` (how a value is stored), ``rope`` (positions and the cos/sin
-cache), a pool's page ``strides``, an FP8 ``scale`` (`_layer_scale`). A tuple
+cache), a pool's page ``strides``, an FP8 ``scale`` (`_layer_scale`), where scales
+written per row go (`_scale_destinations`). A tuple
 holds either constexprs (its name in capitals, each read as
 ``X: tl.constexpr = T[i]``) or run-time values: Triton 3.6 turns the
 constexprs of a mixed tuple, or of one unpacked, into run-time values.
@@ -17,6 +18,10 @@ from __future__ import annotations
 # parameter annotations when it compiles.
 import triton
 import triton.language as tl
+
+from typedkv.core.tensor_types import SCALE_FLOOR
+
+_SCALE_FLOOR: tl.constexpr = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
@@ -38,6 +43,18 @@ def _to_fp8_grid(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.const
     mag = (tl.abs(x) + magic) - magic
     # The sign bit copied back, so -0.0 stays -0.0 (0 - 0 would give +0.0).
     return (mag.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_int8_grid(x):
+    """``x`` saturated to ``[-128, 127]`` and rounded to the nearest integer (ties to even), in float32; NaN as 0.
+
+    The cast to int8 that follows is then exact (a float-to-int conversion alone would truncate).
+    """
+    x = tl.where(x > 127.0, 127.0, tl.where(x < -128.0, -128.0, x))
+    # 1.5 * 2**23: adding it leaves a multiple of 1 (|x| <= 128), rounded to nearest even; subtracting it is exact.
+    rounded = (x + 12582912.0) - 12582912.0
+    return tl.where(x != x, 0.0, rounded)
 
 
 @triton.jit
@@ -63,7 +80,9 @@ def _store_scaled(dst, x, mask, scale, QUANT):
     ``QUANT`` is ``(MODE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)``, all
     constexprs: MODE 0 casts to dst's dtype; 1 and 2 store FP8 of ``x / scale``
     (the FP8 format's largest finite value, mantissa bits and smallest normal
-    exponent follow). SOFT_ROUND as in `_cast`.
+    exponent follow); 3 and 4 (scales written per row, `_written_scale`) store
+    ``x / scale`` in an FP8 or int8 destination (FP8_MAX 127 for int8), ``scale``
+    one per row. SOFT_ROUND as in `_cast`.
     """
     # Read one by one, annotated: Triton keeps a tuple's constexprs constant only so.
     MODE: tl.constexpr = QUANT[0]
@@ -78,7 +97,9 @@ def _store_scaled(dst, x, mask, scale, QUANT):
         # quantizes with the same x * (1 / scale).
         inv = tl.div_rn(1.0, scale)
         x = x * inv
-        if SOFT_ROUND:
+        if dst.dtype.element_ty == tl.int8:
+            q = _to_int8_grid(x).to(tl.int8)
+        elif SOFT_ROUND:
             x = _to_fp8_grid(x, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
             q = x.to(dst.dtype.element_ty)
             if FP8_MANT == 3:
@@ -107,6 +128,55 @@ def _layer_scale(scale, layer, MODE: tl.constexpr):
         return tl.load(scale[0] + layer * scale[1]).to(tl.float32)
     else:
         return scale[2]
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max(x, axis: tl.constexpr):
+    """The largest magnitude of ``x`` along ``axis``; NaN where a NaN is among them (as ``torch.amax``)."""
+    return tl.reduce(tl.abs(x), axis, _nan_max)
+
+
+@triton.jit
+def _written_scale(amax, scale_dst, mask, QUANT):
+    """The scale of rows whose largest magnitude is ``amax``, stored at ``scale_dst`` where ``mask``, and returned.
+
+    ``amax / FP8_MAX`` (``QUANT[1]``: the format's largest value), at least `SCALE_FLOOR`, in float32 with an
+    IEEE division, as the reference; a NaN stays NaN.
+    """
+    QMAX: tl.constexpr = QUANT[1]
+    scale = tl.maximum(tl.div_rn(amax, QMAX), _SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(scale_dst, scale, mask=mask)
+    return scale
+
+
+@triton.jit
+def _scale_destinations(scale_out, scale_strides, layer, row, head, PAGE: tl.constexpr, NUM_LAYERS: tl.constexpr,
+                        MODE: tl.constexpr):  # fmt: skip
+    """Where K's and V's scale of each row go (scales written per row), as ``(k, v)`` pointers of ``row + head``'s shape.
+
+    ``scale_out`` is ``(K's, V's, table)``: layer 0's scale tensors and, with MODE 4 (per-layer tensors),
+    a ``[2, L]`` table of element offsets from them to each layer's; ``scale_strides`` their ``(layer, page, slot,
+    head)`` strides. ``row`` and ``head`` broadcast against each other (``[T, 1]`` and ``[1, H]``, or ``[T]`` and
+    one head).
+    """
+    k_strides = scale_strides[0]
+    v_strides = scale_strides[1]
+    if MODE == 4:
+        k_base = scale_out[0] + tl.load(scale_out[2] + layer)
+        v_base = scale_out[1] + tl.load(scale_out[2] + NUM_LAYERS + layer)
+    else:
+        k_base = scale_out[0] + layer.to(tl.int64) * k_strides[0]
+        v_base = scale_out[1] + layer.to(tl.int64) * v_strides[0]
+    # In int64 throughout: a few stores a row, and no WIDE to decide.
+    head = head.to(tl.int64)
+    k = k_base + _row_offset(row, PAGE, (k_strides[1], k_strides[2])) + head * k_strides[3]
+    v = v_base + _row_offset(row, PAGE, (v_strides[1], v_strides[2])) + head * v_strides[3]
+    return k, v
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from typedkv.core.launcher import KernelLaunch
 from typedkv.core.memory import Footprint
 from typedkv.core.messages import fmt_dtype
 from typedkv.core.signature import Signature
-from typedkv.core.tensor_types import is_fp8
+from typedkv.core.tensor_types import is_fp8, is_quantized
 from typedkv.core.value_checks import check_layer_values, check_positions, check_slots
 
 
@@ -140,11 +140,15 @@ class PoolGeometry:
 
 
 def check_pools(
-    pools: Mapping[str, Tensor | Sequence[Tensor]], sharing: str, scales: Mapping[str, float | Tensor | None]
+    pools: Mapping[str, Tensor | Sequence[Tensor]],
+    sharing: str,
+    scales: Mapping[str, float | Tensor | None],
+    written: Mapping[str, Tensor | Sequence[Tensor] | None] = {},
 ) -> None:
     """The pools' tensors (each a stacked tensor, or a sequence of per-layer tensors; at least one) of one dtype,
-    the first's, a sequence's tensors of one layout, its first's, and FP8 ``scales`` only for an FP8 dtype
-    (`check_scales`). ``sharing``: who shares the dtype, as the message says it."""
+    the first's, a sequence's tensors of one layout, its first's, and FP8 ``scales`` only for an FP8 dtype, scale
+    tensors ``written`` per row only for an FP8 or int8 one (`check_scales`; a sequence of them of one layout too).
+    ``sharing``: who shares the dtype, as the message says it."""
     dtype, first = None, ""
     for name, pool in pools.items():
         stacked = isinstance(pool, Tensor)
@@ -158,17 +162,44 @@ def check_pools(
                     f"{label}: expected dtype {fmt_dtype(dtype)} ({first}'s), got {fmt_dtype(layer.dtype)}: "
                     f"every {sharing} shares one dtype"
                 )
-            if not stacked and layer.stride() != layers[0].stride():
-                raise InputError(
-                    f"{label}: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
-                    f"{tuple(layer.stride())}: per-layer pools must share one layout"
-                )
+            if not stacked:
+                _first_layout(name, layers, i)
     assert dtype is not None, "no pool tensor"
-    check_scales(dtype, scales)
+    check_scales(dtype, scales, written)
+    for name, tensors in written.items():
+        if isinstance(tensors, (list, tuple)):
+            for i in range(len(tensors)):
+                _first_layout(name, tensors, i)
 
 
-def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]) -> None:
-    """Scales only for an FP8 pool (``dtype``): a scale beside a 16/32-bit pool would be silently unused."""
+def _first_layout(name: str, layers: Sequence[Tensor], i: int) -> None:
+    """Layer ``i`` of a sequence of per-layer tensors with the strides of its first."""
+    if layers[i].stride() != layers[0].stride():
+        raise InputError(
+            f"{name}[{i}]: expected strides {tuple(layers[0].stride())} ({name}[0]'s), got "
+            f"{tuple(layers[i].stride())}: per-layer pools must share one layout"
+        )
+
+
+def check_scales(
+    dtype: torch.dtype,
+    scales: Mapping[str, float | Tensor | None],
+    written: Mapping[str, Tensor | Sequence[Tensor] | None] = {},
+) -> None:
+    """Given scales only for an FP8 pool (``dtype``): a scale beside a 16/32-bit pool would be silently unused.
+    Scales ``written`` per row (K's and V's together) only for an FP8 or int8 pool, in place of given ones; an int8
+    pool only with them (its values mean nothing without a scale)."""
+    given = [name for name, tensors in written.items() if tensors is not None]
+    if given:
+        _check_written(dtype, scales, written, given[0])
+        return
+    if dtype == torch.int8:
+        k_name, v_name = written
+        raise InputError(
+            f"{k_name}: expected a tensor to write K's scales into for an int8 pool, got None: an int8 pool holds "
+            f"row / scale, with a scale per (token, layer, head) that the call computes: pass {k_name} and "
+            f"{v_name}, float32, shaped like the pools without their last dim"
+        )
     if is_fp8(dtype):
         return
     for name, scale in scales.items():
@@ -178,7 +209,36 @@ def check_scales(dtype: torch.dtype, scales: Mapping[str, float | Tensor | None]
             )
 
 
+def _check_written(
+    dtype: torch.dtype,
+    scales: Mapping[str, float | Tensor | None],
+    written: Mapping[str, Tensor | Sequence[Tensor] | None],
+    first: str,
+) -> None:
+    """Scales written per row (``first`` the first of ``written`` given): for a pool that stores scaled values, K's
+    and V's together, and no scale given beside them."""
+    if not is_quantized(dtype):
+        raise InputError(
+            f"{first}: expected None for a {fmt_dtype(dtype)} pool (scales are written for FP8 and int8 pools), got "
+            f"{_describe(written[first])}"
+        )
+    for name, tensors in written.items():
+        if tensors is None:
+            raise InputError(
+                f"{name}: expected a tensor beside {first}, got None: K's and V's scales are written together "
+                "(pass both, or neither)"
+            )
+    for name, scale in scales.items():
+        if scale is not None:
+            raise InputError(
+                f"{name}: expected None beside {first}, got {_describe(scale)}: the call computes each row's scale "
+                f"and writes it into {first}; pass scales to apply or tensors to write them into, not both"
+            )
+
+
 def _describe(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"a sequence of {len(value)} tensors"
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 

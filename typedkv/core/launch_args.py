@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from typedkv.core import launcher
-from typedkv.core.tensor_types import is_fp8
+from typedkv.core.tensor_types import is_fp8, quant_max
 
 Scale = float | torch.Tensor | None
 """An FP8 destination's scale: one float, an ``[L]`` tensor read in the kernel, or None (1.0)."""
@@ -25,6 +25,12 @@ Scale = float | torch.Tensor | None
 ScaleValue = tuple[torch.Tensor | None, int, float]
 """An FP8 scale as the kernels take it (one tuple argument, `typedkv.core.epilogue._layer_scale`):
 ``(tensor, its stride, float)``, the tensor read per layer when given, else the float (1.0 for None)."""
+
+
+ScaleOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""Where a K/V kernel writes each row's scale (scales written per row): ``(K's, V's, table)``, the K and V
+scale tensors (layer 0's for per-layer ones) and, for per-layer ones, a ``[2, L]`` int64 table of element offsets
+from them to each layer's (else None); `typedkv.core.epilogue._scale_destinations` takes it."""
 
 
 Inputs = tuple[torch.Tensor | None, float | torch.Tensor, torch.Tensor, torch.Tensor]
@@ -57,9 +63,13 @@ def scale_pair(scales: tuple[Scale, Scale]) -> tuple[ScaleValue, ScaleValue]:
     return scale_value(scales[0]), scale_value(scales[1])
 
 
-def scale_mode(scale: ScaleValue, dtype: torch.dtype) -> int:
+def scale_mode(scale: ScaleValue, dtype: torch.dtype, scale_out: ScaleOut | None = None) -> int:
     """A kernel's ``SCALE`` constexpr for a destination of ``dtype``: 0 stores as is; an FP8 destination is always
-    saturated, 1 dividing by the scale's float (1.0 when none was given), 2 by its tensor's entry for the layer."""
+    saturated, 1 dividing by the scale's float (1.0 when none was given), 2 by its tensor's entry for the layer;
+    with scales written per row (``scale_out``, FP8 or int8), 3 by each row's own, 4 the same into per-layer scale
+    tensors (through ``scale_out``'s table)."""
+    if scale_out is not None:
+        return 3 if scale_out[2] is None else 4
     if not is_fp8(dtype):
         return 0
     return 2 if scale[0] is not None else 1
@@ -177,7 +187,10 @@ def wide_offsets(*extents: tuple[int, int]) -> bool:
 
 
 def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
-    """``(largest finite, mantissa bits, smallest normal exponent)`` of an FP8 dtype (zeros for another)."""
+    """``(largest finite, mantissa bits, smallest normal exponent)`` of an FP8 dtype; int8's largest (127) and zeros;
+    zeros for another."""
+    if dtype == torch.int8:
+        return quant_max(dtype), 0, 0
     if not is_fp8(dtype):
         return 0.0, 0, 0
     info = torch.finfo(dtype)

@@ -10,7 +10,8 @@ no error. So a call is rejected, before anything is written, when
   first to its last element;
 - two tensors it writes share an element. Spans are not enough there: K and V
   as the two halves of one combined cache (``[N, 2, B, H, D]``, ``k = c[:, 0]``)
-  interleave without sharing an element, and are accepted.
+  interleave without sharing an element, and are accepted; so are scales kept
+  inline in a pool's rows (a float32 view of the bytes after each row's values).
 
 Addresses change from call to call, so this runs on every call. What depends on
 the layout alone (each tensor's span around its first element) is worked out
@@ -52,7 +53,8 @@ def shares_element(a: Tensor, b: Tensor) -> bool:
 
     Exact for two tensors of one shape, strides and element size (what K and V of a pool are): their
     first elements ``delta`` apart share an element unless no index difference reaches ``delta``.
-    Other pairs: whether their spans meet.
+    Other pairs (a pool and the scales kept inline in its rows), byte by byte: whether some byte of
+    an element of ``a`` is one of ``b``'s (`_bytes_meet`).
     """
     if a.numel() == 0 or b.numel() == 0:
         return False
@@ -64,12 +66,53 @@ def shares_element(a: Tensor, b: Tensor) -> bool:
     item = a.element_size()
     delta = pb - pa
     if a.shape != b.shape or a.stride() != b.stride() or b.element_size() != item or delta % item:
-        return True
+        return _bytes_meet(a, b, delta)
     # Dims that add elements, largest stride first: delta in elements must be sum(j * stride)
     # with |j| < size in each, for some element of a and some of b to coincide.
     dims = sorted(((st, n - 1) for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st), reverse=True)
     tried = [0]
     return _reaches(abs(delta) // item, dims, tried)
+
+
+def _bytes_meet(a: Tensor, b: Tensor, delta: int) -> bool:
+    """Whether a byte of ``a``'s elements is one of ``b``'s, ``b`` starting ``delta`` bytes after ``a``.
+
+    A byte of ``a`` is ``sum(i * stride * size) + byte`` from ``a``'s start, ``0 <= byte < size``; they meet
+    where ``sum(i * a's) - sum(j * b's) = delta``. Each dim is a term ``stride * x``, ``x`` in a range of
+    integers (``b``'s negated); terms of one stride merge into one (their ranges add up).
+    """
+    ranges: dict[int, tuple[int, int]] = {}
+    for tensor, sign in ((a, 1), (b, -1)):
+        size = tensor.element_size()
+        dims = [(st * size, n - 1) for n, st in zip(tensor.shape, tensor.stride(), strict=True)] + [(1, size - 1)]
+        for stride, most in dims:
+            if stride < 0:
+                stride, sign_here = -stride, -sign
+            else:
+                sign_here = sign
+            if stride == 0 or most == 0:
+                continue
+            lo, hi = (0, most) if sign_here > 0 else (-most, 0)
+            have = ranges.get(stride, (0, 0))
+            ranges[stride] = (have[0] + lo, have[1] + hi)
+    terms = sorted(((stride, lo, hi) for stride, (lo, hi) in ranges.items()), reverse=True)
+    return _sums_to(delta, terms, [0])
+
+
+def _sums_to(delta: int, terms: list[tuple[int, int, int]], tried: list[int]) -> bool:
+    """Whether ``delta == sum(x * stride)`` for some ``lo <= x <= hi`` of each ``(stride, lo, hi)`` of ``terms``
+    (largest stride first)."""
+    tried[0] += 1
+    if tried[0] > _SEARCH_MOST:
+        return True  # too many ways to try: say shared, the safe answer
+    if not terms:
+        return delta == 0
+    (stride, lo, hi), rest = terms[0], terms[1:]
+    least = sum(s * low for s, low, _ in rest)  # how far the smaller terms reach, down and up
+    most = sum(s * high for s, _, high in rest)
+    first = max(lo, -((most - delta) // stride))  # ceil((delta - most) / stride)
+    last = min(hi, (delta - least) // stride)
+    return any(_sums_to(delta - x * stride, rest, tried) for x in range(first, last + 1))
 
 
 def overlaps_itself(tensor: Tensor) -> bool:
@@ -221,7 +264,8 @@ def _apart_from_each_other(written: list[tuple[str, Tensor, int]]) -> None:
                 break
             if shares_element(tensor, other):
                 first, second = sorted(((name, address), (other_name, other_address)), key=_field_order(written))
-                _raise_shared(first[0], second[0], first[1] == second[1])
+                alike = (tensor.shape, tensor.stride(), tensor.dtype) == (other.shape, other.stride(), other.dtype)
+                _raise_shared(first[0], second[0], first[1] == second[1] and alike)
 
 
 def _field_order(written: list[tuple[str, Tensor, int]]) -> Any:
@@ -229,8 +273,9 @@ def _field_order(written: list[tuple[str, Tensor, int]]) -> Any:
     return lambda item: order[item[0]]
 
 
-def _raise_shared(first: str, second: str, same_start: bool) -> None:
-    if not same_start:
+def _raise_shared(first: str, second: str, same: bool) -> None:
+    """``same``: the two are one tensor (a start, shape, strides and dtype in common); else views that overlap."""
+    if not same:
         raise InputError(
             f"{second}: expected memory apart from {first}, got views that overlap: writes to one would land in "
             "the other"

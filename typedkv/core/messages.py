@@ -72,13 +72,17 @@ class Messages:
             return f": allocate it with one of these dtypes{'' if label == name else ' (all layers alike)'}"
         return f": convert it with {label}.to(torch.{spec.convert_to})"
 
-    def storage_message(self, label: str, got: torch.dtype, want: torch.dtype, other: str, fp8: Sequence[str]) -> str:
-        """A pool of neither ``other``'s dtype nor an FP8 one."""
-        kinds = or_list([f"{fmt_dtype(want)} ({other}'s)", *fp8])
+    def storage_message(
+        self, label: str, got: torch.dtype, want: torch.dtype, other: str, quantized: Sequence[str]
+    ) -> str:
+        """A pool of neither ``other``'s dtype nor a ``quantized`` one (FP8; int8 for K/V pools)."""
+        kinds = or_list([f"{fmt_dtype(want)} ({other}'s)", *quantized])
         msg = f"{label}: expected dtype {kinds}, got {fmt_dtype(got)}"
         if got == torch.uint8:
             # Engines often keep an FP8 cache as raw bytes.
             return msg + f": an FP8 cache kept as bytes can be passed as {label}.view(torch.float8_e4m3fn)"
+        if "int8" in quantized:
+            return msg + f": allocate the pool with dtype={other}.dtype, an FP8 dtype, or int8 with its scales written"
         return msg + f": allocate the pool with dtype={other}.dtype or an FP8 dtype"
 
     def expected(self, spec: ArraySpec, dims: Mapping[str, int]) -> str:

@@ -1,5 +1,5 @@
 """The reference pieces every family shares: RMSNorm and RoPE as the kernels compute them, FP8 quantization,
-pool row writes.
+scales written per row, pool row writes.
 
 Math in float32, as the kernels; a position outside ``[0, P)`` gives NaN where RoPE applies, and tokens
 with a slot outside ``[0, S)`` are skipped, so the reference never indexes out of bounds.
@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from typedkv.core.tensor_types import is_fp8
+from typedkv.core.tensor_types import SCALE_FLOOR, is_fp8, quant_max
 
 
 def writing() -> AbstractContextManager[None]:
@@ -75,6 +75,23 @@ def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.d
     return xf.clamp(-limit, limit).to(dtype)
 
 
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (``[..., F]``) as ``dtype`` (FP8 or int8) with a scale per row: ``(stored, scales)``, scales ``[...]``.
+
+    A row's scale is ``max(amax(|row|) / quant_max(dtype), SCALE_FLOOR)`` and it stores ``row * (1 / scale)``,
+    saturated to ``[-quant_max, quant_max]`` (int8: ``[-128, 127]``, rounded to the nearest integer, ties to even),
+    all in float32 as the kernels compute it; a row with a NaN gets a NaN scale (and NaN values, 0 in int8).
+    """
+    xf = x.float()
+    qmax = quant_max(dtype)
+    scales = torch.clamp(xf.abs().amax(-1) / qmax, min=SCALE_FLOOR)  # clamp keeps NaN, as the kernel's max
+    scaled = xf * scales.reciprocal().unsqueeze(-1)
+    if dtype == torch.int8:
+        rounded = scaled.clamp(-128.0, 127.0).round()
+        return torch.where(rounded.isnan(), 0.0, rounded).to(dtype), scales
+    return scaled.clamp(-qmax, qmax).to(dtype), scales
+
+
 def write_pool(
     values: torch.Tensor,
     cache_loc: torch.Tensor,
@@ -82,18 +99,20 @@ def write_pool(
     page_size: int = 1,
     hnd: bool = False,
 ) -> None:
-    """Write ``values[l, t]`` (``[H, D]``) to slot ``cache_loc[t]`` of ``pools[l]`` for every slot in range.
+    """Write ``values[l, t]`` (``[H, D]``; ``[H]`` for scales) to slot ``cache_loc[t]`` of ``pools[l]`` for every slot
+    in range.
 
     A pool is ``[S, H, D]`` (``page_size`` 1), or ``[N, B, H, D]`` / ``[N, H, B, D]``
-    (``hnd``): slot ``s`` is page ``s // B``, offset ``s % B``.
+    (``hnd``): slot ``s`` is page ``s // B``, offset ``s % B``; scale tensors the same without ``D``.
     """
     if cache_loc.is_meta:
         return  # a dry run on the meta device: its pools hold no values (selecting the slots would need them)
-    num_slots = pools[0].shape[0] * (page_size if pools[0].dim() == 4 else 1)
+    paged = pools[0].dim() == values.dim()  # values have a layer dim, a paged pool a page dim more than slots
+    num_slots = pools[0].shape[0] * (page_size if paged else 1)
     keep = (cache_loc >= 0) & (cache_loc < num_slots)
     slots = cache_loc[keep].long()
     for layer, pool in enumerate(pools):
-        if pool.dim() == 3:
+        if not paged:
             pool[slots] = values[layer][keep]
         elif hnd:
             # Advanced indices split by a slice: their dim comes first, [K, H, D].

@@ -23,7 +23,7 @@ from typedkv.core.errors import InputError
 from typedkv.core.hints import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_param, runtime_hint, symbolic
 from typedkv.core.memory import overlaps_itself
 from typedkv.core.messages import Messages, fmt_dtype, or_list, scalar_fix, type_name
-from typedkv.core.tensor_types import is_fp8, strided
+from typedkv.core.tensor_types import is_quantized, strided
 
 _P = TypeVar("_P")
 
@@ -62,6 +62,10 @@ class Signature:
     default_layout
         The layout a ``None`` layout argument stands for, when the tensor fits
         only one of its rank's shapes.
+    per_row_of
+        ``{param: other}``: ``param`` holds one element per row of ``other``
+        (its shape is ``other``'s without the last dim): it is checked against
+        that shape of its union, never read as another layout.
 
     Inputs bind the dims first, then the outputs are checked against them: a
     symbolic dim with one unknown (``2*H*D`` with no ``D`` given) is solved
@@ -81,6 +85,7 @@ class Signature:
         sequence_len: Mapping[str, str] = {},
         inner_contiguous: Sequence[str] = (),
         default_layout: str | None = None,
+        per_row_of: Mapping[str, str] = {},
     ) -> None:
         # Derived dims ("KV = 2*H*D") are read in place of their names, so both
         # modes check the expression itself and messages quote it.
@@ -116,6 +121,7 @@ class Signature:
         self._layout_of = layout_of
         self._layout_index = None if layout_of is None else by_name[layout_of].index
         self._default_layout = default_layout
+        self._per_row_of = dict(per_row_of)
         self._messages = Messages(device_of, self._outputs, self._same_dtype, self._scalar_dims)
         self._plans: CheckedLayouts[Any] = CheckedLayouts(_PLANS_MAX)
 
@@ -170,7 +176,9 @@ class Signature:
                     continue
                 if isinstance(value, torch.Tensor) and p.arrays:
                     self._check_kind(p.name, p.name, value)
-                    spec = self._choose(p, p.name, p.arrays, value, bound, args)
+                    spec = self._row_spec(p.name, p.arrays, bound) or self._choose(
+                        p, p.name, p.arrays, value, bound, args
+                    )
                     bound.specs[p.name] = spec
                     self._check_tensor(p.name, p.name, spec, value, bound, args, deferred)
                 elif p.sequences and isinstance(value, (list, tuple)):
@@ -293,6 +301,16 @@ class Signature:
             msg += self._messages.combined_fix(p.name, label, self._combined_half(specs, value, bound.dims))
         raise InputError(msg)
 
+    def _row_spec(self, name: str, specs: tuple[ArraySpec, ...], bound: Bound) -> ArraySpec | None:
+        """The shape of ``specs`` that is ``per_row_of``'s other argument's without its last dim (None: no such
+        relation, or no such shape, as for a sequence beside a stacked tensor: the caller's relations say so)."""
+        other = self._per_row_of.get(name)
+        matched = bound.specs.get(other) if other is not None else None
+        if matched is None:
+            return None
+        want = [d.text for d in matched.dims[:-1]]
+        return next((s for s in specs if [d.text for d in s.dims] == want), None)
+
     @staticmethod
     def _fits(spec: ArraySpec, shape: Sequence[int], dims: Mapping[str, int]) -> bool:
         """Whether ``shape`` agrees with ``spec`` on its rank, fixed sizes and the dims bound so far."""
@@ -358,7 +376,9 @@ class Signature:
             self._check_kind(p.name, label, item)
             # The first item picks the shape; every other item must have it too.
             if spec is None:
-                spec = self._choose(p, label, p.sequences, item, bound, args)
+                spec = self._row_spec(p.name, p.sequences, bound) or self._choose(
+                    p, label, p.sequences, item, bound, args
+                )
                 bound.specs[p.name] = spec
             self._check_tensor(p.name, label, spec, item, bound, args, deferred)
 
@@ -387,11 +407,11 @@ class Signature:
                     self._messages.like_message(name, label, spec, value, args[like[0]].dtype, like[1], bound)
                 )
         elif storage is not None and args[storage[0]].dtype in spec.dtypes:
-            # A pool holds kv's dtype or an FP8 one: say which, not the whole family.
+            # A pool holds kv's dtype or a quantized one (FP8; int8 for K/V pools): say which, not the whole family.
             want = args[storage[0]].dtype
-            fp8 = [d for d in spec.dtype_names if is_fp8(getattr(torch, d))]
-            if value.dtype != want and fmt_dtype(value.dtype) not in fp8:
-                raise InputError(self._messages.storage_message(label, value.dtype, want, storage[1], fp8))
+            quantized = [d for d in spec.dtype_names if is_quantized(getattr(torch, d))]
+            if value.dtype != want and fmt_dtype(value.dtype) not in quantized:
+                raise InputError(self._messages.storage_message(label, value.dtype, want, storage[1], quantized))
         elif value.dtype not in spec.dtypes:
             raise InputError(
                 f"{label}: expected dtype {or_list(spec.dtype_names)}, got {fmt_dtype(value.dtype)}"
@@ -423,7 +443,12 @@ class Signature:
                 else:
                     deferred.append((name, label, spec, shape))
         if not ok:
-            raise InputError(self._messages.shape_message(name, label, spec, tuple(shape), bound))
+            msg = self._messages.shape_message(name, label, spec, tuple(shape), bound)
+            other = self._per_row_of.get(name)
+            if other is not None:
+                fixed = msg.count(": ") > 1  # the message ends in fixes already
+                msg += f"{';' if fixed else ':'} one element per row of {other}, its shape without the last dim"
+            raise InputError(msg)
         for dim, size in new.items():
             dims[dim] = size
             bound.bound_by[dim] = label

@@ -30,16 +30,20 @@ __all__ = [
     "MLA_WIDTH",
     "NHD",
     "PLAIN",
+    "SCALE_FLOOR",
     "CacheFormat",
     "Derived",
     "Index",
     "KVLayout",
+    "KVPoolDtype",
     "PageLayout",
     "ParamFloat",
     "PoolFloat",
     "RopeStyle",
     "StorageFloat",
     "is_fp8",
+    "is_quantized",
+    "quant_max",
     "static_jaxtyping",
     "strided",
 ]
@@ -76,11 +80,31 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a pool of ``dtype`` stores scaled values: an FP8 format, or int8 (whose scales are written per row)."""
+    return dtype in FP8_DTYPES or dtype == torch.int8
+
+
+def quant_max(dtype: torch.dtype) -> float:
+    """The largest value a quantized pool of ``dtype`` stores: 448 (e4m3fn), 57344 (e5m2), 127 (int8).
+
+    Scales written per row map each row's largest magnitude onto it (`SCALE_FLOOR`).
+    """
+    return 127.0 if dtype == torch.int8 else float(torch.finfo(dtype).max)
+
+
+SCALE_FLOOR = 1e-6
+"""The smallest scale a call writes: a row's scale is ``max(amax(|row|) / quant_max, SCALE_FLOOR)`` in float32, so
+a row of zeros (or of values below ``quant_max * 1e-6``) gets a finite scale, and its reciprocal too. vLLM's
+per-token-head caches (``fp8_per_token_head``, ``int8_per_token_head``) use this floor and this formula."""
+
+
 _F = TypeVar("_F")
 
 if TYPE_CHECKING:
     # jaxtyping declares its own ``Float``, ``Int`` ... as ``Annotated`` for type
     # checkers; the families are the same to them.
+    from jaxtyping import Float as KVPoolDtype
     from jaxtyping import Float as ParamFloat
     from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
@@ -132,6 +156,20 @@ else:
         """
 
         dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+
+    class KVPoolDtype(AbstractDtype):
+        """Dtypes a K/V pool may have: `PoolFloat`'s, or int8 (the call then writes each row's scale).
+
+        Examples
+        --------
+        >>> from torch import Tensor
+        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.int8), typedkv.KVPoolDtype[Tensor, "L S H D"])
+        True
+        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.uint8), typedkv.KVPoolDtype[Tensor, "L S H D"])
+        False
+        """
+
+        dtypes: ClassVar[list[str]] = [*PoolFloat.dtypes, "int8"]
 
     class Index(AbstractDtype):
         """Integer dtypes for ``positions`` and ``cache_loc``.

@@ -19,7 +19,8 @@ time (`_Arg`), and printed by ``tests/test_compile.py``:
 
 - a tensor is ``Tensor`` (``Tensor?`` when it may be None); one the function
   writes is ``Tensor(aN!)``, and the traced call allocates it first when the
-  caller passed None (``k_out``);
+  caller passed None (``k_out``), unless None means "not written"
+  (``Tensor(aN!)?``: the scales a pool call writes per row);
 - a tensor or a sequence of tensors (a pool) is ``Tensor`` in one op and
   ``Tensor[]`` in another (the ``stacked`` and ``list`` ops);
 - a number or a tensor (eps, the FP8 scales) is two arguments, ``float?
@@ -69,9 +70,12 @@ class _Arg:
     pool: bool  # a tensor or a sequence of tensors: ``Tensor`` in the stacked op, ``Tensor[]`` in the list op
     number_or_tensor: bool  # two schema arguments, NAME_value and NAME_tensor
 
+    optional_output: bool = False  # a written tensor that None leaves unwritten (not allocated by the traced call)
+
     @staticmethod
-    def of(param: Param, written: bool) -> _Arg:
-        return _Arg(param, written, bool(param.arrays and param.sequences), bool(param.arrays and param.scalars))
+    def of(param: Param, written: bool, allocated: bool = False) -> _Arg:
+        pool, number_or_tensor = bool(param.arrays and param.sequences), bool(param.arrays and param.scalars)
+        return _Arg(param, written, pool, number_or_tensor, written and param.optional and not allocated)
 
     def schema(self, listed: bool) -> list[str]:
         p = self.param
@@ -80,7 +84,7 @@ class _Arg:
         if p.arrays or p.sequences:
             alias = f"(a{p.index + 1}!)" if self.written else ""
             kind = f"Tensor{alias}" + ("[]" if listed and self.pool else "")
-            optional = "?" if p.optional and not self.written else ""
+            optional = "?" if p.optional and (not self.written or self.optional_output) else ""
             return [f"{kind}{optional} {p.name}"]
         if p.literals:
             return [f"str{'?' if p.optional else ''} {p.name}"]
@@ -140,7 +144,7 @@ class TorchOps:
     ) -> None:
         signature = implementation.signature
         self._implementation = implementation
-        self._args = [_Arg.of(p, p.name in signature.outputs) for p in signature.params]
+        self._args = [_Arg.of(p, p.name in signature.outputs, p.name in returns) for p in signature.params]
         self._allocate = allocate
         self._index = {name: i for i, name in enumerate(signature.parameters)}
         self._returns = tuple(self._index[name] for name in returns)
@@ -159,7 +163,7 @@ class TorchOps:
         arguments = list(call)
         if self._allocate is not None:
             self._allocate(arguments, self._index)
-        listed = [isinstance(arguments[i], (list, tuple)) for i in self._pools]
+        listed = [isinstance(arguments[i], (list, tuple)) for i in self._pools if arguments[i] is not None]
         if any(listed) and not all(listed) and self._check_kinds is not None:
             # No op takes a stacked pool beside a list: the eager message, raised here (plain Python, traceable).
             self._check_kinds(*(arguments[i] for i in self._pools))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated
 
 import torch
+from jaxtyping import Float32
 from torch import Tensor
 
 from typedkv.core import torch_ops
@@ -26,12 +27,12 @@ from typedkv.kv import impl as kv_impl
 if TYPE_CHECKING:
     # pyrefly reads jaxtyping's names only where they are imported (not through a
     # re-export): the families are those names to every static checker.
+    from jaxtyping import Float as KVPoolDtype
     from jaxtyping import Float as ParamFloat
-    from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
     from jaxtyping import Int as Index
 else:
-    from typedkv.core.tensor_types import Index, ParamFloat, PoolFloat, StorageFloat
+    from typedkv.core.tensor_types import Index, KVPoolDtype, ParamFloat, StorageFloat
 
 
 @static_jaxtyping("T L KV H D P R")
@@ -144,8 +145,8 @@ DENSE_OPS = torch_ops.TorchOps(
 
 # A pool's shapes: stacked over layers or a sequence of per-layer tensors; slots
 # in a flat dim S, or in N pages of B slots with B before the heads (NHD) or
-# after them (HND). Written out in each signature: pyrefly does not read shapes
-# through a type alias.
+# after them (HND); scales written per row, the same without D. Written out in
+# each signature: pyrefly does not read shapes through a type alias.
 @static_jaxtyping("T L KV H D P R S N B")
 def materialize_kv_into_pool(
     kv: Annotated[StorageFloat[Tensor, "T L KV"], KV_WIDTH],
@@ -154,24 +155,38 @@ def materialize_kv_into_pool(
     cos_sin_cache: ParamFloat[Tensor, "P R"] | ParamFloat[Tensor, "L P R"],
     positions: Index[Tensor, " T"],
     cache_loc: Index[Tensor, " T"],
-    k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
-    v_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-    | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-    | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-    | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
+    k_pool: Annotated[KVPoolDtype[Tensor, "L S H D"], NHD]
+    | Annotated[KVPoolDtype[Tensor, "L N B H D"], NHD]
+    | Annotated[KVPoolDtype[Tensor, "L N H B D"], HND]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "S H D"], NHD]]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "N B H D"], NHD]]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "N H B D"], HND]],
+    v_pool: Annotated[KVPoolDtype[Tensor, "L S H D"], NHD]
+    | Annotated[KVPoolDtype[Tensor, "L N B H D"], NHD]
+    | Annotated[KVPoolDtype[Tensor, "L N H B D"], HND]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "S H D"], NHD]]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "N B H D"], NHD]]
+    | Sequence[Annotated[KVPoolDtype[Tensor, "N H B D"], HND]],
     *,
     num_kv_heads: int,
     rope_style: RopeStyle = "neox",
     v_norm_weight: ParamFloat[Tensor, "L D"] | None = None,
     k_scale: float | ParamFloat[Tensor, " L"] | None = None,
     v_scale: float | ParamFloat[Tensor, " L"] | None = None,
+    k_scale_out: Annotated[Float32[Tensor, "L S H"], NHD]
+    | Annotated[Float32[Tensor, "L N B H"], NHD]
+    | Annotated[Float32[Tensor, "L N H B"], HND]
+    | Sequence[Annotated[Float32[Tensor, "S H"], NHD]]
+    | Sequence[Annotated[Float32[Tensor, "N B H"], NHD]]
+    | Sequence[Annotated[Float32[Tensor, "N H B"], HND]]
+    | None = None,
+    v_scale_out: Annotated[Float32[Tensor, "L S H"], NHD]
+    | Annotated[Float32[Tensor, "L N B H"], NHD]
+    | Annotated[Float32[Tensor, "L N H B"], HND]
+    | Sequence[Annotated[Float32[Tensor, "S H"], NHD]]
+    | Sequence[Annotated[Float32[Tensor, "N B H"], NHD]]
+    | Sequence[Annotated[Float32[Tensor, "N H B"], HND]]
+    | None = None,
     kv_layout: KVLayout | None = None,
 ) -> None:
     """Materialize K and V of every layer straight into a paged KV pool.
@@ -192,11 +207,12 @@ def materialize_kv_into_pool(
         The K pool, one of: stacked ``[L, S, H, D]``, ``[L, N, B, H, D]`` (NHD)
         or ``[L, N, H, B, D]`` (HND); per layer ``[S, H, D]``, ``[N, B, H, D]``
         or ``[N, H, B, D]``. A paged pool holds ``N`` pages of ``B`` slots:
-        slot ``s`` is page ``s // B``, offset ``s % B``. kv's dtype, or
-        ``float8_e4m3fn`` / ``float8_e5m2``. Any strides on the page, slot and
-        head dims (the K half of a combined K/V cache, as a view), last dim
-        contiguous. Per-layer tensors must share one dtype and one set of
-        strides. Written in place.
+        slot ``s`` is page ``s // B``, offset ``s % B``. kv's dtype,
+        ``float8_e4m3fn`` / ``float8_e5m2``, or ``int8`` (with ``k_scale_out``
+        and ``v_scale_out``). Any strides on the page, slot and head dims (the
+        K half of a combined K/V cache, as a view), last dim contiguous.
+        Per-layer tensors must share one dtype and one set of strides. Written
+        in place.
     v_pool
         The V pool, the same layout (kind, shape, page size) and dtype as
         k_pool; it may be the other half of one combined K/V tensor.
@@ -210,6 +226,20 @@ def materialize_kv_into_pool(
         (a normed V is rounded to kv's dtype first, as K is).
         A missing scale means 1.0 (values are still saturated). A tensor scale
         is read in the kernel: no host sync.
+    k_scale_out, v_scale_out : Tensor, or a sequence of L per-layer tensors, optional
+        FP8 or int8 pools: where the call writes a scale per row, one float32
+        per (token, layer, head), computed from the row itself; K's and V's
+        together, in place of the scales above. Shaped like the pools
+        without their last dim (``[L, S, H]``, ``[L, N, B, H]``, ``[L, N, H,
+        B]``, or per layer ``[S, H]`` ...), any strides: a scale kept inline
+        in each pool row (vLLM's ``fp8_per_token_head`` / ``int8_per_token_head``
+        caches) is a float32 view of those bytes. A row's scale is
+        ``max(amax(|row|) / qmax, 1e-6)`` with ``qmax`` 448 (``float8_e4m3fn``),
+        57344 (``float8_e5m2``) or 127 (``int8``), and the pool stores
+        ``row * (1 / scale)`` saturated (int8: rounded to the nearest integer,
+        ties to even), all in float32; ``row`` is K after norm and RoPE as
+        :func:`materialize_kv` returns it (kv's dtype), or V. A token with a
+        negative slot writes neither value nor scale.
     kv_layout : "NHD", "HND" or None, default None
         Which 5-dim (4-dim per layer) shape a paged pool has: pages of
         ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). ``None`` (the
@@ -232,11 +262,21 @@ def materialize_kv_into_pool(
     ...                                  cache_loc, k_pool, v_pool, num_kv_heads=H)
     >>> torch.equal(v_pool[1, 5, 0], kv[0, 1, H * D : H * D + D]), bool(k_pool[:, [1, 3, 4, 6, 7]].any())
     (True, False)
+
+    An int8 pool, with a scale per row written beside it:
+
+    >>> k8, v8 = torch.zeros(L, S, H, D, dtype=torch.int8), torch.zeros(L, S, H, D, dtype=torch.int8)
+    >>> k_s, v_s = torch.zeros(L, S, H), torch.zeros(L, S, H)
+    >>> typedkv.materialize_kv_into_pool(kv, torch.ones(L, D), 1e-6, typedkv.cos_sin_cache(64, D), torch.arange(T),
+    ...                                  cache_loc, k8, v8, num_kv_heads=H, k_scale_out=k_s, v_scale_out=v_s)
+    >>> v = kv[0, 1, H * D : H * D + D]  # V of token 0, layer 1, head 0: slot 5
+    >>> torch.equal(v_s[1, 5, 0], v.abs().max() / 127), bool(((v8[1, 5, 0] * v_s[1, 5, 0] - v).abs() <= v_s[1, 5, 0] / 2).all())
+    (True, True)
     """
     # In the signature's order (tests/test_compile.py checks the fields against it).
     call = kv_impl.PoolCall(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool,
-        num_kv_heads, rope_style, v_norm_weight, k_scale, v_scale, kv_layout,
+        num_kv_heads, rope_style, v_norm_weight, k_scale, v_scale, k_scale_out, v_scale_out, kv_layout,
     )  # fmt: skip
     if torch.compiler.is_compiling():
         return POOL_OPS(call)  # type: ignore[no-any-return]
@@ -247,12 +287,13 @@ kv_impl.POOL.declare(
     materialize_kv_into_pool,
     scalar_dims={"H": "num_kv_heads"},
     device_of="kv",
-    sequence_len={"k_pool": "L", "v_pool": "L", "eps": "L"},
+    sequence_len={"k_pool": "L", "v_pool": "L", "eps": "L", "k_scale_out": "L", "v_scale_out": "L"},
     storage_of={"k_pool": "kv", "v_pool": "kv"},
-    outputs=("k_pool", "v_pool"),
+    outputs=("k_pool", "v_pool", "k_scale_out", "v_scale_out"),
     rules=(kv_impl.ROTARY_RULE,),
     inner_contiguous=("kv", "k_pool", "v_pool"),
     default_layout="NHD",
+    per_row_of={"k_scale_out": "k_pool", "v_scale_out": "v_pool"},
 )
 POOL_OPS = torch_ops.TorchOps(
     kv_impl.POOL,

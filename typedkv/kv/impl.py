@@ -28,6 +28,7 @@ from typedkv.core.implementation import (
     checked,
     planner,
 )
+from typedkv.core.launch_args import ScaleOut
 from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.kv import launch as kv_launch
 from typedkv.kv import reference as kv_reference
@@ -77,6 +78,8 @@ class PoolCall(NamedTuple):
     v_norm_weight: Tensor | None
     k_scale: float | Tensor | None
     v_scale: float | Tensor | None
+    k_scale_out: Tensor | Sequence[Tensor] | None
+    v_scale_out: Tensor | Sequence[Tensor] | None
     kv_layout: str | None
 
     @property
@@ -88,6 +91,11 @@ class PoolCall(NamedTuple):
     def named_scales(self) -> dict[str, float | Tensor | None]:
         """The FP8 scales by argument name, for the checks' messages."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    @property
+    def written_scales(self) -> dict[str, Tensor | Sequence[Tensor] | None]:
+        """Where scales written per row go, K's then V's, by argument name (both None: none are written)."""
+        return {"k_scale_out": self.k_scale_out, "v_scale_out": self.v_scale_out}
 
 
 _DENSE_PLANNER = planner()
@@ -139,15 +147,19 @@ def kv_geometry(
     `pool_destinations`')."""
     bound, dims = plan.bound, plan.bound.dims
     k_dst, v_dst = destinations[0], destinations[1]
+    scale_strides = None
     if isinstance(call, PoolCall):
         pools = cast(PoolGeometry, plan.geometry)
         k_strides, v_strides = pools.strides(bound, "k_pool", k_dst), pools.strides(bound, "v_pool", v_dst)
         rows, page_size = pools.num_slots, pools.page_size
+        (k_name, k_scales), (v_name, v_scales) = call.written_scales.items()
+        if k_scales is not None and v_scales is not None:
+            scale_strides = pools.strides(bound, k_name, _base(k_scales)), pools.strides(bound, v_name, _base(v_scales))
     else:
         k_strides, v_strides = ((out.stride(0), out.stride(1), 0, out.stride(2)) for out in (k_dst, v_dst))
         rows, page_size = dims["T"], 1
     neox = call.rope_style == "neox"
-    return KVGeometry(dims["H"], dims["D"], neox, k_strides, v_strides, rows, page_size, table_multiple)
+    return KVGeometry(dims["H"], dims["D"], neox, k_strides, v_strides, rows, page_size, table_multiple, scale_strides)
 
 
 def materialize_kv(call: DenseCall, plan: Plan | None = None, after_gemm: bool = False) -> tuple[Tensor, Tensor]:
@@ -225,8 +237,24 @@ def pool_destinations(call: PoolCall, addresses: list[int] | None) -> tuple[Dest
     # Per-layer tensors (a mixed stacked/list pair was rejected by the plan):
     # layer 0's address plus an offset table for the others.
     k_list, v_list = cast(Sequence[Tensor], k_pool), cast(Sequence[Tensor], v_pool)
-    table, table_multiple = layer_table(k_list, v_list, cast(list[int], addresses))
+    table, table_multiple = layer_table(k_list, v_list, cast(list[int], addresses)[: 2 * len(k_list)])
     return (k_list[0], v_list[0], table), table_multiple
+
+
+def scale_destinations(call: PoolCall, addresses: list[int] | None) -> ScaleOut | None:
+    """Where a checked pool call writes each row's scale (`typedkv.core.launch_args.ScaleOut`), None where it writes
+    none: stacked scale tensors as they are, or layer 0's and a table of every layer's offsets from them.
+
+    ``addresses``: `pool_plan`'s (the pools' layers, then the scale tensors', K's before V's).
+    """
+    k_out, v_out = call.written_scales.values()
+    if k_out is None or v_out is None:
+        return None
+    if isinstance(k_out, Tensor) and isinstance(v_out, Tensor):
+        return k_out, v_out, None
+    k_list, v_list = cast(Sequence[Tensor], k_out), cast(Sequence[Tensor], v_out)
+    table, _ = layer_table(k_list, v_list, cast(list[int], addresses)[2 * len(k_list) :])
+    return k_list[0], v_list[0], table
 
 
 def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gemm: bool = False) -> None:
@@ -245,13 +273,23 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
             rows = kv_reference.rmsnorm_rope(
                 kv, inputs, plan.bound.dims["H"], call.rope_style == "neox", call.v_norm_weight
             )
-            for computed, scale, pool in zip(rows, call.scales, (call.k_pool, call.v_pool), strict=True):
+            written = call.written_scales.values()
+            pools = (call.k_pool, call.v_pool)
+            for computed, scale, pool, scale_out in zip(rows, call.scales, pools, written, strict=True):
                 layers = _layers(pool)
-                stored = core_reference.quantize(computed, scale, layers[0].dtype)
+                if scale_out is None:
+                    stored = core_reference.quantize(computed, scale, layers[0].dtype)
+                else:
+                    # Scales written per row quantize K as stored in kv's dtype (V is).
+                    stored, row_scales = core_reference.quantize_rows(computed.to(kv.dtype), layers[0].dtype)
+                    core_reference.write_pool(row_scales, call.cache_loc, _layers(scale_out), page, hnd)
                 core_reference.write_pool(stored, call.cache_loc, layers, page, hnd)
         return
     destinations, table_multiple = pool_destinations(call, addresses)
-    values = kv_launch.call_values(kv, inputs, call.cache_loc, destinations, call.scales, call.v_norm_weight)
+    scale_out = scale_destinations(call, addresses)
+    values = kv_launch.call_values(
+        kv, inputs, call.cache_loc, destinations, call.scales, v_norm_weight=call.v_norm_weight, scale_out=scale_out
+    )
     # The plan keeps the launch of layers on 16 bytes (or of stacked pools); a call whose per-layer
     # pools are not gets a launch of its own, uncached, which stores element by element.
     launch = plan.launch if table_multiple != 1 else None
@@ -265,7 +303,7 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
 def _pool_layout(call: PoolCall, bound: Bound) -> None:
     """The relations between pools, kv and scales that shapes cannot say."""
     k_pool, v_pool = call.k_pool, call.v_pool
-    check_pool_kinds(k_pool, v_pool)
+    check_pool_kinds(k_pool, v_pool, *call.written_scales.values())
     if not isinstance(k_pool, Tensor) and not k_pool:
         return  # L == 0: nothing to write
     k_shape, v_shape = bound.shape_of("k_pool"), bound.shape_of("v_pool")
@@ -274,18 +312,22 @@ def _pool_layout(call: PoolCall, bound: Bound) -> None:
             f"v_pool: expected k_pool's layout [{', '.join(k_shape.split())}], got [{', '.join(v_shape.split())}]: "
             "K and V pools are paged alike"
         )
-    check_pools({"k_pool": k_pool, "v_pool": v_pool}, "K and V pool tensor", call.named_scales)
+    check_pools({"k_pool": k_pool, "v_pool": v_pool}, "K and V pool tensor", call.named_scales, call.written_scales)
 
 
 _POOL_PLANNER = planner(_pool_layout)
 
 
-def check_pool_kinds(k_pool: object, v_pool: object) -> None:
-    """K and V pools both stacked tensors or both sequences (plain Python: torch.compile traces it)."""
+def check_pool_kinds(k_pool: object, v_pool: object, *written_scales: object) -> None:
+    """K and V pools both stacked tensors or both sequences, and so the scale tensors written per row (K's, then
+    V's, when given): plain Python, torch.compile traces it."""
     stacked = isinstance(k_pool, Tensor)
+    kind = "a stacked tensor" if stacked else "a sequence of per-layer tensors"
     if stacked != isinstance(v_pool, Tensor):
-        kind = "a stacked tensor" if stacked else "a sequence of per-layer tensors"
         raise InputError(f"v_pool: expected the same layout as k_pool ({kind}), got {type(v_pool).__qualname__}")
+    for name, value in zip(("k_scale_out", "v_scale_out"), written_scales, strict=False):
+        if value is not None and stacked != isinstance(value, Tensor):
+            raise InputError(f"{name}: expected the same layout as k_pool ({kind}), got {type(value).__qualname__}")
 
 
 def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
@@ -295,6 +337,11 @@ def _layers(pool: Tensor | Sequence[Tensor]) -> Sequence[Tensor]:
 def norm_weight(call: DenseCall | PoolCall) -> Tensor | None:
     """A norm weight of the call, K's or else V's: eps is read (and checked) where there is one."""
     return call.k_norm_weight if call.k_norm_weight is not None else call.v_norm_weight
+
+
+def _base(pool: Tensor | Sequence[Tensor]) -> Tensor:
+    """The tensor a launch addresses ``pool`` from: a stacked one itself, layer 0 of per-layer ones."""
+    return pool if isinstance(pool, Tensor) else pool[0]
 
 
 def check_numbers(call: DenseCall | PoolCall) -> None:

@@ -34,16 +34,20 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from typedkv.core.epilogue import (
+    _abs_max,
     _cast,
     _destination_rows,
     _layer_base,
     _layer_scale,
+    _nan_max,
     _norm_weight_row,
     _normed,
     _rope_row,
     _row_offset,
     _rstd,
+    _scale_destinations,
     _store_scaled,
+    _written_scale,
 )
 
 
@@ -58,10 +62,11 @@ def _k_part(
     (which to write, ``[T, H]`` pointers); run-time values only. ``norm`` is ``(weight_ptr,
     weight_stride_l, weight_stride_d, eps)``, ``SHAPE`` ``(H, D, R)``, ``BLOCKS`` ``(BLOCK_H,
     BLOCK_HALF, BLOCK_PASS)``; ``rope``, ``scale`` (the layer's, `_layer_scale`) and ``QUANT`` as in
-    `typedkv.core.epilogue`; ``CACHE`` the cache modifier of kv's loads. K is handled as the rotary
-    pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece is loaded once, contiguously, so no element is gathered
-    twice. NeoX pairs dim j with j + R/2, GPT-J 2j with 2j + 1. Without a norm K's values enter
-    RoPE as they are (already in the storage dtype).
+    `typedkv.core.epilogue`; ``CACHE`` the cache modifier of kv's loads; with scales written per row
+    (MODE 3 and 4), ``scale`` is where each row's goes (`_scale_destinations`). K is handled as the
+    rotary pairs (x1[j], x2[j]), j < R/2, plus the pass-through dims [R, D); each piece is loaded
+    once, contiguously, so no element is gathered twice. NeoX pairs dim j with j + R/2, GPT-J 2j with
+    2j + 1. Without a norm K's values enter RoPE as they are (already in the storage dtype).
     """
     k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst = block
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
@@ -71,6 +76,7 @@ def _k_part(
     BLOCK_H: tl.constexpr = BLOCKS[0]
     BLOCK_HALF: tl.constexpr = BLOCKS[1]
     BLOCK_PASS: tl.constexpr = BLOCKS[2]
+    MODE: tl.constexpr = QUANT[0]
     SOFT_ROUND: tl.constexpr = QUANT[4]
     store_ty: tl.constexpr = k_head.dtype.element_ty
     HALF: tl.constexpr = R // 2
@@ -130,6 +136,19 @@ def _k_part(
     o2 = y2 * cos + y1 * sin + bad
 
     out_ok = row_ok[:, None] & (head < H)[None, :]
+    if MODE >= 3:
+        # Scales written per row: K as stored in kv's dtype (what an unfused cache write quantizes), each
+        # row's scale from its largest magnitude over the head's dims.
+        o1 = _cast(o1, store_ty, SOFT_ROUND).to(tl.float32)
+        o2 = _cast(o2, store_ty, SOFT_ROUND).to(tl.float32)
+        amax = _nan_max(_abs_max(o1, 2), _abs_max(o2, 2))
+        if PASS > 0:
+            if NORM:
+                o3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
+            else:
+                o3 = x3 + bad
+            amax = _nan_max(amax, _abs_max(_cast(o3, store_ty, SOFT_ROUND).to(tl.float32), 2))
+        scale = _written_scale(amax, scale, out_ok, QUANT)[:, :, None]
     s1 = out_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
         _store_scaled(k_dst[:, :, None] + pair[None, None, :], o1, s1, scale, QUANT)
@@ -145,6 +164,8 @@ def _k_part(
             y3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
         else:
             y3 = x3 + bad
+        if MODE >= 3:
+            y3 = _cast(y3, store_ty, SOFT_ROUND).to(tl.float32)
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
         _store_scaled(k_dst[:, :, None] + (R + rest)[None, None, :], y3, s3, scale, QUANT)
 
@@ -167,6 +188,7 @@ def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NO
     """
     k_head, head_ok, tok, tok_ok, layer, row_ok, k_dst = block
     weight_ptr, weight_stride_l, weight_stride_d, eps = norm
+    MODE: tl.constexpr = QUANT[0]
     SOFT_ROUND: tl.constexpr = QUANT[4]
     store_ty: tl.constexpr = k_head.dtype.element_ty
     HALF: tl.constexpr = R // 2
@@ -206,6 +228,10 @@ def _k_row(block, norm, rope, scale, QUANT, D: tl.constexpr, R: tl.constexpr, NO
     bad = tl.where(pos_ok, -0.0, float("nan"))[:, None, None]
     o = tl.where(rotary[None, None, :], y * cos + yp * sin, y) + bad
     out_ok = row_ok[:, None] & head_ok
+    if MODE >= 3:
+        # Scales written per row, as in `_k_part`.
+        o = _cast(o, store_ty, SOFT_ROUND).to(tl.float32)
+        scale = _written_scale(_abs_max(o, 2), scale, out_ok, QUANT)[:, :, None]
     _store_scaled(k_dst[:, :, None] + dim[None, None, :], o, out_ok[:, :, None] & in_row[None, None, :], scale, QUANT)
 
 
@@ -233,9 +259,10 @@ def _v_part(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """V of BLOCK_T tokens (``v``, from `_v_load`) stored: copied bit for bit (quantized for an FP8 pool).
+    """V of BLOCK_T tokens (``v``, from `_v_load`) stored: copied bit for bit (quantized for an FP8 or int8 pool).
 
-    ``v_strides`` (page, slot), ``scale`` and ``QUANT`` as in `typedkv.core.epilogue`, for the V destination.
+    ``v_strides`` (page, slot), ``scale`` and ``QUANT`` as in `typedkv.core.epilogue`, for the V destination
+    (with scales written per row, ``scale`` is where each row's goes, as in `_k_part`).
     """
     V_SCALE: tl.constexpr = QUANT[0]
     head = tl.arange(0, BLOCK_H)
@@ -249,7 +276,10 @@ def _v_part(
     if V_SCALE == 0:
         tl.store(v_dst, v, mask=v_ok)
     else:
-        _store_scaled(v_dst, v.to(tl.float32), v_ok, scale, QUANT)
+        v = v.to(tl.float32)
+        if V_SCALE >= 3:
+            scale = _written_scale(_abs_max(v, 2), scale, out_ok, QUANT)[:, :, None]
+        _store_scaled(v_dst, v, v_ok, scale, QUANT)
 
 
 # Ints that change with every batch are not specialised on (one compiled kernel
@@ -287,6 +317,8 @@ def materialize_kv_kernel(
     layer_offsets_ptr,
     scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
     v_norm,  # V_NORM: V's norm weight (tensor, its layer stride, its dim stride); else None
+    scale_out,  # scales written per row: (K's, V's, layer table or None), else None (_scale_destinations)
+    scale_strides,  # their (layer, page, slot, head) strides, K's then V's, else None
     num_tokens,
     num_positions,
     num_rows,
@@ -300,7 +332,9 @@ def materialize_kv_kernel(
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,  # 0: layer l at l * stride; else offsets from a table, multiples of this
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer
+    # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer;
+    # 3: by each row's scale, written to scale_out (4: per-layer scale tensors, through its table)
+    K_SCALE: tl.constexpr,
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -361,6 +395,10 @@ def materialize_kv_kernel(
     if EPS_PER_LAYER:
         eps = tl.load(eps_ptr + layer * eps_stride).to(tl.float32)
     scale = (_layer_scale(scales[0], layer, K_SCALE), _layer_scale(scales[1], layer, V_SCALE))  # K's, V's
+    if K_SCALE >= 3:
+        # Scales written per row: K's and V's part each get where their rows' scales go instead.
+        scale = _scale_destinations(scale_out, scale_strides, layer, row[:, None], head[None, :], PAGE, NUM_LAYERS,
+                                    K_SCALE)  # fmt: skip
     # SPLIT: K and V in separate programs (grid axis 2), fewer live registers each.
     part = tl.program_id(2)
     if V_FIRST:

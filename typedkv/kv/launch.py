@@ -14,6 +14,7 @@ from typedkv.core.launch_args import (
     NO_SCALES,
     Inputs,
     Scale,
+    ScaleOut,
     destination_strides,
     layer_vec_of,
     scale_mode,
@@ -83,7 +84,7 @@ def _piece_blocks(head_dim: int, rotary_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(rotary_dim // 2, 1)), triton.next_power_of_2(max(head_dim - rotary_dim, 1))
 
 
-VALUES = ("kv_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm")
+VALUES = ("kv_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm", "scale_out")
 """The names of `call_values`' values: the K/V kernel's per-call arguments."""
 
 
@@ -94,6 +95,7 @@ def call_values(
     destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     scales: tuple[Scale, Scale] = (None, None),
     v_norm_weight: torch.Tensor | None = None,
+    scale_out: ScaleOut | None = None,
 ) -> tuple[Any, ...]:
     """A call's values, in `VALUES`' order: what `KernelLaunch` fills in at each call of a `Launch`.
 
@@ -101,7 +103,8 @@ def call_values(
     ``destinations`` is ``(k_dst, v_dst, layer_offsets)``: K's and V's destination, layer 0's when
     ``layer_offsets`` is a ``[2, L]`` int64 table of element offsets from them to each layer's tensor
     (``None``: layer ``l`` starts at ``l * stride``); ``scales`` K's and V's FP8 scales (float, ``[L]``
-    tensor or None), for FP8 destinations only; ``v_norm_weight`` V's ``[L, D]`` norm weight (None: none).
+    tensor or None), for FP8 destinations only; ``v_norm_weight`` V's ``[L, D]`` norm weight (None: none);
+    ``scale_out`` where scales written per row go (FP8 or int8 destinations; None: none are).
     """
     norm_weight, eps, cos_sin_cache, positions = inputs
     k_dst, v_dst, layer_offsets = destinations
@@ -114,7 +117,7 @@ def call_values(
     v_norm = v_norm_of(v_norm_weight)
     return (
         kv, norm_weight, eps_tensor, eps, cos_sin_cache, positions, slots, k_dst, v_dst, layer_offsets, scale_values,
-        v_norm,
+        v_norm, scale_out,
     )  # fmt: skip
 
 
@@ -133,7 +136,8 @@ class KVGeometry(NamedTuple):
     ``r % page_size`` (``page_size`` 1: one row per page); rows outside ``[0, num_rows)``
     are skipped. ``table_multiple``: every offset of the layer table is a multiple of this
     many elements, for every call of the launch (the caller checks; 16 bytes' worth lets the
-    kernel store whole vectors; 0 without a table).
+    kernel store whole vectors; 0 without a table). ``scale_strides``: with scales written per row, the
+    ``(layer, page, slot in page, head)`` strides of K's and V's scale tensors (None: none are written).
     """
 
     num_kv_heads: int
@@ -144,6 +148,7 @@ class KVGeometry(NamedTuple):
     num_rows: int
     page_size: int = 1
     table_multiple: int = 0
+    scale_strides: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None
 
 
 def launch_params(
@@ -188,7 +193,8 @@ def kv_arguments(
     """The arguments, by name, that the K/V kernel and the fused projection's take alike from a call's values (by
     name) and its `KVGeometry`: `shared_arguments`, K's and V's destinations, the heads. ``extents``: the kernel's
     own ``(count, stride)`` products beside these (`typedkv.core.launch_args.wide_offsets`)."""
-    k_dst, v_dst, scales, v_norm = named["k_ptr"], named["v_ptr"], named["scales"], named["v_norm"]
+    k_dst, v_dst, scales = named["k_ptr"], named["v_ptr"], named["scales"]
+    v_norm, scale_out = named["v_norm"], named["scale_out"]
     layer_vec = layer_vec_of(geometry.k_strides[0], geometry.v_strides[0])
     # V's norm weight: its layer and dim strides' products, as the K norm weight's (`input_extents`).
     v_norm_extents = () if v_norm is None else ((num_layers, v_norm[1]), (geometry.head_dim, v_norm[2]))
@@ -200,8 +206,8 @@ def kv_arguments(
         ),
         **destination_strides("k", geometry.k_strides, layer_vec),
         **destination_strides("v", geometry.v_strides, layer_vec),
-        H=geometry.num_kv_heads, D=geometry.head_dim, V_NORM=v_norm is not None,
-        K_SCALE=scale_mode(scales[0], k_dst.dtype), V_SCALE=scale_mode(scales[1], v_dst.dtype),
+        H=geometry.num_kv_heads, D=geometry.head_dim, V_NORM=v_norm is not None, scale_strides=geometry.scale_strides,
+        K_SCALE=scale_mode(scales[0], k_dst.dtype, scale_out), V_SCALE=scale_mode(scales[1], v_dst.dtype, scale_out),
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from typedkv.core import launcher
 from typedkv.core.checking import Bound
 from typedkv.core.device_tables import layer_eps
 from typedkv.core.implementation import Implementation, Plan
+from typedkv.core.launch_args import ScaleOut
 from typedkv.core.signature import Signature
 from typedkv.kv import launch as kv_launch
 from typedkv.kv.impl import (
@@ -44,6 +45,7 @@ from typedkv.kv.impl import (
     kv_geometry,
     pool_destinations,
     pool_plan,
+    scale_destinations,
 )
 from typedkv.kv.launch import KVGeometry
 from typedkv.projection import launch as fused_launch
@@ -133,7 +135,10 @@ def project_kv(
     if isinstance(call, PoolCall):
         plan, pools, addresses = pool_plan(call, plan)
         if pools is not None:
-            _project(call, projection, plan, launches, call.cache_loc, *pool_destinations(call, addresses))
+            destinations = pool_destinations(call, addresses)
+            _project(
+                call, projection, plan, launches, call.cache_loc, *destinations, scale_destinations(call, addresses)
+            )
         return None
     plan, k_out, v_out = dense_plan(call, plan)
     if not plan.empty:
@@ -153,18 +158,22 @@ def _project(
     slots: Tensor | None,
     destinations: Destinations,
     table_multiple: int,
+    scale_out: ScaleOut | None = None,
 ) -> None:
     """A checked call's fused launch: the warp-specialised kernel's where it takes the layout, else the Triton one's.
 
     ``slots``: the pool slots (None: dense outputs); ``destinations`` and ``table_multiple`` as
-    `typedkv.kv.impl.pool_destinations` gives them (dense outputs and 0 for dense calls).
+    `typedkv.kv.impl.pool_destinations` gives them (dense outputs and 0 for dense calls), ``scale_out`` as
+    `typedkv.kv.impl.scale_destinations` (scales written per row; never with the warp-specialised kernel, whose
+    pools hold ``hidden``'s dtype).
     """
     hidden, kv_weight, kv_bias = projection
     inputs = (call.k_norm_weight, layer_eps(call.eps, hidden), call.cos_sin_cache, call.positions)
     scales = call.scales if isinstance(call, PoolCall) else (None, None)
     values = fused_launch.call_values(
-        hidden, kv_weight, kv_bias, inputs, slots, destinations, scales, call.v_norm_weight
-    )
+        hidden, kv_weight, kv_bias, inputs, slots, destinations, scales,
+        v_norm_weight=call.v_norm_weight, scale_out=scale_out,
+    )  # fmt: skip
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     num_layers = plan.bound.dims["L"]
     if launches.warp_specialised is None:

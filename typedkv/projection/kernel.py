@@ -9,8 +9,9 @@ would; from there K and V follow `typedkv.kv.kernel` step by step: K's RMSNorm i
 float32, rounded to the storage dtype, then RoPE, rounded once on store; V as
 it is, or RMSNorm'ed as K's (``V_NORM``). Nothing is written but K and V at their
 destination: dense ``[L, T, H, D]`` outputs or pool rows, addressed as in
-`typedkv.kv.kernel` (``INDEXED``, ``PAGE``, ``LAYER_TABLE``, FP8 stores through
-`typedkv.core.epilogue`); a per-layer cos/sin cache as there (``cos_sin_stride_l``).
+`typedkv.kv.kernel` (``INDEXED``, ``PAGE``, ``LAYER_TABLE``, FP8 stores and
+scales written per row through `typedkv.core.epilogue`); a per-layer cos/sin
+cache as there (``cos_sin_stride_l``).
 
 A K head keeps its rotary pairs in two accumulators, so RoPE is elementwise
 between them: NeoX pairs weight rows ``j`` and ``j + R/2``, GPT-J rows ``2j`` and
@@ -38,15 +39,19 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from typedkv.core.epilogue import (
+    _abs_max,
     _cast,
     _destination_rows,
     _layer_base,
     _layer_scale,
+    _nan_max,
     _norm_weight_row,
     _rope_row,
     _row_offset,
     _rstd,
+    _scale_destinations,
     _store_scaled,
+    _written_scale,
 )
 
 
@@ -219,6 +224,8 @@ def project_kv_kernel(
     layer_offsets_ptr,
     scales,  # K's and V's FP8 scale, each (tensor or None, its stride, float): see _layer_scale
     v_norm,  # V_NORM: V's norm weight (tensor, its layer stride, its dim stride); else None
+    scale_out,  # scales written per row: (K's, V's, layer table or None), else None (_scale_destinations)
+    scale_strides,  # their (layer, page, slot, head) strides, K's then V's, else None
     num_tokens,
     num_positions,
     num_rows,
@@ -234,7 +241,9 @@ def project_kv_kernel(
     INDEXED: tl.constexpr,
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,  # 0: layer l at l * stride; else offsets from a table, multiples of this
-    K_SCALE: tl.constexpr,  # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer
+    # 0: store as is, 1: divide by scales[0]'s float, 2: by its tensor's entry for the layer;
+    # 3: by each row's scale, written to scale_out (4: per-layer scale tensors, through its table)
+    K_SCALE: tl.constexpr,
     V_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
@@ -417,6 +426,18 @@ def project_kv_kernel(
         if not EARLY_LOADS:
             scale = _layer_scale(scales[0], layer, K_SCALE)
         K_QUANT: tl.constexpr = (K_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        if K_SCALE >= 3:
+            # Scales written per row, as in `typedkv.kv.kernel`: K as stored in the storage dtype, its
+            # largest magnitude over the head's dims. The store below adds `bad` to y3 again: -0.0
+            # changes no bits, and a row at a bad position is NaN already.
+            o1 = _cast(o1, store_ty, SOFT_ROUND).to(tl.float32)
+            o2 = _cast(o2, store_ty, SOFT_ROUND).to(tl.float32)
+            amax = _nan_max(_abs_max(o1, 1), _abs_max(o2, 1))
+            if PASS > 0:
+                y3 = _cast(y3 + bad, store_ty, SOFT_ROUND).to(tl.float32)
+                amax = _nan_max(amax, _abs_max(y3, 1))
+            k_scale_dst = _scale_destinations(scale_out, scale_strides, layer, row, head, PAGE, NUM_LAYERS, K_SCALE)
+            scale = _written_scale(amax, k_scale_dst[0], row_ok, K_QUANT)[:, None]
         s1 = row_ok[:, None] & pair_ok[None, :]
         if NEOX:
             _store_scaled(k_dst[:, None] + dims1[None, :], o1, s1, scale, K_QUANT)
@@ -473,5 +494,8 @@ def project_kv_kernel(
         if not (EARLY_LOADS or W_TMA):
             scale = _layer_scale(scales[1], layer, V_SCALE)
         V_QUANT: tl.constexpr = (V_SCALE, FP8_MAX, FP8_MANT, FP8_MIN_EXP, SOFT_ROUND)
+        if V_SCALE >= 3:
+            v_scale_dst = _scale_destinations(scale_out, scale_strides, layer, row, head, PAGE, NUM_LAYERS, V_SCALE)
+            scale = _written_scale(_abs_max(v, 1), v_scale_dst[1], row_ok, V_QUANT)[:, None]
         # Already on the storage grid: MODE 0's cast to the (same) dtype is exact.
         _store_scaled(v_dst[:, None] + dim[None, :], v, v_ok, scale, V_QUANT)

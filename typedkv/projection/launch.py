@@ -16,6 +16,7 @@ from typedkv.core.launch_args import (
     NO_SCALES,
     Inputs,
     Scale,
+    ScaleOut,
     input_extents,
     scale_pair,
     wide_offsets,
@@ -25,7 +26,10 @@ from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments, v_norm_of
 from typedkv.projection.kernel import project_kv_kernel
 from typedkv.projection.tuning import ProjectionConfig
 
-VALUES = ("hidden_ptr", "w_ptr", "bias_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm")
+VALUES = (
+    "hidden_ptr", "w_ptr", "bias_ptr", *INPUT_VALUES, "k_ptr", "v_ptr", "layer_offsets_ptr", "scales", "v_norm",
+    "scale_out",
+)  # fmt: skip
 """The names of `call_values`' values: the fused projection kernel's per-call arguments."""
 
 _DESCRIPTORS = ("w_half_desc", "w_head_desc", "w_pass_desc")
@@ -41,6 +45,7 @@ def call_values(
     destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     scales: tuple[Scale, Scale] = (None, None),
     v_norm_weight: torch.Tensor | None = None,
+    scale_out: ScaleOut | None = None,
 ) -> tuple[Any, ...]:
     """A call's values, in `VALUES`' order (what `KernelLaunch` fills in at each call of a `projection_launch`).
 
@@ -54,7 +59,7 @@ def call_values(
     scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
     return (
         hidden, kv_weight, kv_bias, norm_weight, eps_tensor, eps_float, cos_sin_cache, positions, slots,
-        k_dst, v_dst, layer_offsets, scale_values, v_norm_of(v_norm_weight),
+        k_dst, v_dst, layer_offsets, scale_values, v_norm_of(v_norm_weight), scale_out,
     )  # fmt: skip
 
 

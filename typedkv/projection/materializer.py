@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, cast, get_args
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float32
 from torch import Tensor, nn
 
 from typedkv.core.checking import Bound, CheckedLayouts
@@ -52,12 +53,12 @@ from typedkv.projection.weights import KV_BUFFERS, KV_STACKED_DIMS, KV_WEIGHTS
 
 if TYPE_CHECKING:
     # As in `typedkv.kv.api`: jaxtyping's own names, imported here, for pyrefly.
+    from jaxtyping import Float as KVPoolDtype
     from jaxtyping import Float as ParamFloat
-    from jaxtyping import Float as PoolFloat
     from jaxtyping import Float as StorageFloat
     from jaxtyping import Int as Index
 else:
-    from typedkv.core.tensor_types import Index, ParamFloat, PoolFloat, StorageFloat
+    from typedkv.core.tensor_types import Index, KVPoolDtype, ParamFloat, StorageFloat
 
 
 class _Kept(NamedTuple):
@@ -309,21 +310,35 @@ class KVMaterializer(nn.Module):
         hidden: StorageFloat[Tensor, "T hidden"],
         positions: Index[Tensor, " T"],
         cache_loc: Index[Tensor, " T"],
-        k_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-        | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-        | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-        | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-        | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-        | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
-        v_pool: Annotated[PoolFloat[Tensor, "L S H D"], NHD]
-        | Annotated[PoolFloat[Tensor, "L N B H D"], NHD]
-        | Annotated[PoolFloat[Tensor, "L N H B D"], HND]
-        | Sequence[Annotated[PoolFloat[Tensor, "S H D"], NHD]]
-        | Sequence[Annotated[PoolFloat[Tensor, "N B H D"], NHD]]
-        | Sequence[Annotated[PoolFloat[Tensor, "N H B D"], HND]],
+        k_pool: Annotated[KVPoolDtype[Tensor, "L S H D"], NHD]
+        | Annotated[KVPoolDtype[Tensor, "L N B H D"], NHD]
+        | Annotated[KVPoolDtype[Tensor, "L N H B D"], HND]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "S H D"], NHD]]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "N B H D"], NHD]]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "N H B D"], HND]],
+        v_pool: Annotated[KVPoolDtype[Tensor, "L S H D"], NHD]
+        | Annotated[KVPoolDtype[Tensor, "L N B H D"], NHD]
+        | Annotated[KVPoolDtype[Tensor, "L N H B D"], HND]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "S H D"], NHD]]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "N B H D"], NHD]]
+        | Sequence[Annotated[KVPoolDtype[Tensor, "N H B D"], HND]],
         *,
         k_scale: float | ParamFloat[Tensor, " L"] | None = None,
         v_scale: float | ParamFloat[Tensor, " L"] | None = None,
+        k_scale_out: Annotated[Float32[Tensor, "L S H"], NHD]
+        | Annotated[Float32[Tensor, "L N B H"], NHD]
+        | Annotated[Float32[Tensor, "L N H B"], HND]
+        | Sequence[Annotated[Float32[Tensor, "S H"], NHD]]
+        | Sequence[Annotated[Float32[Tensor, "N B H"], NHD]]
+        | Sequence[Annotated[Float32[Tensor, "N H B"], HND]]
+        | None = None,
+        v_scale_out: Annotated[Float32[Tensor, "L S H"], NHD]
+        | Annotated[Float32[Tensor, "L N B H"], NHD]
+        | Annotated[Float32[Tensor, "L N H B"], HND]
+        | Sequence[Annotated[Float32[Tensor, "S H"], NHD]]
+        | Sequence[Annotated[Float32[Tensor, "N B H"], NHD]]
+        | Sequence[Annotated[Float32[Tensor, "N H B"], HND]]
+        | None = None,
         kv_layout: KVLayout | None = None,
     ) -> None:
         """K and V of every layer for ``hidden``, written straight into a paged pool.
@@ -332,10 +347,12 @@ class KVMaterializer(nn.Module):
         ----------
         hidden, positions
             As in :meth:`forward`.
-        cache_loc, k_pool, v_pool, k_scale, v_scale, kv_layout
+        cache_loc, k_pool, v_pool, k_scale, v_scale, k_scale_out, v_scale_out, kv_layout
             As in :func:`typedkv.materialize_kv_into_pool` (stacked, per-layer
-            or paged pools). The pools are written in place, slots named by
-            ``cache_loc`` only.
+            or paged pools; FP8 or int8 pools with a scale written per row).
+            The pools (and scale tensors) are written in place, slots named by
+            ``cache_loc`` only. Every projection path writes the same bits
+            (the fused kernel, or the GEMM then the K/V kernel).
 
         Raises
         ------
@@ -345,7 +362,7 @@ class KVMaterializer(nn.Module):
         _, _, k_norm_weight, eps, cos_sin_cache, v_norm_weight = state = self._state()
         call = PoolCall(
             hidden, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_pool, v_pool, self.num_kv_heads,
-            self.rope_style, v_norm_weight, k_scale, v_scale, kv_layout,
+            self.rope_style, v_norm_weight, k_scale, v_scale, k_scale_out, v_scale_out, kv_layout,
         )  # fmt: skip
         self._materialize(call, state, POOL_PATH)
 
@@ -382,13 +399,16 @@ class KVMaterializer(nn.Module):
         # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
         kv = self._gemm(hidden, state) if way == "gemm" else self._stand_in(hidden, kept)
         call = type(call)(kv, *call[1:])
-        written = (call.k_out, call.v_out) if isinstance(call, DenseCall) else (call.k_pool, call.v_pool)
+        if isinstance(call, DenseCall):
+            written, names = (call.k_out, call.v_out), ("k_out", "v_out")
+        else:
+            written = (call.k_pool, call.v_pool, *call.written_scales.values())
+            names = ("k_pool", "v_pool", *call.written_scales)
         if kept is None:
             # The op's production check, as the public function runs it.
             plan = path.layout(call)
             apart = None
             if any(w is not None for w in written):
-                names = ("k_out", "v_out") if isinstance(call, DenseCall) else ("k_pool", "v_pool")
                 apart = Footprint(
                     ("hidden", "kv_weight", "kv_bias", *names), frozenset(names),
                     (None if way == "gemm" else hidden, weight, bias, *written), each_other=False,

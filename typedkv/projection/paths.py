@@ -43,8 +43,9 @@ FUSED_POOL.declare(
     declaration(materialize_kv_into_pool),
     scalar_dims={"H": "num_kv_heads"},
     device_of="hidden",
-    sequence_len={"k_pool": "L", "v_pool": "L"},
-    outputs=("k_pool", "v_pool"),
+    sequence_len={"k_pool": "L", "v_pool": "L", "k_scale_out": "L", "v_scale_out": "L"},
+    outputs=("k_pool", "v_pool", "k_scale_out", "v_scale_out"),
+    per_row_of={"k_scale_out": "k_pool", "v_scale_out": "v_pool"},
 )
 FUSED_OPS = torch_ops.TorchOps(FUSED, ("project_kv_out",), allocate=_allocate_fused_outputs, returns=("k_out", "v_out"))
 FUSED_POOL_OPS = torch_ops.TorchOps(
