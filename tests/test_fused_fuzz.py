@@ -5,7 +5,8 @@ K norm or RoPE only, V normed or not, bias, eps one or per layer (a tensor or a
 list), one cos/sin table or one per layer, hidden width -- and a call: T (none included), and where K and V go: outputs the call
 allocates, outputs given as views of a larger slab, or a pool of any layout
 (flat, NHD or HND pages of any size, per-layer lists, the two halves of one
-allocation) in the storage dtype or FP8, with or without scales. In production
+allocation) in the storage dtype or FP8, with or without scales, or FP8 / int8
+with a scale per row written beside it. In production
 mode some positions lie outside the cos/sin cache and some slots are negative
 or past the pool; debug mode rejects those, so its calls have none. Checked:
 
@@ -17,6 +18,9 @@ or past the pool; debug mode rejects those, so its calls have none. Checked:
   mistake both paths share shows too). The paths are compared where their
   projections agree: on CUDA, GEMM + kernel's at T = 1 with a bias is rounded
   twice (`_projections_agree`), the fused kernel's still once (the oracle's);
+- scales written per row: on each path, the pool's values and scales are the documented rule
+  (`test_written_scales.quantized_rows`) applied, bit for bit, to the K and V that path gives as dense
+  outputs, and an unnormed V's are the same on both paths where their projections agree;
 - GEMM + kernel with V written by the GEMM itself (dense outputs, the table that
   picks that way widened to every T) holds the same oracle.
 
@@ -37,6 +41,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_fused_projection import DTYPES, INTERPRETED, Draft, H, L, Oracle, P, assert_matches_oracle
+from test_written_scales import quantized_rows
 from torch import Tensor
 
 import typedkv
@@ -78,7 +83,7 @@ class Case:
     destination: str  # "new", "views", or a pool layout
     page_size: int
     pool_dtype: torch.dtype
-    scales: str  # "none", "float" or "tensor"
+    scales: str  # "none", "float" or "tensor" (FP8), or "written" (a scale per row: FP8 or int8)
     bad_positions: list[int]
     bad_slots: list[int]
     v_norm: bool = False
@@ -93,8 +98,9 @@ def cases(draw: st.DrawFn, production: bool, pool: bool, max_tokens: int = 24, m
     rotary_dim = draw(st.sampled_from(sorted({2, 8, 16, head_dim})))
     destination = draw(st.sampled_from(POOL_LAYOUTS if pool else ("new", "views")))
     num_tokens = draw(st.integers(0, max_tokens))
-    fp8 = pool and draw(st.booleans())
-    pool_dtype = draw(st.sampled_from(FP8)) if fp8 else dtype
+    quantized = pool and draw(st.booleans())
+    pool_dtype = draw(st.sampled_from((*FP8, torch.int8))) if quantized else dtype
+    fp8 = pool_dtype in FP8
     flawed = st.lists(st.integers(0, max(num_tokens - 1, 0)), max_size=3, unique=True)
     return Case(
         dtype=dtype,
@@ -110,8 +116,12 @@ def cases(draw: st.DrawFn, production: bool, pool: bool, max_tokens: int = 24, m
         destination=destination,
         page_size=draw(st.sampled_from([1, 4, 8])) if destination in ("NHD", "HND", "list_HND") else 1,
         pool_dtype=pool_dtype,
-        # Scales go with FP8 pools; a pool of the storage dtype takes none.
-        scales=draw(st.sampled_from(["none", "float", "tensor"])) if fp8 else "none",
+        # Scales go with FP8 pools, written ones with int8 pools too; a pool of the storage dtype takes none.
+        scales=draw(st.sampled_from(["none", "float", "tensor", "written"]))
+        if fp8
+        else "written"
+        if quantized
+        else "none",
         bad_positions=draw(flawed) if production and num_tokens else [],
         bad_slots=draw(flawed) if production and pool and num_tokens else [],
         v_norm=draw(st.booleans()),
@@ -229,6 +239,29 @@ def _layers(pool: Tensor | list[Tensor]) -> list[Tensor]:
     return [pool] if isinstance(pool, Tensor) else list(pool)
 
 
+def _scales_out(pool: Tensor | list[Tensor]) -> Tensor | list[Tensor]:
+    """Scale tensors for ``pool``'s rows (float32, its shape without the last dim), every byte `GUARD`."""
+    made = [torch.empty(t.shape[:-1], device=t.device) for t in _layers(pool)]
+    for t in made:
+        t.view(torch.uint8).fill_(GUARD)
+    return made[0] if isinstance(pool, Tensor) else made
+
+
+def _scale_rows(scales: Tensor | list[Tensor], case: Case) -> Tensor:
+    """``[L, slots, H]`` on the CPU: every row's scale by slot."""
+    stacked = scales if isinstance(scales, Tensor) else torch.stack(scales)
+    stacked = stacked.cpu()
+    if case.destination in ("HND", "list_HND"):
+        stacked = stacked.transpose(2, 3)
+    return stacked.reshape(L, -1, H)
+
+
+def _same(got: Tensor, want: Tensor) -> bool:
+    """Bit for bit, any NaN matching any NaN."""
+    width = {1: torch.uint8, 4: torch.int32}[got.element_size()]
+    return bool(((got.view(width) == want.view(width)) | (got.float().isnan() & want.float().isnan())).all())
+
+
 def _rows(pool: Tensor | list[Tensor], case: Case) -> Tensor:
     """``[L, slots, H, D]`` on the CPU: every row of the pool by slot, in the pool's dtype."""
     layers = _layers(pool)
@@ -253,6 +286,7 @@ _SCALES: dict[str, dict[str, Any]] = {
     "none": {},
     "float": {"k_scale": 0.25, "v_scale": 2.0},
     "tensor": {"k_scale": torch.tensor([0.5, 0.125, 1.0]), "v_scale": torch.tensor([2.0, 1.0, 0.25])},
+    "written": {},  # tensors of the pools' shape, made per call (`_scales_out`)
 }
 
 
@@ -284,20 +318,33 @@ def check_pools(case: Case, device: torch.device) -> None:
         cache_loc[token] = (-1, slots, -7)[i % 3]  # skipped
     written = {}
     scales = {name: s.to(device) if isinstance(s, Tensor) else s for name, s in _SCALES[case.scales].items()}
+    kept = (cache_loc >= 0) & (cache_loc < slots)
+    named = cache_loc[kept]
     for path in ("fused", "gemm"):
         k_pool, v_pool, kv_layout = _pools(case, slots, device)
+        if case.scales == "written":
+            scales = {"k_scale_out": _scales_out(k_pool), "v_scale_out": _scales_out(v_pool)}
         draft.m.projection_path = path
         draft.m.into_pool(
             x.to(device), positions.to(device), cache_loc.to(device), k_pool, v_pool, kv_layout=kv_layout, **scales
         )
         written[path] = (_rows(k_pool, case), _rows(v_pool, case))
+        if case.scales == "written":
+            # The path's own K and V, as its dense outputs, put through the rule.
+            dense = draft.m(x.to(device), positions.to(device))
+            for rows, pool, name in zip(dense, written[path], ("k_scale_out", "v_scale_out"), strict=True):
+                stored, row_scales = quantized_rows(rows[:, kept], case.pool_dtype)
+                got_scales = _scale_rows(scales[name], case)
+                assert _same(pool[:, named], stored), f"{path}: {name[0]} values not the rule's"
+                assert _same(got_scales[:, named], row_scales), f"{path}: {name} not the rule's"
+                others = torch.ones(slots, dtype=torch.bool)
+                others[named] = False
+                assert (got_scales[:, others].view(torch.uint8) == GUARD).all(), "a scale no token names was written"
     (k_rows, v_rows), (gemm_k, gemm_v) = written["fused"], written["gemm"]
-    kept = (cache_loc >= 0) & (cache_loc < slots)
     others = torch.ones(slots, dtype=torch.bool)
-    others[cache_loc[kept]] = False
+    others[named] = False
     for rows in (k_rows, v_rows):
         assert (rows.view(torch.uint8)[:, others] == GUARD).all(), "a row no token names was written"
-    named = cache_loc[kept]
     agree = _projections_agree(draft, x, device)[:, kept]  # [L, named tokens]
 
     def paired(rows: Tensor) -> Tensor:
@@ -310,6 +357,10 @@ def check_pools(case: Case, device: torch.device) -> None:
     # for FP8 with GEMM + kernel's; so is a normed V.
     if not case.v_norm:
         assert torch.equal(paired(v_rows).float(), paired(gemm_v).float()), "V not GEMM + kernel's values"
+    if case.scales == "written":
+        # Each path held to its own dense K and V above (those the dense cases hold to the oracle); an unnormed
+        # V, and so its scales, the same on both.
+        return
     if case.pool_dtype in FP8:
         _assert_fp8_steps_apart(paired(k_rows), paired(gemm_k), case.pool_dtype)
         if case.v_norm:

@@ -15,7 +15,8 @@ Hypothesis draws whole calls of ``typedkv.materialize_kv`` and
   column window of wider rows, layers-first memory); ``k_out``/``v_out`` as
   ``[:, :T]`` views of larger slabs (padded heads and head dims too); every pool
   layout of ``tests/test_pool.py`` (stacked and per-layer, padded rows and heads,
-  K/V halves of one allocation); FP8 pools with float or ``[L]`` scales;
+  K/V halves of one allocation); FP8 pools with float or ``[L]`` scales; FP8 and int8 pools with a
+  scale per row written (``k_scale_out``, ``v_scale_out``: float32, plain or with padded heads);
 - values: positions outside ``[0, P)``; slots that are negative, ``>= S`` or repeated;
 - misuse, in a third of the examples: one argument broken (a wrong shape, rank,
   dtype, layer count or device, swapped dims, a non-contiguous last dim, an aliased
@@ -27,7 +28,10 @@ Every call must end in one of two ways, and no other exception may escape:
     within the tolerance derived in ``tests/test_numerics.py`` (FP8: within one FP8
     step of ``saturate(ref / scale)``), V bit for bit (FP8: bit for bit
     ``saturate(v / scale)``, ``test_pool.to_fp8``); a normed V the exact norm rounded
-    once (``test_numerics.v_normed_ok``; FP8: within one FP8 step, as K);
+    once (``test_numerics.v_normed_ok``; FP8: within one FP8 step, as K); with scales
+    written per row, values and scales bit for bit the documented rule
+    (``test_written_scales.quantized_rows``) applied to the dense op's K and V (normed
+    where the call norms it; the dense op itself held to the oracle by the dense tests);
 (b) it raises ``typedkv.InputError`` whose message starts with the argument to blame
     (``k_out:``, ``k_pool[1]:``, ``cache_loc:`` ...), and no output or pool byte changed.
 
@@ -92,6 +96,7 @@ from test_numerics import (
     v_normed_ok,
 )
 from test_pool import FP8, LAYOUTS, to_fp8
+from test_written_scales import quantized_rows
 from torch import Tensor
 
 import typedkv
@@ -172,6 +177,7 @@ class Spec:
     pool_dtype: torch.dtype = torch.bfloat16
     k_scale: ScaleSpec = None
     v_scale: ScaleSpec = None
+    scale_out: str | None = None  # scales written per row: "plain" or "padded" (heads), float32; None: none
     loc_dtype: torch.dtype = torch.int64
     slot_kinds: tuple[str, ...] = ()  # per token: "slot", "skip" or one of SLOT_FAULTS
 
@@ -210,16 +216,20 @@ def specs(draw: st.DrawFn, *, pool: bool, max_tokens: int) -> Spec:
     }
     if not pool:
         return Spec(**common, k_out=draw(st.sampled_from(OUT_KINDS)), v_out=draw(st.sampled_from(OUT_KINDS)))
-    pool_dtype = draw(st.sampled_from((kv_dtype, *FP8)))
+    pool_dtype = draw(st.sampled_from((kv_dtype, *FP8, torch.int8)))
     scales = st.one_of(st.none(), st.floats(0.02, 4.0), st.sampled_from(PARAM_FLOATS))
     kinds = ("slot", "slot", "skip", *(SLOT_FAULTS if slot_faulty else ()))
+    # An int8 pool always has its scales written; an FP8 pool in a third of the examples.
+    written = pool_dtype == torch.int8 or (pool_dtype in FP8 and draw(ONE_IN_THREE))
+    given = pool_dtype in FP8 and not written
     return Spec(
         **common,
         pool_layout=draw(st.sampled_from(tuple(POOL_LAYOUTS))),
         num_slots=draw(st.integers(0, 12)),
         pool_dtype=pool_dtype,
-        k_scale=draw(scales) if pool_dtype in FP8 else None,
-        v_scale=draw(scales) if pool_dtype in FP8 else None,
+        k_scale=draw(scales) if given else None,
+        v_scale=draw(scales) if given else None,
+        scale_out=draw(st.sampled_from(("plain", "padded"))) if written else None,
         loc_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
         slot_kinds=tuple(draw(st.sampled_from(kinds)) for _ in range(num_tokens)),
     )
@@ -416,6 +426,8 @@ def build(spec: Spec, device: torch.device) -> Call:
         args["cache_loc"] = args["cache_loc"].to(device)
         args["k_scale"] = _scale(spec.k_scale, num_layers, gen, device)
         args["v_scale"] = _scale(spec.v_scale, num_layers, gen, device)
+        for name, pool in (("k_scale_out", args["k_pool"]), ("v_scale_out", args["v_pool"])):
+            args[name] = _scales_out(spec.scale_out, pool, arena)
     else:
         for name, kind in (("k_out", spec.k_out), ("v_out", spec.v_out)):
             if kind == "slab":
@@ -428,6 +440,22 @@ def build(spec: Spec, device: torch.device) -> Call:
                 args[name] = None
     inputs = [kv_base, *(arg for name in INPUTS if isinstance(arg := args.get(name), Tensor))]
     return Call(spec, args, arena, inputs, device, bad_positions, bad_slots)
+
+
+def _scales_out(kind: str | None, pool: Tensor | Sequence[Tensor], arena: Arena) -> Tensor | list[Tensor] | None:
+    """Scale tensors written per row for ``pool`` (``[L, S, H]``, or ``[S, H]`` per layer), in the arena: ``kind``
+    "plain", or "padded" (each slot's row of scales one head wider); None without."""
+    if kind is None:
+        return None
+
+    def one(shape: Sequence[int]) -> Tensor:
+        if kind == "plain":
+            return arena.alloc(shape, torch.float32)
+        return arena.alloc((*shape[:-1], shape[-1] + 1), torch.float32)[..., 1:]
+
+    if isinstance(pool, Tensor):
+        return one(pool.shape[:-1])
+    return [one(layer.shape[:-1]) for layer in pool]
 
 
 def _cache_loc(spec: Spec, gen: torch.Generator) -> tuple[Tensor, bool]:
@@ -527,15 +555,35 @@ def _other_kind_pool(call: Call) -> Blame:
     return _put(call, "v_pool", call.arena.alloc(_pool_shape(call), call.args["v_pool"][0].dtype))
 
 
-def _retyped_pools(call: Call, dtype: torch.dtype) -> Blame:
+def _retyped_pools(call: Call, dtype: torch.dtype, blame: str = "k_pool") -> Blame:
     call.args["k_pool"] = call.pool_like(dtype=dtype)
-    return _put(call, "v_pool", call.pool_like(dtype=dtype), "k_pool")
+    return _put(call, "v_pool", call.pool_like(dtype=dtype), blame)
 
 
 def _scale_misuse(call: Call) -> Blame:
     if call.args["k_pool"][0].dtype not in FP8:
-        return _put(call, "k_scale", 0.5)  # scales are for FP8 pools
+        return _put(call, "k_scale", 0.5)  # scales are for FP8 pools (and none beside scales written per row)
     return _put(call, "k_scale", torch.ones(call.spec.num_layers + 1, device=call.device))
+
+
+def _written_scales(call: Call) -> tuple[Any, Any]:
+    """Scale tensors written per row for the call's pools: float32, their shape without the last dim."""
+    return tuple(_scales_out("plain", call.args[name], call.arena) for name in ("k_pool", "v_pool"))  # type: ignore[return-value]
+
+
+def _scales_for_storage_pool(call: Call) -> Blame | None:
+    """Scales written per row beside pools of kv's dtype (an FP8 or int8 pool takes them)."""
+    if call.args["k_pool"][0].dtype != call.spec.kv_dtype:
+        return None
+    call.args["k_scale_out"], v_scales = _written_scales(call)
+    return _put(call, "v_scale_out", v_scales, "k_scale_out")
+
+
+def _retyped_int8(call: Call) -> Blame | None:
+    """int8 pools, which take no call without scales written per row."""
+    if call.spec.scale_out is not None:
+        return None  # the call writes its scales: int8 pools are as valid as its own
+    return _retyped_pools(call, torch.int8, "k_scale_out")
 
 
 COMMON_MUTATIONS: dict[str, Mutation] = {
@@ -743,7 +791,7 @@ POOL_MUTATIONS: dict[str, Mutation] = {
     "k_pool-layer-none": lambda c: _put(c, "k_pool", None if c.stacked else [None, *c.args["k_pool"][1:]]),
     "v_pool-other-kind": _other_kind_pool,
     "pools-other-storage-dtype": lambda c: _retyped_pools(c, _other_storage(c.spec.kv_dtype)),
-    "pools-int8": lambda c: _retyped_pools(c, torch.int8),
+    "pools-int8": _retyped_int8,
     "v_pool-dtype": lambda c: _put(
         c, "v_pool", c.pool_like(dtype=c.spec.kv_dtype if c.args["k_pool"][0].dtype in FP8 else FP8[0])
     ),
@@ -760,7 +808,29 @@ POOL_MUTATIONS: dict[str, Mutation] = {
     "v_pool-overlaps-k_pool": _overlapping_pools,
     "v_pool-folded": _folded_pool,
     "k_pool-other-device": _pool_other_device,
+    "scales-written-for-storage-pool": _scales_for_storage_pool,
+    "v_scale_out-missing": lambda c: _put(c, "v_scale_out", None) if c.spec.scale_out else None,
+    "k_scale-beside-written": lambda c: _put(c, "k_scale", 0.5) if c.spec.scale_out else None,
+    "k_scale_out-bfloat16": lambda c: (
+        _put(c, "k_scale_out", _retyped_scales(c.args["k_scale_out"])) if c.spec.scale_out else None
+    ),
+    "v_scale_out-other-kind": lambda c: (
+        _put(c, "v_scale_out", _other_kind(c.args["v_scale_out"], c)) if c.spec.scale_out else None
+    ),
 }
+
+
+def _retyped_scales(scales: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
+    if isinstance(scales, Tensor):
+        return scales.to(torch.bfloat16)
+    return [t.to(torch.bfloat16) for t in scales]
+
+
+def _other_kind(scales: Tensor | Sequence[Tensor], call: Call) -> Tensor | list[Tensor]:
+    """Per-layer scale tensors beside stacked pools, or a stacked one beside per-layer pools."""
+    if isinstance(scales, Tensor):
+        return list(scales)
+    return call.arena.alloc((len(scales), *scales[0].shape), torch.float32)
 
 
 def _mutation_names(pool: bool) -> tuple[str, ...]:
@@ -790,6 +860,8 @@ def check(spec: Spec, device: torch.device, *, misuse_only: bool = False) -> Non
         blame = ("positions",) if call.bad_positions else ("cache_loc",) if call.bad_slots else None
     if currently_in_test_context():  # for --hypothesis-show-statistics
         event("valid" if blame is None else f"rejected: {spec.mutation or blame[0]}")
+        if spec.scale_out is not None:
+            event(f"scales written per row, {spec.pool_dtype}")
     inputs = [t.clone() for t in call.inputs]
     before = call.arena.snapshot()
     try:
@@ -902,12 +974,16 @@ def _check_pool(call: Call, before: list[Tensor]) -> None:
     slots = sorted(tokens_of)
     index = torch.tensor(slots, dtype=torch.long, device=call.device)
     k_layers, v_layers = _layers(call.args["k_pool"]), _layers(call.args["v_pool"])
+    written = [_layers(t) for t in (call.args["k_scale_out"], call.args["v_scale_out"]) if t is not None]
     expected = before
     # Copied as integers of the same width: indexing FP8 tensors is not implemented on every device.
-    for layer in (*k_layers, *v_layers):
+    for layer in (*k_layers, *v_layers, *(t for scales in written for t in scales)):
         call.arena.mirror(bits(layer), expected)[index] = bits(layer)[index]
     call.arena.assert_equal(expected, "outside the pool rows cache_loc names")
     if not slots:
+        return
+    if written:
+        _check_written(call, tokens_of, slots, index, (k_layers, v_layers), written)
         return
     ref_k, ref_v = _reference(call)
     got_k, got_v = (torch.stack([bits(t)[index] for t in ts]).cpu().view(ts[0].dtype) for ts in (k_layers, v_layers))
@@ -932,6 +1008,48 @@ def _check_pool(call: Call, before: list[Tensor]) -> None:
     _assert_all(ok_v, got_v, ref_v[:, tokens], "v")
     if depth == 1 and got_k.dtype not in FP8:
         assert_k_close(got_k, ref_k[:, tokens], spec.rotary_dim, spec.rope_style)
+
+
+def _check_written(
+    call: Call,
+    tokens_of: dict[int, list[int]],
+    slots: list[int],
+    index: Tensor,
+    pools: tuple[Sequence[Tensor], Sequence[Tensor]],
+    written: list[Sequence[Tensor]],
+) -> None:
+    """Scales written per row: each named row's values and scale are the rule's for the dense op's K (run in
+    production mode, so a bad position gives its NaN K) or V (normed where the call norms it; else kv's V bit for
+    bit) of a token written there (either token's, where two race)."""
+    args = call.args
+    debug = typedkv.debug_enabled()
+    typedkv.set_debug(False)
+    try:
+        k, v = typedkv.materialize_kv(
+            args["kv"], args["k_norm_weight"], args["eps"], args["cos_sin_cache"], args["positions"],
+            num_kv_heads=call.spec.num_kv_heads, rope_style=call.spec.rope_style,
+            v_norm_weight=args["v_norm_weight"],
+        )  # fmt: skip
+    finally:
+        typedkv.set_debug(debug)
+    depth = max(map(len, tokens_of.values()))
+    for rows, layers, scales, what in zip((k, v), pools, written, "kv", strict=True):
+        stored, row_scales = quantized_rows(rows, layers[0].dtype)
+        got = torch.stack([bits(t)[index] for t in layers]).cpu().view(layers[0].dtype)
+        got_scales = torch.stack([t[index] for t in scales]).cpu()
+        ok = torch.zeros(got.shape, dtype=torch.bool)
+        ok_scales = torch.zeros(got_scales.shape, dtype=torch.bool)
+        for j in range(depth):
+            tokens = [tokens_of[s][min(j, len(tokens_of[s]) - 1)] for s in slots]
+            ok |= _same(got, stored[:, tokens])
+            ok_scales |= _same(got_scales, row_scales[:, tokens])
+        _assert_all(ok, got, stored[:, tokens], f"{what} values")
+        _assert_all(ok_scales, got_scales, row_scales[:, tokens], f"{what} scales")
+
+
+def _same(got: Tensor, want: Tensor) -> Tensor:
+    """Bit for bit, any NaN matching any NaN."""
+    return (bits(got) == bits(want)) | (got.float().isnan() & want.float().isnan())
 
 
 # --------------------------------------------------------------------------- tests
@@ -1116,6 +1234,35 @@ def test_harness_sees_a_write_to_a_row_no_token_names(monkeypatch: pytest.Monkey
     _after_the_op(monkeypatch, "materialize_kv_into_pool", damage)
     with pytest.raises(AssertionError, match="outside the pool rows"):
         check(_spec(pool=True), CPU)
+
+
+@pytest.mark.parametrize("scale_out", ["plain", "padded"])
+def test_harness_sees_a_written_scale_one_bit_off(monkeypatch: pytest.MonkeyPatch, scale_out: str) -> None:
+    def damage(args: dict[str, Any]) -> None:
+        _poke(args["k_scale_out"][1][int(args["cache_loc"][0])])
+
+    _after_the_op(monkeypatch, "materialize_kv_into_pool", damage)
+    with pytest.raises(AssertionError, match=r"^k scales: 1 of"):
+        check(_spec(pool=True, pool_dtype=torch.int8, scale_out=scale_out), CPU)
+
+
+def test_harness_sees_a_scale_written_for_a_skipped_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    def damage(args: dict[str, Any]) -> None:
+        free = sorted(set(range(9)) - set(args["cache_loc"].tolist()))[0]
+        _poke(args["v_scale_out"][0][free])
+
+    _after_the_op(monkeypatch, "materialize_kv_into_pool", damage)
+    with pytest.raises(AssertionError, match="outside the pool rows cache_loc names"):
+        check(_spec(pool=True, pool_dtype=torch.float8_e5m2, scale_out="plain"), CPU)
+
+
+def test_harness_sees_an_int8_value_one_step_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def damage(args: dict[str, Any]) -> None:
+        _poke(args["v_pool"][0][int(args["cache_loc"][2])])
+
+    _after_the_op(monkeypatch, "materialize_kv_into_pool", damage)
+    with pytest.raises(AssertionError, match=r"^v values: 1 of"):
+        check(_spec(pool=True, pool_dtype=torch.int8, scale_out="padded"), CPU)
 
 
 @pytest.mark.parametrize("pool_dtype", FP8, ids=str)
