@@ -52,6 +52,7 @@ _TYPES = {
     torch.int64: "i64",
     torch.int32: "i32",
     torch.uint8: "u8",
+    torch.int8: "i8",
     torch.float8_e4m3fn: "fp8e4nv",
     torch.float8_e5m2: "fp8e5",
 }
@@ -161,6 +162,12 @@ def cases() -> dict[str, Callable[[], object]]:
                 for scale in (None, "float", "tensor") if pool_dtype != torch.bfloat16 else (None,):
                     name = f"pool-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
                     out[name] = _pool(t, layout, pool_dtype, scale)
+        # Scales written per row (k_scale_out, v_scale_out): FP8 and int8 pools.
+        for layout in ("flat", "NHD16", "HND16", "list", "list-NHD16"):
+            for pool_dtype in (torch.int8, torch.float8_e4m3fn):
+                out[f"pool-T{t}-{layout}-{_TYPES[pool_dtype]}-written"] = _pool(t, layout, pool_dtype, "written")
+        out[f"pool-T{t}-flat-i8-written-gptj-R64"] = _pool(t, "flat", torch.int8, "written", "gptj", 64)
+        out[f"pool-T{t}-flat-fp8e4nv-written-R64"] = _pool(t, "flat", torch.float8_e4m3fn, "written", rotary=64)
         for layout in ("dense", "flat", "paged64", "list", "singleton"):
             # uint8: DeepSeek's FP8 rows (cache_format="fp8_ds_mla").
             for pool_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
@@ -182,6 +189,13 @@ def cases() -> dict[str, Callable[[], object]]:
                 for scale in (None, "float", "tensor") if pool_dtype != torch.bfloat16 else (None,):
                     name = f"fused-T{t}-{layout}-{_TYPES[pool_dtype]}" + (f"-{scale}" if scale else "")
                     out[name] = _fused(t, pool=_pool_alloc(t, layout, pool_dtype, scale))
+        for layout in ("flat", "HND16", "list"):
+            for pool_dtype in (torch.int8, torch.float8_e4m3fn):
+                name = f"fused-T{t}-{layout}-{_TYPES[pool_dtype]}-written"
+                out[name] = _fused(t, pool=_pool_alloc(t, layout, pool_dtype, "written"))
+        out[f"fused-T{t}-flat-i8-written-R64"] = _fused(
+            t, rotary=64, pool=_pool_alloc(t, "flat", torch.int8, "written")
+        )
     # V normed as K (v_norm_weight) and a RoPE table per layer ([L, P, R]): their own compiled kernels.
     for t in (16, 8192):
         out[f"dense-T{t}-vnorm"] = _dense(t, 5, 8, 128, 128, "neox", v_norm=True)
@@ -192,6 +206,14 @@ def cases() -> dict[str, Callable[[], object]]:
         out[f"fused-T{t}-dense-vnorm-layer-tables"] = _fused(t, rotary=64, v_norm=True, per_layer=True)
         out[f"fused-T{t}-flat-fp8e4nv-float-vnorm"] = _fused(
             t, v_norm=True, pool=_pool_alloc(t, "flat", torch.float8_e4m3fn, "float")
+        )
+        # With scales written per row: V normed, then quantized per row; a RoPE table per layer.
+        out[f"pool-T{t}-NHD16-i8-written-vnorm"] = _pool(t, "NHD16", torch.int8, "written", v_norm=True)
+        out[f"pool-T{t}-list-fp8e4nv-written-layer-tables"] = _pool(
+            t, "list", torch.float8_e4m3fn, "written", per_layer=True
+        )
+        out[f"fused-T{t}-flat-i8-written-vnorm-layer-tables"] = _fused(
+            t, v_norm=True, per_layer=True, pool=_pool_alloc(t, "flat", torch.int8, "written")
         )
     return out
 
@@ -227,7 +249,17 @@ def _dense(
     return call
 
 
-def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None, *, v_norm: bool = False) -> Callable[[], object]:
+def _pool(
+    t: int,
+    layout: str,
+    dtype: torch.dtype,
+    scale: str | None,
+    rope_style: str = "neox",
+    rotary: int = 128,
+    *,
+    v_norm: bool = False,
+    per_layer: bool = False,
+) -> Callable[[], object]:
     layers, heads, dim = 5, 8, 128
     pools = _pool_alloc(t, layout, dtype, scale)
 
@@ -237,13 +269,13 @@ def _pool(t: int, layout: str, dtype: torch.dtype, scale: str | None, *, v_norm:
             _kv(t, layers, heads, dim),
             torch.randn(layers, dim).to(torch.bfloat16),
             1e-6,
-            _tables(dim),
+            _tables(rotary, layers=layers if per_layer else 0),
             torch.randint(0, 4096, (t,)),
             torch.randperm(slots)[:t],
             k_pool,
             v_pool,
             num_kv_heads=heads,
-            rope_style="neox",
+            rope_style=rope_style,
             kv_layout=kv_layout,
             v_norm_weight=torch.randn(layers, dim) if v_norm else None,
             **scales,
@@ -279,9 +311,18 @@ def _pool_alloc(t: int, layout: str, dtype: torch.dtype, scale: str | None) -> P
             scales = {"k_scale": 0.5, "v_scale": 2.0}
         elif scale == "tensor":
             scales = {"k_scale": torch.rand(layers) + 0.5, "v_scale": torch.rand(layers) + 0.5}
+        elif scale == "written":  # float32, the pools' shape without their last dim
+            scales = {name: _rows_of(pool) for name, pool in (("k_scale_out", k_pool), ("v_scale_out", v_pool))}
         return k_pool, v_pool, kv_layout, slots, scales
 
     return pools
+
+
+def _rows_of(pool: Any) -> Any:
+    """A float32 tensor (or per-layer tensors) with one element per row of ``pool``."""
+    if isinstance(pool, torch.Tensor):
+        return torch.empty(pool.shape[:-1])
+    return [torch.empty(layer.shape[:-1]) for layer in pool]
 
 
 def _fused(
