@@ -66,7 +66,7 @@ class Layout:
     name: str
     alloc: Callable[[int, int, int, int, torch.dtype], list[Tensor]]
     view: Callable[[list[Tensor], int, torch.dtype], tuple[Pool, Pool, Pool, Pool]]
-    kv_layout: str = "NHD"
+    kv_layout: typedkv.KVLayout = "NHD"
     page_size: int = 1
 
 
@@ -304,7 +304,11 @@ def run(
 
 
 class ScaledInputs(Inputs):
-    def into_pool_scaled(self, cache_loc: Tensor, k_pool: Any, v_pool: Any, k_scales: Any, v_scales: Any, **kw: Any):
+    """`test_pool.Inputs` with a call that writes scales per row."""
+
+    def into_pool_scaled(
+        self, cache_loc: Tensor, k_pool: Any, v_pool: Any, k_scales: Any, v_scales: Any, **kw: Any
+    ) -> None:
         typedkv.materialize_kv_into_pool(
             self.kv, self.k_norm_weight, self.eps, self.cos_sin_cache, self.positions, cache_loc, k_pool, v_pool,
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,  # type: ignore[arg-type]
@@ -571,7 +575,7 @@ def _call(**args: Any) -> None:
     )
 
 
-_MISUSE = {
+_MISUSE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "bfloat16-pool": (
         lambda a: a.update(k_pool=a["k_pool"].to(torch.bfloat16), v_pool=a["v_pool"].to(torch.bfloat16)),
         "k_scale_out: expected None for a bfloat16 pool (scales are written for FP8 and int8 pools), got a tensor "
@@ -690,6 +694,7 @@ def test_meta_dry_run() -> None:
     """Meta tensors (a dry run of shapes) go through the checks and write nothing."""
     args = {name: t.to("meta") for name, t in _pools().items()}
     inp = make_inputs(4, 2, 2, 16, 16, torch.bfloat16, seed=9)
+    assert inp.k_norm_weight is not None
     typedkv.materialize_kv_into_pool(
         inp.kv.to("meta"), inp.k_norm_weight.to("meta"), inp.eps, inp.cos_sin_cache.to("meta"),
         inp.positions.to("meta"), torch.arange(4, device="meta"), **args, num_kv_heads=2,
@@ -733,6 +738,7 @@ def test_no_tokens_or_layers(num_layers: int) -> None:
     k, v, k_s, v_s = LAYOUTS["list_flat"].view(bases, 16, torch.int8)
     before = [b.clone() for b in bases]
     layers = slice(0, num_layers)
+    assert inp.k_norm_weight is not None
     typedkv.materialize_kv_into_pool(
         inp.kv[:, :num_layers], inp.k_norm_weight[:num_layers], inp.eps, inp.cos_sin_cache, inp.positions,
         torch.zeros(0, dtype=torch.int64), k[layers], v[layers], num_kv_heads=2, k_scale_out=k_s[layers],

@@ -275,14 +275,14 @@ def materialize_kv_into_pool(call: PoolCall, plan: Plan | None = None, after_gem
             )
             written = call.written_scales.values()
             pools = (call.k_pool, call.v_pool)
-            for computed, scale, pool, scale_out in zip(rows, call.scales, pools, written, strict=True):
+            for computed, scale, pool, scale_tensors in zip(rows, call.scales, pools, written, strict=True):
                 layers = _layers(pool)
-                if scale_out is None:
+                if scale_tensors is None:
                     stored = core_reference.quantize(computed, scale, layers[0].dtype)
                 else:
                     # Scales written per row quantize K as stored in kv's dtype (V is).
                     stored, row_scales = core_reference.quantize_rows(computed.to(kv.dtype), layers[0].dtype)
-                    core_reference.write_pool(row_scales, call.cache_loc, _layers(scale_out), page, hnd)
+                    core_reference.write_pool(row_scales, call.cache_loc, _layers(scale_tensors), page, hnd)
                 core_reference.write_pool(stored, call.cache_loc, layers, page, hnd)
         return
     destinations, table_multiple = pool_destinations(call, addresses)

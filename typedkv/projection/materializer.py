@@ -399,6 +399,8 @@ class KVMaterializer(nn.Module):
         # GEMM + kernel checks the GEMM's output; the others check a stand-in for kv, before any GEMM runs.
         kv = self._gemm(hidden, state) if way == "gemm" else self._stand_in(hidden, kept)
         call = type(call)(kv, *call[1:])
+        written: tuple[Tensor | Sequence[Tensor] | None, ...]
+        names: tuple[str, ...]
         if isinstance(call, DenseCall):
             written, names = (call.k_out, call.v_out), ("k_out", "v_out")
         else:

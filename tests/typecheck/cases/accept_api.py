@@ -78,6 +78,15 @@ layers: Sequence[Tensor] = tuple(k_pool_layers)
 typedkv.materialize_kv_into_pool(
     kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, layers, layers, num_kv_heads=H, k_scale=None
 )
+# Scales written per row: tensors, or per-layer sequences of them.
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H,
+    k_scale_out=torch.empty(L, 16, H), v_scale_out=torch.empty(L, 16, H),
+)  # fmt: skip
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, layers, layers, num_kv_heads=H,
+    k_scale_out=[torch.empty(16, H) for _ in range(L)], v_scale_out=(torch.empty(16, H),) * L, kv_layout="NHD",
+)  # fmt: skip
 
 # KVMaterializer: construction from stacked or per-layer weights; a call is typed as forward.
 materializer = typedkv.KVMaterializer(
@@ -90,6 +99,13 @@ per_layer = typedkv.KVMaterializer(
 assert_type(materializer(torch.empty(T, 16), positions), tuple[Tensor, Tensor])
 assert_type(materializer.forward(torch.empty(T, 16), positions), tuple[Tensor, Tensor])
 assert_type(materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool, v_pool, k_scale=None), None)
+scales_out = torch.empty(L, 16, H)
+assert_type(
+    materializer.into_pool(
+        torch.empty(T, 16), positions, cache_loc, k_pool, v_pool, k_scale_out=scales_out, v_scale_out=scales_out
+    ),
+    None,
+)
 
 # The rest of the surface.
 typedkv.set_debug(True)

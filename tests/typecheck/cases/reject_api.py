@@ -63,6 +63,10 @@ materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool)  # E: c
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, H)  # E: call-arg
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, k_scale="0.5")  # E: arg-type
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, [[k_pool]], v_pool, num_kv_heads=H)  # E: list-item
+# Scales written per row are tensors (or sequences of them), keyword-only: never numbers.
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, k_scale_out=0.5)  # E: arg-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=H, v_scale_out=[0.5, 0.5])  # E: list-item list-item
+materializer.into_pool(torch.empty(T, 16), positions, cache_loc, k_pool, v_pool, None, None, k_pool, v_pool)  # E: call-arg
 
 # The debug switch takes a bool.
 typedkv.set_debug("yes")  # E: arg-type
