@@ -746,3 +746,42 @@ def test_no_tokens_or_layers(num_layers: int) -> None:
     )  # fmt: skip
     for a, b in zip(bases, before, strict=True):
         assert_same_bits(a, b)
+
+
+# --------------------------------------------------------------------------- GPU only: syncs and CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.production
+def test_no_sync_and_graph_replay() -> None:
+    """On CUDA, production calls writing scales per row never synchronise (stacked and per-layer scale tensors,
+    the latter through a layer table), and a CUDA graph captured with them writes what an eager call writes after
+    new values are copied into its inputs."""
+    inp = _on(make_inputs(24, 3, 2, 64, 32, torch.bfloat16, seed=21), "cuda")
+    layouts = [LAYOUTS["stacked"], LAYOUTS["vllm_packed_hnd"]]
+    graphed = [[b.cuda() for b in layout.alloc(3, 40, 2, 64, torch.int8)] for layout in layouts]
+    eager = [[b.clone() for b in bases] for bases in graphed]
+    cache_loc = torch.randperm(40, device="cuda")[:24]
+    cache_loc[::5] = -1
+
+    def step(all_bases: list[list[Tensor]]) -> None:
+        for layout, bases in zip(layouts, all_bases, strict=True):
+            inp.into_pool_scaled(cache_loc, *layout.view(bases, 64, torch.int8), kv_layout=layout.kv_layout)
+
+    step(graphed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(graphed)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graphed)
+    inp.kv.copy_(torch.randn_like(inp.kv, dtype=torch.float32).to(inp.kv.dtype) * 3)
+    graph.replay()
+    step(eager)
+    torch.cuda.synchronize()
+    for got, want in zip(graphed, eager, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert_same_bits(a.cpu(), b.cpu())
