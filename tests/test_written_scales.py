@@ -7,7 +7,9 @@ RoPE as ``materialize_kv`` returns it (kv's dtype), or V -- ``scale = max(amax(|
 saturated (int8: rounded to the nearest integer, ties to even); the scale goes to the token's slot of the scale
 tensor. The oracle is the dense op's K and V put through that rule, written with torch indexing into copies of
 the allocations; the op's allocations (pools and scales poisoned with a sentinel first) must equal them bit for
-bit, so a value or a scale written anywhere else, or for a negative slot, fails.
+bit, so a value or a scale written anywhere else, or for a negative slot, fails. With a V norm
+(``v_norm_weight``) or a RoPE table per layer (``cos_sin_cache`` ``[L, P, R]``) the rows are the reference path's
+own (`_reference_rows`): V normed and rounded to kv's dtype, then quantized per row.
 
 The file runs on the reference (plain CPU) and under ``TRITON_INTERPRET=1`` (the kernels), so kernel and
 reference are held to the same bits. The ``gpu`` tests run the kernels on CUDA against the same oracle
@@ -17,7 +19,7 @@ reference are held to the same bits. The ``gpu`` tests run the kernels on CUDA a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from torch import Tensor
 
 import typedkv
 from typedkv.core import launcher
+from typedkv.kv import reference as kv_reference
 from typedkv.kv.impl import DenseCall, PoolCall
 from typedkv.projection import dispatch, tuning
 
@@ -312,16 +315,17 @@ class ScaledInputs(Inputs):
         typedkv.materialize_kv_into_pool(
             self.kv, self.k_norm_weight, self.eps, self.cos_sin_cache, self.positions, cache_loc, k_pool, v_pool,
             num_kv_heads=self.num_kv_heads, rope_style=self.rope_style,  # type: ignore[arg-type]
-            k_scale_out=k_scales, v_scale_out=v_scales, **kw,
+            v_norm_weight=self.v_norm_weight, k_scale_out=k_scales, v_scale_out=v_scales, **kw,
         )  # fmt: skip
 
 
 def _on(inp: Inputs, device: str) -> ScaledInputs:
     eps = inp.eps.to(device) if isinstance(inp.eps, Tensor) else inp.eps
     weight = None if inp.k_norm_weight is None else inp.k_norm_weight.to(device)
+    v_weight = None if inp.v_norm_weight is None else inp.v_norm_weight.to(device)
     return ScaledInputs(
         inp.kv.to(device), weight, eps, inp.cos_sin_cache.to(device), inp.positions.to(device), inp.num_kv_heads,
-        inp.rope_style,
+        inp.rope_style, v_weight,
     )  # fmt: skip
 
 
@@ -427,6 +431,63 @@ def test_int8_rounds_to_nearest_even() -> None:
     assert stored.tolist() == [127, 0, 2, 2, 0, -2, 1, -1, 126, -126, 3, -4, 0, 0, 0, 0]
 
 
+# --------------------------------------------------------------------------- with V's norm, with a table per layer
+
+
+def _reference_rows(inp: Inputs) -> tuple[Tensor, Tensor]:
+    """K and V ``[L, T, H, D]`` as the reference path computes them (torch ops, whichever path the run takes):
+    K normed and rotated, then rounded to kv's dtype; V normed (with a V norm weight) and rounded to kv's dtype."""
+    k, v = kv_reference.rmsnorm_rope(
+        inp.kv, (inp.k_norm_weight, inp.eps, inp.cos_sin_cache, inp.positions), inp.num_kv_heads,
+        inp.rope_style == "neox", inp.v_norm_weight,
+    )  # fmt: skip
+    return k.to(inp.kv.dtype), v
+
+
+MODES = ["debug", pytest.param("production", marks=pytest.mark.production)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=_name)
+@pytest.mark.parametrize("layout", ["stacked", "list_paged_hnd", "vllm_packed_nhd"])
+def test_v_norm_with_written_scales(layout: str, dtype: torch.dtype, mode: str) -> None:
+    """``v_norm_weight`` beside scales written per row: V normed (float32), rounded to kv's dtype, then quantized
+    per row with its own scale. The pools and scales hold, bit for bit, the rule applied to the reference path's
+    K and normed V (under the interpreter: the kernel against the reference), in both modes; a V norm changes V's
+    values and so its scales."""
+    inp = make_inputs(7, 2, 2, 16, 8, torch.bfloat16, eps_per_layer=True, v_norm=True, seed=_seed("vn", layout, dtype))
+    assert inp.v_norm_weight is not None
+    inp = replace(inp, v_norm_weight=inp.v_norm_weight * torch.tensor([[4.0], [0.25]]))  # layers' other magnitudes
+    cache_loc = slots_for(7, 11, seed=_seed("vn-slots", layout))
+    normed = run(inp, cache_loc, LAYOUTS[layout], dtype, 11, expected_rows=_reference_rows(inp))
+    normed.check()
+    plain = run(replace(inp, v_norm_weight=None), cache_loc, LAYOUTS[layout], dtype, 11)
+    plain.check()
+    for normed_base, plain_base in zip(normed.bases, plain.bases, strict=True):
+        assert not torch.equal(normed_base.view(torch.uint8), plain_base.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=_name)
+@pytest.mark.parametrize(("layout", "rope_style"), [("stacked", "neox"), ("paged_nhd", "gptj"), ("list_flat", "neox")])
+def test_layer_tables_with_written_scales(layout: str, rope_style: str, dtype: torch.dtype, mode: str) -> None:
+    """A RoPE table per layer (``cos_sin_cache`` ``[L, P, R]``) beside scales written per row: each layer's K
+    rotated by its own table, then quantized per row; bit for bit the rule applied to the reference path's K and
+    V, in both modes (with a V norm too in the last layout)."""
+    inp = make_inputs(
+        6, 3, 2, 16, 8, torch.float16, rope_style, layer_tables=True, v_norm=layout == "list_flat",
+        seed=_seed("tables", layout, dtype),
+    )  # fmt: skip
+    assert inp.cos_sin_cache.dim() == 3
+    cache_loc = slots_for(6, 9, seed=_seed("tables-slots", layout))
+    tabled = run(inp, cache_loc, LAYOUTS[layout], dtype, 9, expected_rows=_reference_rows(inp))
+    tabled.check()
+    # Layer 0's table for every layer: another K, so other K values and scales.
+    one = replace(inp, cos_sin_cache=inp.cos_sin_cache[0])
+    assert not torch.equal(_reference_rows(one)[0], _reference_rows(inp)[0])
+    run(one, cache_loc, LAYOUTS[layout], dtype, 9, expected_rows=_reference_rows(one)).check()
+
+
 # --------------------------------------------------------------------------- vLLM's per-token-head caches
 
 
@@ -495,14 +556,18 @@ def test_vllm_per_token_head(layout: str, dtype: torch.dtype, device: str) -> No
 # --------------------------------------------------------------------------- the materializer
 
 
-def _materializer(dtype: torch.dtype, seed: int) -> tuple[typedkv.KVMaterializer, Tensor, Tensor]:
+def _materializer(
+    dtype: torch.dtype, seed: int, *, v_norm: bool = False, layer_tables: bool = False
+) -> tuple[typedkv.KVMaterializer, Tensor, Tensor]:
+    """A draft of 2 layers, 2 heads of 16 (``v_norm``: V normed too; ``layer_tables``: a RoPE table per layer)."""
     gen = torch.Generator().manual_seed(seed)
     num_layers, heads, head_dim, hidden = 2, 2, 16, 48
     weight = (torch.randn(num_layers, 2 * heads * head_dim, hidden, generator=gen) / 8).to(dtype)
     norm = torch.rand(num_layers, head_dim, generator=gen) + 0.5
-    angles = torch.rand(64, 4, generator=gen) * 6.2
+    angles = torch.rand(*((num_layers,) if layer_tables else ()), 64, 4, generator=gen) * 6.2
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
-    m = typedkv.KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=heads)
+    v_weight = torch.rand(num_layers, head_dim, generator=gen) + 0.5 if v_norm else None
+    m = typedkv.KVMaterializer(weight, norm, 1e-6, cos_sin, num_kv_heads=heads, v_norm_weight=v_weight)
     tokens = torch.randn(5, hidden, generator=gen).to(dtype)
     return m, tokens, torch.randint(0, 64, (5,), generator=gen)
 
@@ -518,7 +583,20 @@ _MATERIALIZER_DTYPE = torch.float16
 def test_materializer_paths(layout: str, dtype: torch.dtype, path: str, device: str) -> None:
     """``KVMaterializer.into_pool`` on either projection path: the rule applied to that path's own K and V
     (``m(hidden)``), bit for bit."""
-    m, hidden, positions = _materializer(_MATERIALIZER_DTYPE, _seed("materializer", layout))
+    _materializer_into_pool(layout, dtype, path, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["gemm", "fused"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=_name)
+def test_materializer_v_norm_and_layer_tables(dtype: torch.dtype, path: str, device: str) -> None:
+    """A draft with V normed and a RoPE table per layer, into pools with scales written per row, on either path:
+    the rule applied to that path's own normed V and K (``m(hidden)``), bit for bit."""
+    _materializer_into_pool("list_paged_hnd", dtype, path, device, v_norm=True, layer_tables=True)
+
+
+def _materializer_into_pool(layout: str, dtype: torch.dtype, path: str, device: str, **draft: bool) -> None:
+    m, hidden, positions = _materializer(_MATERIALIZER_DTYPE, _seed("materializer", layout), **draft)
     m = m.to(device)
     m.projection_path = path  # type: ignore[assignment]
     hidden, positions = hidden.to(device), positions.to(device)
@@ -546,12 +624,14 @@ def test_split_path_never_takes_written_scales(monkeypatch: pytest.MonkeyPatch) 
     k_scales, v_scales = torch.zeros(2, 8, 2), torch.zeros(2, 8, 2)
     state = m._state()
     call = PoolCall(
-        hidden, state[2], state[3], state[4], positions, torch.arange(5), k_pool, v_pool, 2, "neox", None, None,
-        k_scales, v_scales, None,
+        hidden, state[2], state[3], state[4], positions, torch.arange(5), k_pool, v_pool, 2, "neox",
+        v_norm_weight=None, k_scale=None, v_scale=None, k_scale_out=k_scales, v_scale_out=v_scales, kv_layout=None,
     )  # fmt: skip
     way = dispatch.way("gemm", call, state, num_kv_heads=2, head_dim=16, neox=True)
     assert way == "gemm"
-    dense = DenseCall(hidden, state[2], state[3], state[4], positions, 2, "neox", None, None)
+    dense = DenseCall(
+        hidden, state[2], state[3], state[4], positions, 2, "neox", v_norm_weight=None, k_out=None, v_out=None
+    )
     assert dispatch.way("gemm", dense, state, num_kv_heads=2, head_dim=16, neox=True) == "split"  # the table applies
 
 
