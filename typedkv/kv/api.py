@@ -238,8 +238,9 @@ def materialize_kv_into_pool(
         57344 (``float8_e5m2``) or 127 (``int8``), and the pool stores
         ``row * (1 / scale)`` saturated (int8: rounded to the nearest integer,
         ties to even), all in float32; ``row`` is K after norm and RoPE as
-        :func:`materialize_kv` returns it (kv's dtype), or V. A token with a
-        negative slot writes neither value nor scale.
+        :func:`materialize_kv` returns it (kv's dtype), or V (normed first
+        with ``v_norm_weight``). A token with a negative slot writes neither
+        value nor scale.
     kv_layout : "NHD", "HND" or None, default None
         Which 5-dim (4-dim per layer) shape a paged pool has: pages of
         ``[B, H, D]`` or ``[H, B, D]`` (FlashInfer's names). ``None`` (the
