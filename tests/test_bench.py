@@ -398,3 +398,38 @@ def test_only_picks_the_drafts_section(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert not bench._names_drafts("HND") and not bench._names_drafts("e2e")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(tmp_path, quick=True, compare=False, only="drafts") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
+def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: drafts.Draft) -> None:
+    """At the draft's own shape, bfloat16, on the GPU: typedkv and one materializer per layer write the unfused
+    path's rows, up to the GEMM's accumulation order (a few bf16 ulps; an FP8 value, one e4m3 step)."""
+    torch.manual_seed(len(draft.name))
+    device = torch.device("cuda")
+    weights = drafts.make_weights(draft, device)
+    x = drafts.make_inputs(draft, 16, device)
+    written = {}
+    for impl, make in drafts.implementations(draft, weights, ("per_layer", "eager")).items():
+        mine = x.cloned()
+        make(mine)()
+        written[impl] = mine.pools
+    want = written.pop("eager")
+    for impl, pools in written.items():
+        for name, pool in want.items():
+            rtol = 0.13 if pool.dtype in (torch.uint8, torch.float8_e4m3fn) else 2e-2
+            torch.testing.assert_close(
+                _decoded(pools[name]), _decoded(pool), rtol=rtol, atol=2e-2, msg=f"{impl} {name}"
+            )
+
+
+@pytest.mark.gpu
+def test_the_drafts_section_times_every_implementation_on_the_gpu() -> None:
+    """The section as the bench runs it (its timer, torch.compile included) at one T: every draft has a row
+    with each alternative, and typedkv's where this typedkv has the draft's features."""
+    result = drafts.run_drafts(timing.paired_gpu_time_us, torch.device("cuda"), drafts.DRAFTS, (16,), 3000.0)
+    for draft, entry in zip(drafts.DRAFTS, result["drafts"], strict=True):
+        (row,) = entry["rows"]
+        expected = {"eager", "compile"} | (set() if drafts.missing(draft) else {"typedkv", "per_layer"})
+        assert set(row["us"]) == expected, entry.get("failed")
+        assert all(us > 0 for us in row["us"].values())
