@@ -394,7 +394,8 @@ def unfused_rows(draft: Draft, w: Weights, hidden: Tensor, positions: Tensor) ->
     One GEMM for all layers; K: RMSNorm in float32 rounded to the storage dtype (as the model stores the
     norm's output), then RoPE in float32; V as projected, or RMS-normed (Gemma-4); FP8 pools: the scale of
     each (layer, token, head) row is its largest magnitude over 448 and the values are divided by it and
-    saturated; fp8_ds_mla rows: the latent in four groups of 128 quantized so, the rope part in bfloat16.
+    saturated (`_fp8_rows`); fp8_ds_mla rows: the latent in four groups of 128 quantized so, the rope part in
+    bfloat16 (`_ds_mla_rows`).
     """
     L, T = draft.num_layers, hidden.shape[0]
     flat_bias = None if w.bias is None else w.bias.flatten()
@@ -451,14 +452,18 @@ def _rope(x: Tensor, table: Tensor, positions: Tensor, neox: bool) -> Tensor:
 
 
 def _fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` (float32) as float8_e4m3fn rows over its last dim, and each row's float32 scale."""
-    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    """``x`` (float32) as float8_e4m3fn rows over its last dim, and each row's float32 scale, as vLLM's
+    per-token-head FP8 caches quantize: ``max(amax / 448, 1e-6)``, the row times its reciprocal, saturated."""
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(1e-6)
+    return (x * scale.reciprocal()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _ds_mla_rows(latent: Tensor, rope: Tensor) -> Tensor:
-    """fp8_ds_mla rows, ``[L, T, 656]`` uint8: the latent's 512 e4m3 values, its four scales, the rope part in bf16."""
-    values, scales = _fp8_rows(latent.unflatten(-1, (4, 128)))
+    """fp8_ds_mla rows, ``[L, T, 656]`` uint8: the latent's 512 e4m3 values (each group of 128 divided by its scale,
+    ``max(amax / 448, float32's tiny)``, saturated), the four scales, the rope part in bfloat16."""
+    groups = latent.unflatten(-1, (4, 128))
+    scales = (groups.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (groups / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     parts = (values.flatten(-2).view(torch.uint8), scales.view(torch.uint8), rope.to(torch.bfloat16).view(torch.uint8))
     return torch.cat(parts, dim=-1)
 
