@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from typedkv.core.tensor_types import RopeStyle
+from typedkv.core.tensor_types import CacheFormat, RopeStyle
 from typedkv.projection.materializer import KVMaterializer
 from typedkv.projection.mla_materializer import MLAKVMaterializer
 from typedkv.tools.bench_e2e import ROTATE_UP_TO, Timer, paired_ratio
@@ -68,7 +68,7 @@ class Draft:
     per_layer_rope: bool = False  # a cos/sin table per layer, [L, P, R]
     pool: str = "bf16"  # "bf16", or "fp8_scales": FP8 values and the float32 scales the call computes
     kv_lora_rank: int = 0
-    cache_format: str = "plain"  # MLA: "plain" or "fp8_ds_mla"
+    cache_format: CacheFormat = "plain"  # MLA pools
     page_size: int = 0  # MLA pools: [L, N, B, row]
     dtype: torch.dtype = torch.bfloat16
     assumed: str = ""  # which numbers are not read from the draft's own config, and why ("" for none)
@@ -340,16 +340,15 @@ def _materializer(draft: Draft, w: Weights, layers: slice) -> KVMaterializer | M
 def _materializer_call(draft: Draft, ms: Sequence[KVMaterializer | MLAKVMaterializer]) -> Make:
     """Each of ``ms`` (one for all layers, or one per layer) writing its layers' rows of the pools."""
     step = draft.num_layers // len(ms)
-    # The features' arguments by name: a typedkv without them never gets here (`missing`).
-    extra: dict[str, Any] = {} if draft.cache_format == "plain" else {"cache_format": draft.cache_format}
 
     def make(x: Inputs) -> Callable[[], None]:
         def call() -> None:
             for i, m in enumerate(ms):
                 own = {name: pool[i * step : (i + 1) * step] for name, pool in x.pools.items()}
                 if isinstance(m, MLAKVMaterializer):
-                    m.into_pool(x.hidden, x.positions, x.cache_loc, own["kv"], **extra)
+                    m.into_pool(x.hidden, x.positions, x.cache_loc, own["kv"], cache_format=draft.cache_format)
                 elif "k_scales" in own:
+                    # By name: a typedkv without these parameters never gets here (`missing`).
                     scales: dict[str, Any] = {"k_scale_out": own["k_scales"], "v_scale_out": own["v_scales"]}
                     m.into_pool(x.hidden, x.positions, x.cache_loc, own["k"], own["v"], **scales)
                 else:
