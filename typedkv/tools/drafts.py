@@ -330,10 +330,10 @@ def _materializer(draft: Draft, w: Weights, layers: slice) -> KVMaterializer | M
         return MLAKVMaterializer(
             w.kv_weight[layers], k_norm, w.eps, cos_sin, rope_style=draft.rope_style, kv_a_bias=bias
         )
-    extra: dict[str, Any] = {} if w.v_norm_weight is None else {"v_norm_weight": w.v_norm_weight[layers]}
+    v_norm = None if w.v_norm_weight is None else w.v_norm_weight[layers]
     return KVMaterializer(
         w.kv_weight[layers], k_norm, w.eps, cos_sin, num_kv_heads=draft.num_kv_heads, rope_style=draft.rope_style,
-        kv_bias=bias, **extra,
+        kv_bias=bias, v_norm_weight=v_norm,
     )  # fmt: skip
 
 
