@@ -1,19 +1,22 @@
 """The bench's plot: which panel each case lands in, what each panel shows, every series told apart;
-the paired timing of the end-to-end section: its rounds' order and how its ratios are reduced."""
+the paired timing of the end-to-end section: its rounds' order and how its ratios are reduced; the
+real-drafts section: its cases build, each implementation writes the model's rows, its rows and skips."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 import torch
+from torch import Tensor
 
-from typedkv.tools import bench, bench_e2e, cases, host, plot, timing
+from typedkv.tools import bench, bench_e2e, cases, drafts, host, plot, timing
 
 
 def _result(cases: list[str], impls: tuple[str, ...] = ("typedkv",)) -> dict[str, Any]:
@@ -225,3 +228,208 @@ def test_only_picks_cases_on_the_cpu_too(monkeypatch: pytest.MonkeyPatch, tmp_pa
     (tmp_path / "bench.json").unlink()
     assert bench.main(tmp_path, quick=True, compare=False, only="HND") == 2
     assert not (tmp_path / "bench.json").exists()
+
+
+# --------------------------------------------------------------------------- the real-drafts section
+
+
+def _decoded(pool: Tensor) -> Tensor:
+    """A pool's values as float32: FP8 as they are, fp8_ds_mla rows' latent times its group scales, then
+    the rope part."""
+    if pool.dtype != torch.uint8:
+        return pool.float()
+    scales = pool[..., 512:528].contiguous().view(torch.float32).repeat_interleave(128, -1)
+    latent = pool[..., :512].contiguous().view(torch.float8_e4m3fn).float() * scales
+    return torch.cat((latent, pool[..., 528:].contiguous().view(torch.bfloat16).float()), dim=-1)
+
+
+@pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
+def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft: drafts.Draft) -> None:
+    """At a few layers and narrow heads (the draft's features and pool layout kept), typedkv (where this
+    typedkv has the features) and one materializer per layer write the rows of the unfused PyTorch path,
+    at the slots named and nowhere else: bit for bit on the reference path; under the Triton kernels,
+    whose float32 math rounds differently, within an ulp of the storage dtype."""
+    torch.manual_seed(len(draft.name))
+    small = draft.shrunk()
+    weights = drafts.make_weights(small, torch.device("cpu"))
+    x = drafts.make_inputs(small, 5, torch.device("cpu"))
+    written = {}
+    for impl, make in drafts.implementations(small, weights, ("per_layer", "eager")).items():
+        mine = x.cloned()
+        make(mine)()
+        written[impl] = mine.pools
+    assert ("typedkv" in written) == (drafts.missing(draft) == "")
+    want = written.pop("eager")
+    slots = x.cache_loc.tolist()
+    for name, pool in want.items():
+        rows = pool.view(pool.shape[0], -1, *pool.shape[3:]) if small.kv_lora_rank else pool
+        unwritten = [s for s in range(rows.shape[1]) if s not in slots]
+        assert rows[:, slots].float().abs().sum() > 0 and not rows[:, unwritten].float().any(), name
+        for impl, pools in written.items():
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                assert torch.equal(pools[name].view(torch.uint8), pool.view(torch.uint8)), (impl, name)
+            rtol = 0.13 if pool.dtype in (torch.uint8, torch.float8_e4m3fn) else 1e-5  # an e4m3 step is up to 1/8
+            torch.testing.assert_close(
+                _decoded(pools[name]), _decoded(pool), rtol=rtol, atol=1e-5, msg=f"{impl} {name}"
+            )
+
+
+def test_the_unfused_path_is_the_models() -> None:
+    """The eager rows of a Qwen3-style draft against the layers' own ops: K is RMSNorm (rounded to the
+    storage dtype), then NeoX RoPE of the position's row, V the projection's second half."""
+    small = drafts.QWEN3_8B.shrunk(torch.bfloat16)
+    w = drafts.make_weights(small, torch.device("cpu"))
+    hidden = torch.randn(3, small.hidden).to(torch.bfloat16)
+    positions = torch.tensor([0, 7, 4000])
+    k, v = drafts.unfused_rows(small, w, hidden, positions)
+    H, D = small.num_kv_heads, small.head_dim
+    for layer in range(small.num_layers):
+        proj = hidden @ w.kv_weight[layer].t()
+        raw_k, raw_v = proj[:, : H * D].view(3, H, D).float(), proj[:, H * D :].view(3, H, D)
+        assert w.k_norm_weight is not None
+        normed = raw_k * torch.rsqrt(raw_k.pow(2).mean(-1, keepdim=True) + w.eps) * w.k_norm_weight[layer]
+        normed = normed.to(torch.bfloat16).float()
+        cos, sin = w.cos_sin_cache[positions].chunk(2, dim=-1)
+        x1, x2 = normed.chunk(2, dim=-1)
+        roped = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+        torch.testing.assert_close(k[layer].float(), roped.to(torch.bfloat16).float())
+        assert torch.equal(v[layer], raw_v)
+
+
+def test_fp8_rows_carry_their_scales() -> None:
+    """The unfused FP8 rows: each row's scale is its largest magnitude over 448, and values times scales
+    give the row back to FP8's precision; an fp8_ds_mla row is 512 e4m3 values, 4 scales, 64 bf16."""
+    x = torch.randn(2, 3, 4, 32) * 5
+    values, scales = drafts._fp8_rows(x)
+    torch.testing.assert_close(scales, x.abs().amax(-1) / 448)
+    torch.testing.assert_close(values.float() * scales[..., None], x, rtol=0.07, atol=1e-6)
+    latent, rope = torch.randn(2, 3, 512), torch.randn(2, 3, 64)
+    rows = drafts._ds_mla_rows(latent, rope)
+    assert rows.shape == (2, 3, 656) and rows.dtype == torch.uint8
+    group_scales = rows[..., 512:528].contiguous().view(torch.float32)
+    back = rows[..., :512].contiguous().view(torch.float8_e4m3fn).float() * group_scales.repeat_interleave(128, -1)
+    torch.testing.assert_close(back, latent, rtol=0.07, atol=1e-6)
+    assert torch.equal(rows[..., 528:].contiguous().view(torch.bfloat16), rope.to(torch.bfloat16))
+
+
+def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_drafts` times one T in one paired call; a row's % of copy is its bytes over its median time and the
+    copy roofline; a draft whose features this typedkv lacks is timed without the materializer and says why; an
+    implementation whose first call fails is left out with its error, not fatal."""
+    made = drafts.implementations
+
+    def with_a_failing_compile(draft: drafts.Draft, weights: drafts.Weights, names: Any) -> dict[str, Any]:
+        def broken(x: drafts.Inputs) -> Callable[[], None]:
+            def call() -> None:
+                raise RuntimeError("cannot compile")
+
+            return call
+
+        return {**made(draft, weights, ("per_layer", "eager")), "compile": broken}
+
+    monkeypatch.setattr(drafts, "implementations", with_a_failing_compile)
+    timed: list[set[str]] = []
+
+    def timer(calls: Any, sampling: Any = None) -> dict[str, list[float]]:
+        timed.append(set(calls))
+        return {impl: {"typedkv": [10.0, 20.0, 40.0]}.get(impl, [30.0, 40.0, 60.0]) for impl in calls}
+
+    small = [d.shrunk() for d in drafts.DRAFTS]
+    result = drafts.run_drafts(timer, torch.device("cpu"), small, (1, 5), copy_gbps=1000.0)
+    assert len(timed) == 2 * len(small)
+    for draft, entry in zip(small, result["drafts"], strict=True):
+        assert entry["failed"] == {"compile": "RuntimeError: cannot compile"}
+        reason = drafts.missing(draft)
+        assert entry.get("skipped", "") == reason
+        for row in entry["rows"]:
+            # The per-layer path is the same materializer's: it needs the feature too.
+            assert set(row["us"]) == ({"eager"} if reason else {"typedkv", "per_layer", "eager"})
+            nbytes = drafts.bytes_moved(draft, row["tokens"])
+            for impl, us in row["us"].items():
+                assert row["pct_of_copy"][impl] == round(100 * nbytes / us / 1e3 / 1000.0, 1)
+            if not reason:
+                assert row["us"]["typedkv"] == 20.0
+                assert row["ratio"] == {"per_layer / typedkv": 2.0, "eager / typedkv": 2.0}  # rounds 3, 2, 1.5
+                assert row["ratio_range"]["eager / typedkv"] == [1.5, 3.0]
+            else:
+                assert row["ratio"] == {}
+    table = drafts.drafts_table(result)
+    for draft in small:
+        assert draft.name in table and draft.source in table
+
+
+def test_a_feature_is_found_from_the_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case needing a feature runs its typedkv rows exactly when the materializer takes the feature's
+    parameter (or, for per-layer tables, when cos_sin_cache's annotation has an ``[L, P, R]`` form)."""
+
+    class Old:
+        def __init__(self, cos_sin_cache: Annotated[Tensor, "P R"]) -> None: ...
+
+        def into_pool(self, hidden: Any, *, k_scale: Any = None) -> None: ...
+
+    class New:
+        def __init__(self, cos_sin_cache: Annotated[Tensor, "P R"] | Annotated[Tensor, "L P R"]) -> None: ...
+
+        def into_pool(self, hidden: Any, *, k_scale_out: Any = None, cache_format: str = "plain") -> None: ...
+
+    assert not drafts._takes_layer_tables(Old) and drafts._takes_layer_tables(New)
+    assert not drafts._takes(Old.into_pool, "k_scale_out") and drafts._takes(New.into_pool, "k_scale_out")
+    fp8 = next(d for d in drafts.DRAFTS if d.pool == "fp8_scales")
+    monkeypatch.setitem(drafts.FEATURES, "scale_out", ("k_scale_out", lambda: False))
+    assert drafts.missing(fp8) == "needs k_scale_out, which this typedkv does not take"
+    assert "typedkv" not in drafts.implementations(fp8.shrunk(), drafts.make_weights(fp8.shrunk(), torch.device("cpu")))
+    monkeypatch.setitem(drafts.FEATURES, "scale_out", ("k_scale_out", lambda: True))
+    assert drafts.missing(fp8) == ""
+
+
+def test_every_feature_is_timed_on_a_draft() -> None:
+    """Each feature of the DESIGN's "Drafts as they ship" has a case, and every case says where its numbers
+    come from."""
+    timed = {f for d in drafts.DRAFTS for f in d.features}
+    assert timed == set(drafts.FEATURES)
+    assert all(d.source for d in drafts.DRAFTS)
+    assert len({d.name for d in drafts.DRAFTS}) == len(drafts.DRAFTS)
+
+
+def test_only_picks_the_drafts_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--only drafts`` or part of a draft's name selects the real-drafts section (a GPU section: on a CPU
+    machine it names no case); other text does not."""
+    assert bench._names_drafts("drafts") and bench._names_drafts("Kimi") and bench._names_drafts("")
+    assert not bench._names_drafts("HND") and not bench._names_drafts("e2e")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(tmp_path, quick=True, compare=False, only="drafts") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
+def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: drafts.Draft) -> None:
+    """At the draft's own shape, bfloat16, on the GPU: typedkv and one materializer per layer write the unfused
+    path's rows, up to the GEMM's accumulation order (a few bf16 ulps; an FP8 value, one e4m3 step)."""
+    torch.manual_seed(len(draft.name))
+    device = torch.device("cuda")
+    weights = drafts.make_weights(draft, device)
+    x = drafts.make_inputs(draft, 16, device)
+    written = {}
+    for impl, make in drafts.implementations(draft, weights, ("per_layer", "eager")).items():
+        mine = x.cloned()
+        make(mine)()
+        written[impl] = mine.pools
+    want = written.pop("eager")
+    for impl, pools in written.items():
+        for name, pool in want.items():
+            rtol = 0.13 if pool.dtype in (torch.uint8, torch.float8_e4m3fn) else 2e-2
+            torch.testing.assert_close(
+                _decoded(pools[name]), _decoded(pool), rtol=rtol, atol=2e-2, msg=f"{impl} {name}"
+            )
+
+
+@pytest.mark.gpu
+def test_the_drafts_section_times_every_implementation_on_the_gpu() -> None:
+    """The section as the bench runs it (its timer, torch.compile included) at one T: every draft has a row
+    with each alternative, and typedkv's where this typedkv has the draft's features."""
+    result = drafts.run_drafts(timing.paired_gpu_time_us, torch.device("cuda"), drafts.DRAFTS, (16,), 3000.0)
+    for draft, entry in zip(drafts.DRAFTS, result["drafts"], strict=True):
+        (row,) = entry["rows"]
+        expected = {"eager", "compile"} | (set() if drafts.missing(draft) else {"typedkv", "per_layer"})
+        assert set(row["us"]) == expected, entry.get("failed")
+        assert all(us > 0 for us in row["us"].values())

@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__main__",),
     ("tools.__init__", "tools.cli"),
     ("tools.bench",),
-    ("tools.demo", "tools.host", "tools.plot", "tools.bench_e2e"),
+    ("tools.demo", "tools.host", "tools.plot", "tools.bench_e2e", "tools.drafts"),
     ("tools.cases", "tools.timing", "tools.gpu_state"),
     ("__init__",),
     ("projection.__init__", "projection.materializer", "projection.mla_materializer"),

@@ -117,14 +117,16 @@ def _cpu_time_us(fn: Callable[[], None], repeats: int = 15) -> float:
 def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
     """Run the benchmark for the best available device; print the table, write JSON and PNG.
 
-    ``only``: run the cases whose name contains this text (all when empty); on a GPU, the
-    end-to-end section (`typedkv.tools.bench_e2e`) runs when it is empty or ``"e2e"``.
+    ``only``: run the cases whose name contains this text (all when empty). On a GPU, the
+    end-to-end section (`typedkv.tools.bench_e2e`) runs when it is empty or ``"e2e"``, and the
+    real-drafts section (`typedkv.tools.drafts`) when it is empty, ``"drafts"``, or in a draft's name.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
     gpu = torch.cuda.is_available()
     cases = [c for c in (GPU_CASES if gpu else CPU_CASES) if only in c.name]
-    if not cases and not (gpu and only == "e2e"):
+    drafts = gpu and _names_drafts(only)
+    if not cases and not (gpu and only == "e2e") and not drafts:
         names = ", ".join(c.name for c in (GPU_CASES if gpu else CPU_CASES))
         print(f"--only {only!r} names no case on this machine; its cases: {names}", file=sys.stderr)
         return 2
@@ -140,16 +142,40 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
 
         _log("end to end: hidden states to K/V ...")
         result["e2e"] = section(paired_gpu_time_us, torch.device("cuda"), quick)
+    if drafts:
+        from typedkv.tools.drafts import IMPLEMENTATIONS
+        from typedkv.tools.drafts import section as drafts_section
+
+        _log("real drafts: hidden states to the cache ...")
+        result["drafts"] = drafts_section(
+            paired_gpu_time_us,
+            torch.device("cuda"),
+            result["copy_GBps"],
+            quick,
+            only,
+            IMPLEMENTATIONS if compare else (),
+        )
     result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     print(table(result))
     if "e2e" in result:
         print("\n" + e2e_table(result["e2e"]))
+    if "drafts" in result:
+        from typedkv.tools.drafts import drafts_table
+
+        print("\n" + drafts_table(result["drafts"]))
     if plot(result, out_dir / "bench.png"):
         print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
     else:
         print(f"\nwrote {out_dir / 'bench.json'} (install matplotlib for the plot)")
     return 0
+
+
+def _names_drafts(only: str) -> bool:
+    """Whether ``--only`` selects the real-drafts section: empty, ``"drafts"``, or part of a draft's name."""
+    from typedkv.tools.drafts import DRAFTS
+
+    return only in ("", "drafts") or any(only in d.name for d in DRAFTS)
 
 
 def _triton_version() -> str:

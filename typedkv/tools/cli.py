@@ -26,7 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Sweep T and real draft shapes; print a table, write bench.json and bench.png.",
     )
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
-    bench.add_argument("--quick", action="store_true", help="only T <= 2048 (the end-to-end section: T <= 256)")
+    bench.add_argument(
+        "--quick", action="store_true", help="only T <= 2048 (the end-to-end and real-drafts sections: T <= 256)"
+    )
     bench.add_argument("--no-compare", action="store_true", help="skip the eager and torch.compile baselines")
     bench.add_argument("--only", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
