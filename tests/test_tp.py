@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_worker import CASES
+from tp_worker import CASES, runs_of
 from ws_launches import runs_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +65,8 @@ def run_worker(*args: str, runs: int = len(CASES)) -> str:
 @pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} CUDA devices")
 def test_two_gpu_tensor_parallel() -> None:
     """Two CUDA ranks over NCCL, on each projection path: the gathered pool shards are the full-head pool, bit for bit."""
-    paths = ("auto", "fused", "gemm")
-    run_worker("--backend", "nccl", "--device", "cuda", "--paths", ",".join(paths), runs=len(CASES) * len(paths))
+    paths = ("auto", "fused", "gemm", "op", "mla")
+    run_worker("--backend", "nccl", "--device", "cuda", "--paths", ",".join(paths), runs=runs_of(paths))
 
 
 @pytest.mark.gpu
@@ -87,4 +87,6 @@ def test_two_gpu_tensor_parallel_warp_specialised() -> None:
 
 def test_two_cpu_ranks_tensor_parallel() -> None:
     """Two CPU ranks over gloo: the same check, on the reference path or the interpreted kernel."""
-    run_worker("--backend", "gloo", "--device", "cpu", *(("--tokens", "11") if INTERPRETED else ()))
+    paths = ("auto", "op", "mla")
+    tokens = ("--tokens", "11") if INTERPRETED else ()
+    run_worker("--backend", "gloo", "--device", "cpu", "--paths", ",".join(paths), *tokens, runs=runs_of(paths))
