@@ -10,7 +10,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import pytest
 import torch
@@ -245,8 +245,8 @@ def _decoded(pool: Tensor) -> Tensor:
 
 @pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
 def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft: drafts.Draft) -> None:
-    """At a few layers and narrow heads (the draft's features and pool layout kept), typedkv (where this
-    typedkv has the features) and one materializer per layer write the rows of the unfused PyTorch path,
+    """At a few layers and narrow heads (the draft's features and pool layout kept), typedkv and one
+    materializer per layer write the rows of the unfused PyTorch path,
     at the slots named and nowhere else: bit for bit on the reference path; under the Triton kernels,
     whose float32 math rounds differently, within an ulp of the storage dtype."""
     torch.manual_seed(len(draft.name))
@@ -258,7 +258,7 @@ def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft
         mine = x.cloned()
         make(mine)()
         written[impl] = mine.pools
-    assert ("typedkv" in written) == (drafts.missing(draft) == "")
+    assert set(written) == {"typedkv", "per_layer", "eager"}
     want = written.pop("eager")
     slots = x.cache_loc.tolist()
     for name, pool in want.items():
@@ -314,8 +314,7 @@ def test_fp8_rows_carry_their_scales() -> None:
 
 def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """`run_drafts` times one T in one paired call; a row's % of copy is its bytes over its median time and the
-    copy roofline; a draft whose features this typedkv lacks is timed without the materializer and says why; an
-    implementation whose first call fails is left out with its error, not fatal."""
+    copy roofline; an implementation whose first call fails is left out with its error, not fatal."""
     made = drafts.implementations
 
     def with_a_failing_compile(draft: drafts.Draft, weights: drafts.Weights, names: Any) -> dict[str, Any]:
@@ -339,51 +338,21 @@ def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(timed) == 2 * len(small)
     for draft, entry in zip(small, result["drafts"], strict=True):
         assert entry["failed"] == {"compile": "RuntimeError: cannot compile"}
-        reason = drafts.missing(draft)
-        assert entry.get("skipped", "") == reason
         for row in entry["rows"]:
-            # The per-layer path is the same materializer's: it needs the feature too.
-            assert set(row["us"]) == ({"eager"} if reason else {"typedkv", "per_layer", "eager"})
+            assert set(row["us"]) == {"typedkv", "per_layer", "eager"}
             nbytes = drafts.bytes_moved(draft, row["tokens"])
             for impl, us in row["us"].items():
                 assert row["pct_of_copy"][impl] == round(100 * nbytes / us / 1e3 / 1000.0, 1)
-            if not reason:
-                assert row["us"]["typedkv"] == 20.0
-                assert row["ratio"] == {"per_layer / typedkv": 2.0, "eager / typedkv": 2.0}  # rounds 3, 2, 1.5
-                assert row["ratio_range"]["eager / typedkv"] == [1.5, 3.0]
-            else:
-                assert row["ratio"] == {}
+            assert row["us"]["typedkv"] == 20.0
+            assert row["ratio"] == {"per_layer / typedkv": 2.0, "eager / typedkv": 2.0}  # rounds 3, 2, 1.5
+            assert row["ratio_range"]["eager / typedkv"] == [1.5, 3.0]
     table = drafts.drafts_table(result)
     for draft in small:
         assert draft.name in table and draft.source in table
 
 
-def test_a_feature_is_found_from_the_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A case needing a feature runs its typedkv rows exactly when the materializer takes the feature's
-    parameter (or, for per-layer tables, when cos_sin_cache's annotation has an ``[L, P, R]`` form)."""
-
-    class Old:
-        def __init__(self, cos_sin_cache: Annotated[Tensor, "P R"]) -> None: ...
-
-        def into_pool(self, hidden: Any, *, k_scale: Any = None) -> None: ...
-
-    class New:
-        def __init__(self, cos_sin_cache: Annotated[Tensor, "P R"] | Annotated[Tensor, "L P R"]) -> None: ...
-
-        def into_pool(self, hidden: Any, *, k_scale_out: Any = None, cache_format: str = "plain") -> None: ...
-
-    assert not drafts._takes_layer_tables(Old) and drafts._takes_layer_tables(New)
-    assert not drafts._takes(Old.into_pool, "k_scale_out") and drafts._takes(New.into_pool, "k_scale_out")
-    fp8 = next(d for d in drafts.DRAFTS if d.pool == "fp8_scales")
-    monkeypatch.setitem(drafts.FEATURES, "scale_out", ("k_scale_out", lambda: False))
-    assert drafts.missing(fp8) == "needs k_scale_out, which this typedkv does not take"
-    assert "typedkv" not in drafts.implementations(fp8.shrunk(), drafts.make_weights(fp8.shrunk(), torch.device("cpu")))
-    monkeypatch.setitem(drafts.FEATURES, "scale_out", ("k_scale_out", lambda: True))
-    assert drafts.missing(fp8) == ""
-
-
 def test_every_feature_is_timed_on_a_draft() -> None:
-    """Each feature of the DESIGN's "Drafts as they ship" has a case, and every case says where its numbers
+    """Each feature of typedkv's "drafts as they ship" has a case, and every case says where its numbers
     come from."""
     timed = {f for d in drafts.DRAFTS for f in d.features}
     assert timed == set(drafts.FEATURES)
@@ -426,10 +395,10 @@ def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: dr
 @pytest.mark.gpu
 def test_the_drafts_section_times_every_implementation_on_the_gpu() -> None:
     """The section as the bench runs it (its timer, torch.compile included) at one T: every draft has a row
-    with each alternative, and typedkv's where this typedkv has the draft's features."""
+    with typedkv and each alternative."""
     result = drafts.run_drafts(timing.paired_gpu_time_us, torch.device("cuda"), drafts.DRAFTS, (16,), 3000.0)
-    for draft, entry in zip(drafts.DRAFTS, result["drafts"], strict=True):
+    assert [entry["name"] for entry in result["drafts"]] == [draft.name for draft in drafts.DRAFTS]
+    for entry in result["drafts"]:
         (row,) = entry["rows"]
-        expected = {"eager", "compile"} | (set() if drafts.missing(draft) else {"typedkv", "per_layer"})
-        assert set(row["us"]) == expected, entry.get("failed")
+        assert set(row["us"]) == {"typedkv", "per_layer", "eager", "compile"}, entry.get("failed")
         assert all(us > 0 for us in row["us"].values())

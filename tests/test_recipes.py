@@ -1,8 +1,7 @@
 """docs/recipes.md against the code: each recipe writes what the draft's own modules compute, and its table of
 drafts is the bench's (the same numbers, the same sources).
 
-Every titled Python block runs, in a namespace of small tensors laid out as Hugging Face modules hold them; a
-block that needs a feature this typedkv does not take yet is skipped, with the reason the bench gives.
+Every titled Python block runs, in a namespace of small tensors laid out as Hugging Face modules hold them.
 """
 
 from __future__ import annotations
@@ -282,18 +281,18 @@ def recipe_tree(gen: torch.Generator) -> tuple[dict[str, Any], Callable[[dict[st
     return ns, check
 
 
-# Each block: its namespace and check, and the features (of the bench's `drafts.FEATURES`) it needs.
-RECIPES: dict[str, tuple[Callable[[torch.Generator], Any], tuple[str, ...]]] = {
-    "DFlash: K norm, RoPE, into the engine's pools": (recipe_dflash, ()),
-    "EAGLE-3: no K norm, K and V from 2 * hidden_size": (recipe_eagle3, ()),
-    "gpt-oss DFlash: the projection's bias": (recipe_bias, ()),
-    "Gemma-4 DSpark: K = V, a V norm without scale": (recipe_gemma4, ("v_norm",)),
-    "Gemma (1 + w) norms: pass 1 + w in float32": (recipe_gemma_one_plus_w, ()),
-    "FP8 pools: scales written per row": (recipe_fp8_scales, ("scale_out",)),
-    "A RoPE table per layer": (recipe_per_layer_rope, ("per_layer_rope",)),
-    "DeepSeek-V3 MTP: the latent into vLLM's paged cache": (recipe_mtp, ()),
-    "fp8_ds_mla: 656-byte rows": (recipe_ds_mla, ("fp8_ds_mla",)),
-    "Committing a tree's accepted tokens": (recipe_tree, ()),
+# Each block's namespace and check.
+RECIPES: dict[str, Callable[[torch.Generator], Any]] = {
+    "DFlash: K norm, RoPE, into the engine's pools": recipe_dflash,
+    "EAGLE-3: no K norm, K and V from 2 * hidden_size": recipe_eagle3,
+    "gpt-oss DFlash: the projection's bias": recipe_bias,
+    "Gemma-4 DSpark: K = V, a V norm without scale": recipe_gemma4,
+    "Gemma (1 + w) norms: pass 1 + w in float32": recipe_gemma_one_plus_w,
+    "FP8 pools: scales written per row": recipe_fp8_scales,
+    "A RoPE table per layer": recipe_per_layer_rope,
+    "DeepSeek-V3 MTP: the latent into vLLM's paged cache": recipe_mtp,
+    "fp8_ds_mla: 656-byte rows": recipe_ds_mla,
+    "Committing a tree's accepted tokens": recipe_tree,
 }
 
 
@@ -305,11 +304,7 @@ def test_every_recipe_is_run() -> None:
 def test_recipe(title: str) -> None:
     """The block, run as written, writes what the draft's own modules compute (checked independently of typedkv's
     reference where the recipe's point is the model's math: Gemma's norms, K = V)."""
-    make, features = RECIPES[title]
-    lacking = [drafts.FEATURES[f][0] for f in features if not drafts.FEATURES[f][1]()]
-    if lacking:
-        pytest.skip(f"needs {' and '.join(lacking)}, which this typedkv does not take")
-    ns, check = make(torch.Generator().manual_seed(len(title)))
+    ns, check = RECIPES[title](torch.Generator().manual_seed(len(title)))
     exec(compile(titled_blocks()[title], f"{PAGE}:{title}", "exec"), ns)
     check(ns)
 

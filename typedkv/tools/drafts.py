@@ -14,13 +14,11 @@ implementations in the rows of a balanced Latin square, rotating input sets up t
 - ``compile``: ``torch.compile`` of the eager path's math, the writes left eager as an engine's are.
 
 A row's ``pct_of_copy`` is `bytes_moved` over each implementation's time, as a share of the copy
-roofline the bench measures. A case whose feature this typedkv lacks is skipped with the reason,
-found from the materializers' signatures (`missing`).
+roofline the bench measures.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import sys
@@ -75,7 +73,7 @@ class Draft:
 
     @property
     def features(self) -> tuple[str, ...]:
-        """The features of `FEATURES` this draft's typedkv call needs."""
+        """The features of `FEATURES` this draft's call needs."""
         wanted = {
             "v_norm": self.v_norm,
             "scale_out": self.pool == "fp8_scales",
@@ -183,31 +181,10 @@ DRAFTS = (
 )
 
 
-def _takes(fn: Callable[..., Any], parameter: str) -> bool:
-    return parameter in inspect.signature(fn).parameters
-
-
-def _takes_layer_tables(cls: type) -> bool:
-    """Whether ``cls`` takes a cos/sin table per layer: its ``cos_sin_cache`` annotation has an ``[L, P, R]`` form."""
-    return "L P R" in str(inspect.signature(cls.__init__).parameters["cos_sin_cache"].annotation)  # type: ignore[misc]
-
-
-# Each feature: what a typedkv that has it takes, and whether this one does.
-FEATURES: dict[str, tuple[str, Callable[[], bool]]] = {
-    "v_norm": ("KVMaterializer(v_norm_weight=)", lambda: _takes(KVMaterializer.__init__, "v_norm_weight")),
-    "scale_out": ("into_pool(k_scale_out=, v_scale_out=)", lambda: _takes(KVMaterializer.into_pool, "k_scale_out")),
-    "per_layer_rope": ("a cos_sin_cache of shape [L, P, R]", lambda: _takes_layer_tables(KVMaterializer)),
-    "fp8_ds_mla": (
-        'MLAKVMaterializer.into_pool(cache_format="fp8_ds_mla")',
-        lambda: _takes(MLAKVMaterializer.into_pool, "cache_format"),
-    ),
-}
-
-
-def missing(draft: Draft) -> str:
-    """Why this typedkv cannot run ``draft``'s materializer ("" when it can): the features it lacks."""
-    lacks = [FEATURES[f][0] for f in draft.features if not FEATURES[f][1]()]
-    return f"needs {' and '.join(lacks)}, which this typedkv does not take" if lacks else ""
+# The features of typedkv's "drafts as they ship" each draft exercises: a V norm (``v_norm_weight``), scales
+# written per row (``k_scale_out``/``v_scale_out``), a RoPE table per layer (``cos_sin_cache`` ``[L, P, R]``),
+# DeepSeek's FP8 MLA rows (``cache_format="fp8_ds_mla"``).
+FEATURES = ("v_norm", "scale_out", "per_layer_rope", "fp8_ds_mla")
 
 
 def bytes_moved(draft: Draft, num_tokens: int) -> int:
@@ -308,13 +285,11 @@ Make = Callable[[Inputs], Callable[[], None]]
 
 
 def implementations(draft: Draft, weights: Weights, names: Sequence[str] = IMPLEMENTATIONS) -> dict[str, Make]:
-    """``typedkv`` (when this typedkv has ``draft``'s features) and each alternative of ``names``, by name."""
-    made: dict[str, Make] = {}
-    if not missing(draft):
-        made["typedkv"] = _materializer_call(draft, [_materializer(draft, weights, slice(None))])
-        if "per_layer" in names:
-            layers = [_materializer(draft, weights, slice(i, i + 1)) for i in range(draft.num_layers)]
-            made["per_layer"] = _materializer_call(draft, layers)
+    """``typedkv`` and each alternative of ``names``, by name."""
+    made = {"typedkv": _materializer_call(draft, [_materializer(draft, weights, slice(None))])}
+    if "per_layer" in names:
+        layers = [_materializer(draft, weights, slice(i, i + 1)) for i in range(draft.num_layers)]
+        made["per_layer"] = _materializer_call(draft, layers)
     for compiled in (False, True):
         if ("compile" if compiled else "eager") in names:
             made["compile" if compiled else "eager"] = _unfused_call(draft, weights, compiled)
@@ -348,9 +323,10 @@ def _materializer_call(draft: Draft, ms: Sequence[KVMaterializer | MLAKVMaterial
                 if isinstance(m, MLAKVMaterializer):
                     m.into_pool(x.hidden, x.positions, x.cache_loc, own["kv"], cache_format=draft.cache_format)
                 elif "k_scales" in own:
-                    # By name: a typedkv without these parameters never gets here (`missing`).
-                    scales: dict[str, Any] = {"k_scale_out": own["k_scales"], "v_scale_out": own["v_scales"]}
-                    m.into_pool(x.hidden, x.positions, x.cache_loc, own["k"], own["v"], **scales)
+                    m.into_pool(
+                        x.hidden, x.positions, x.cache_loc, own["k"], own["v"],
+                        k_scale_out=own["k_scales"], v_scale_out=own["v_scales"],
+                    )  # fmt: skip
                 else:
                     m.into_pool(x.hidden, x.positions, x.cache_loc, own["k"], own["v"])
 
@@ -492,8 +468,7 @@ def run_drafts(
     """Each draft timed at each T, every implementation of one T in one paired ``timer`` call.
 
     An implementation whose first call fails (a baseline ``torch.compile`` cannot build) is left out
-    of the draft's rows, with the error; a draft whose features this typedkv lacks has its
-    alternatives timed without the typedkv rows, and says why.
+    of the draft's rows, with the error.
     """
     out = []
     for draft in drafts:
@@ -501,10 +476,6 @@ def run_drafts(
             "name": draft.name, "source": draft.source, "shape": draft.shape(), "features": list(draft.features),
             "assumed": draft.assumed,
         }  # fmt: skip
-        reason = missing(draft)
-        if reason:
-            entry["skipped"] = reason
-            _log(f"{draft.name}: typedkv rows skipped: {reason}")
         weights = make_weights(draft, device)
         makes = implementations(draft, weights, names)
         rows = []
@@ -557,8 +528,6 @@ def drafts_table(result: dict[str, Any]) -> str:
         lines += ["", f"{entry['name']}: {shape}; features: {features}", f"  source: {entry['source']}"]
         if entry["assumed"]:
             lines.append(f"  assumed: {entry['assumed']}")
-        if "skipped" in entry:
-            lines.append(f"  typedkv skipped: {entry['skipped']}")
         for impl, error in entry.get("failed", {}).items():
             lines.append(f"  {impl} failed: {error}")
         for row in entry["rows"]:
