@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from typedkv.tools import bench, bench_e2e, cases, drafts, host, plot, timing
+from typedkv.tools import bench, bench_e2e, cases, draft_shapes, drafts, host, plot, timing
 
 
 def _result(cases: list[str], impls: tuple[str, ...] = ("typedkv",)) -> dict[str, Any]:
@@ -243,8 +243,8 @@ def _decoded(pool: Tensor) -> Tensor:
     return torch.cat((latent, pool[..., 528:].contiguous().view(torch.bfloat16).float()), dim=-1)
 
 
-@pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
-def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft: drafts.Draft) -> None:
+@pytest.mark.parametrize("draft", draft_shapes.DRAFTS, ids=lambda d: d.name)
+def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft: draft_shapes.Draft) -> None:
     """At a few layers and narrow heads (the draft's features and pool layout kept), typedkv and one
     materializer per layer write the rows of the unfused PyTorch path,
     at the slots named and nowhere else: bit for bit on the reference path; under the Triton kernels,
@@ -277,7 +277,7 @@ def test_each_draft_builds_and_every_implementation_writes_the_models_rows(draft
 def test_the_unfused_path_is_the_models() -> None:
     """The eager rows of a Qwen3-style draft against the layers' own ops: K is RMSNorm (rounded to the
     storage dtype), then NeoX RoPE of the position's row, V the projection's second half."""
-    small = drafts.QWEN3_8B.shrunk(torch.bfloat16)
+    small = draft_shapes.QWEN3_8B.shrunk(torch.bfloat16)
     w = drafts.make_weights(small, torch.device("cpu"))
     hidden = torch.randn(3, small.hidden).to(torch.bfloat16)
     positions = torch.tensor([0, 7, 4000])
@@ -317,7 +317,7 @@ def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> No
     copy roofline; an implementation whose first call fails is left out with its error, not fatal."""
     made = drafts.implementations
 
-    def with_a_failing_compile(draft: drafts.Draft, weights: drafts.Weights, names: Any) -> dict[str, Any]:
+    def with_a_failing_compile(draft: draft_shapes.Draft, weights: drafts.Weights, names: Any) -> dict[str, Any]:
         def broken(x: drafts.Inputs) -> Callable[[], None]:
             def call() -> None:
                 raise RuntimeError("cannot compile")
@@ -333,7 +333,7 @@ def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> No
         timed.append(set(calls))
         return {impl: {"typedkv": [10.0, 20.0, 40.0]}.get(impl, [30.0, 40.0, 60.0]) for impl in calls}
 
-    small = [d.shrunk() for d in drafts.DRAFTS]
+    small = [d.shrunk() for d in draft_shapes.DRAFTS]
     result = drafts.run_drafts(timer, torch.device("cpu"), small, (1, 5), copy_gbps=1000.0)
     assert len(timed) == 2 * len(small)
     for draft, entry in zip(small, result["drafts"], strict=True):
@@ -354,10 +354,10 @@ def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> No
 def test_every_feature_is_timed_on_a_draft() -> None:
     """Each feature of typedkv's "drafts as they ship" has a case, and every case says where its numbers
     come from."""
-    timed = {f for d in drafts.DRAFTS for f in d.features}
-    assert timed == set(drafts.FEATURES)
-    assert all(d.source for d in drafts.DRAFTS)
-    assert len({d.name for d in drafts.DRAFTS}) == len(drafts.DRAFTS)
+    timed = {f for d in draft_shapes.DRAFTS for f in d.features}
+    assert timed == set(draft_shapes.FEATURES)
+    assert all(d.source for d in draft_shapes.DRAFTS)
+    assert len({d.name for d in draft_shapes.DRAFTS}) == len(draft_shapes.DRAFTS)
 
 
 def test_only_picks_the_drafts_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -370,8 +370,8 @@ def test_only_picks_the_drafts_section(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("draft", drafts.DRAFTS, ids=lambda d: d.name)
-def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: drafts.Draft) -> None:
+@pytest.mark.parametrize("draft", draft_shapes.DRAFTS, ids=lambda d: d.name)
+def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: draft_shapes.Draft) -> None:
     """At the draft's own shape, bfloat16, on the GPU: typedkv and one materializer per layer write the unfused
     path's rows, up to the GEMM's accumulation order (a few bf16 ulps; an FP8 value, one e4m3 step)."""
     torch.manual_seed(len(draft.name))
@@ -396,8 +396,8 @@ def test_each_draft_at_its_own_shape_writes_the_models_rows_on_the_gpu(draft: dr
 def test_the_drafts_section_times_every_implementation_on_the_gpu() -> None:
     """The section as the bench runs it (its timer, torch.compile included) at one T: every draft has a row
     with typedkv and each alternative."""
-    result = drafts.run_drafts(timing.paired_gpu_time_us, torch.device("cuda"), drafts.DRAFTS, (16,), 3000.0)
-    assert [entry["name"] for entry in result["drafts"]] == [draft.name for draft in drafts.DRAFTS]
+    result = drafts.run_drafts(timing.paired_gpu_time_us, torch.device("cuda"), draft_shapes.DRAFTS, (16,), 3000.0)
+    assert [entry["name"] for entry in result["drafts"]] == [draft.name for draft in draft_shapes.DRAFTS]
     for entry in result["drafts"]:
         (row,) = entry["rows"]
         assert set(row["us"]) == {"typedkv", "per_layer", "eager", "compile"}, entry.get("failed")

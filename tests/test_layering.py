@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tools.__init__", "tools.cli"),
     ("tools.bench",),
     ("tools.demo", "tools.host", "tools.plot", "tools.bench_e2e", "tools.drafts"),
-    ("tools.cases", "tools.timing", "tools.gpu_state"),
+    ("tools.cases", "tools.timing", "tools.gpu_state", "tools.draft_shapes"),
     ("__init__",),
     ("projection.__init__", "projection.materializer", "projection.mla_materializer"),
     (
@@ -284,3 +284,29 @@ def test_import_typedkv_loads_no_tool() -> None:
         check=True,
     ).stdout
     assert "typedkv.tools" not in loaded and "typedkv.kv.api" in loaded
+
+
+# The sizes a reader meets first, kept small: kernel modules aside (a kernel reads best whole), no package
+# module holds more than this many lines; the README and the performance page stay pages, not logs; the
+# benchmarks folder holds maintained tools only (each in benchmarks/README.md).
+MODULE_LINES = 500
+KERNEL_MODULES = {"kv.kernel", "mla.kernel", "projection.kernel", "projection.warp_specialized_kernel"}
+PAGE_LINES = {"README.md": 150, "docs/performance.md": 400}
+BENCHMARK_FILES = 10
+
+
+def test_modules_pages_and_benchmarks_stay_small() -> None:
+    root = PACKAGE.parent
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if name not in KERNEL_MODULES and (n := len(path.read_text().splitlines())) > MODULE_LINES
+    }
+    assert not long, f"package modules over {MODULE_LINES} lines (split them by what they do): {long}"
+    pages = {page: len((root / page).read_text().splitlines()) for page in PAGE_LINES}
+    assert all(pages[page] <= most for page, most in PAGE_LINES.items()), (pages, PAGE_LINES)
+    tracked = subprocess.run(["git", "ls-files", "benchmarks"], cwd=root, capture_output=True, text=True, check=False)
+    files = tracked.stdout.split() if tracked.returncode == 0 else [p.name for p in (root / "benchmarks").iterdir()]
+    assert len(files) <= BENCHMARK_FILES, files
+    readme = (root / "benchmarks" / "README.md").read_text()
+    assert all(Path(f).name in readme for f in files if Path(f).name != "README.md"), "undocumented benchmark files"

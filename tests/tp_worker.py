@@ -328,21 +328,19 @@ def write(
     k_pool = as_pool(call.k_fill[:, :, first:end].clone(), case)
     v_pool = as_pool(call.v_fill[:, :, first:end].clone(), case)
     # Pages of B slots read as NHD or HND when B equals the heads: the layout is named.
-    scales: dict[str, Any] = {
-        "k_scale": model.k_scale,
-        "v_scale": model.v_scale,
-        "kv_layout": "NHD" if case.page_size else None,
-    }
+    pool_options: dict[str, Any] = {"kv_layout": "NHD" if case.page_size else None}
     k_scales = v_scales = None
     if case.scales_out:
         k_scales = as_pool(call.k_scale_fill[:, :, first:end].clone(), case)
         v_scales = as_pool(call.v_scale_fill[:, :, first:end].clone(), case)
-        scales = {"k_scale_out": k_scales, "v_scale_out": v_scales, "kv_layout": scales["kv_layout"]}
+        pool_options.update(k_scale_out=k_scales, v_scale_out=v_scales)
+    else:
+        pool_options.update(k_scale=model.k_scale, v_scale=model.v_scale)
     if path == "op":
         typedkv.materialize_kv_into_pool(
             shard_rows(model.kv, heads, model.k_norm_weight.shape[-1]), model.k_norm_weight, model.eps,
             model.cos_sin_cache, call.positions, call.cache_loc, k_pool, v_pool, num_kv_heads=end - first,
-            rope_style=case.rope_style, v_norm_weight=model.v_norm_weight, **scales,
+            rope_style=case.rope_style, v_norm_weight=model.v_norm_weight, **pool_options,
         )  # fmt: skip
     else:
         materializer = typedkv.KVMaterializer(
@@ -350,7 +348,7 @@ def write(
             num_kv_heads=num_kv_heads, rope_style=case.rope_style, v_norm_weight=model.v_norm_weight,
         )  # fmt: skip
         materializer.projection_path = cast("ProjectionPath", path)
-        materializer.into_pool(call.hidden, call.positions, call.cache_loc, k_pool, v_pool, **scales)
+        materializer.into_pool(call.hidden, call.positions, call.cache_loc, k_pool, v_pool, **pool_options)
     return Written(
         stacked(k_pool, case),
         stacked(v_pool, case),

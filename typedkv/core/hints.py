@@ -14,7 +14,7 @@ import operator
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,3 +154,16 @@ def _numbers(kind: type) -> tuple[type, ...]:
 
 def symbolic(p: Param) -> bool:
     return any(spec.symbolic for spec in (*p.arrays, *p.sequences))
+
+
+def fits(spec: ArraySpec, shape: Sequence[int], dims: Mapping[str, int]) -> bool:
+    """Whether ``shape`` agrees with ``spec`` on its rank, fixed sizes and the dims bound so far."""
+    if len(shape) != len(spec.dims):
+        return False
+    seen: dict[str, int] = {}
+    for d, size in zip(spec.dims, shape, strict=True):
+        if d.fixed is not None and d.fixed != size:
+            return False
+        if d.name is not None and dims.get(d.name, seen.setdefault(d.name, size)) != size:
+            return False
+    return True

@@ -47,14 +47,21 @@ def roped(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     cos_sin = tables[:, torch.where(valid, positions, 0).long()].float()  # [L or 1, T, R]
     tokens = (slice(None), slice(None), *(None,) * (x.dim() - 3))  # [L or 1, T, ...] as x's dims
     cos, sin = cos_sin[(*tokens, slice(None, half))], cos_sin[(*tokens, slice(half, None))]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.where(valid[(None, *tokens[1:], None)], rotated(x, cos, sin, neox), torch.nan)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``x`` (float32, ``[..., F]``) with its first ``R = 2 * cos.shape[-1]`` dims rotated (NeoX halves, else
+    GPT-J pairs) and the others passed; ``cos`` and ``sin`` broadcast against ``x[..., :R/2]``."""
+    half = cos.shape[-1]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
     if neox:
         x1, x2 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     else:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.where(valid[(None, *tokens[1:], None)], torch.cat((rotated, rest), dim=-1), torch.nan)
+        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((turned, rest), dim=-1)
 
 
 def quantize(x: torch.Tensor, scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

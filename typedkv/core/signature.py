@@ -18,6 +18,7 @@ from beartype.door import die_if_unbearable
 from beartype.roar import BeartypeDoorHintViolation
 from jaxtyping import Shaped, jaxtyped
 
+from typedkv.core import hints
 from typedkv.core.checking import Bound, CheckedLayouts, check_numbers
 from typedkv.core.errors import InputError
 from typedkv.core.hints import NAME, ArraySpec, Dim, Param, is_layout_choice, parse_param, runtime_hint, symbolic
@@ -271,19 +272,19 @@ class Signature:
         given = None if self._layout_index is None else args[self._layout_index]
         same_rank = [s for s in specs if len(s.dims) == value.dim()]
         if given is None and len({s.layout for s in same_rank}) > 1:
-            fitting = [s for s in same_rank if self._fits(s, value.shape, bound.dims)]
+            fitting = [s for s in same_rank if hints.fits(s, value.shape, bound.dims)]
             if len(fitting) > 1:
                 raise InputError(self._messages.ambiguous_layout(self._layout_of, label, fitting, value, bound.dims))
         layout = self._default_layout if given is None else given
         chosen = [s for s in same_rank if s.layout in (None, layout)]
         if len(chosen) == 1:
             spec = chosen[0]
-            if not self._fits(spec, value.shape, bound.dims):
+            if not hints.fits(spec, value.shape, bound.dims):
                 # A pool of the other layout passed without saying so: name the argument that fixes it (one
                 # whose dtypes, where the layouts' differ, take the tensor's: an MLA pool of bytes is no plain one).
                 for other in same_rank:
                     takes = value.dtype in other.dtypes or other.dtypes == spec.dtypes
-                    if other.layout not in (None, layout) and takes and self._fits(other, value.shape, bound.dims):
+                    if other.layout not in (None, layout) and takes and hints.fits(other, value.shape, bound.dims):
                         raise InputError(
                             self._messages.other_layout(self._layout_of, label, spec, other, layout, value, bound.dims)
                         )
@@ -311,24 +312,11 @@ class Signature:
         want = [d.text for d in matched.dims[:-1]]
         return next((s for s in specs if [d.text for d in s.dims] == want), None)
 
-    @staticmethod
-    def _fits(spec: ArraySpec, shape: Sequence[int], dims: Mapping[str, int]) -> bool:
-        """Whether ``shape`` agrees with ``spec`` on its rank, fixed sizes and the dims bound so far."""
-        if len(shape) != len(spec.dims):
-            return False
-        seen: dict[str, int] = {}
-        for d, size in zip(spec.dims, shape, strict=True):
-            if d.fixed is not None and d.fixed != size:
-                return False
-            if d.name is not None and dims.get(d.name, seen.setdefault(d.name, size)) != size:
-                return False
-        return True
-
     def _combined_half(self, specs: Sequence[ArraySpec], value: torch.Tensor, dims: Mapping[str, int]) -> int | None:
         """The dim of size 2 whose removal makes ``value`` fit a shape: a combined K/V cache passed whole."""
         shape = tuple(value.shape)
         for i, size in enumerate(shape):
-            if size == 2 and any(self._fits(s, shape[:i] + shape[i + 1 :], dims) for s in specs):
+            if size == 2 and any(hints.fits(s, shape[:i] + shape[i + 1 :], dims) for s in specs):
                 return i
         return None
 

@@ -162,11 +162,9 @@ else:
 
         Examples
         --------
-        >>> from torch import Tensor
-        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.int8), typedkv.KVPoolDtype[Tensor, "L S H D"])
-        True
-        >>> isinstance(torch.zeros(2, 8, 2, 16, dtype=torch.uint8), typedkv.KVPoolDtype[Tensor, "L S H D"])
-        False
+        >>> pools = {dtype: torch.zeros(8, 2, 16, dtype=dtype) for dtype in (torch.int8, torch.uint8)}
+        >>> {str(dtype): isinstance(pool, typedkv.KVPoolDtype[torch.Tensor, "S H D"]) for dtype, pool in pools.items()}
+        {'torch.int8': True, 'torch.uint8': False}
         """
 
         dtypes: ClassVar[list[str]] = [*PoolFloat.dtypes, "int8"]

@@ -20,14 +20,7 @@ from typedkv.core import reference as core_reference
 from typedkv.core.checking import Bound
 from typedkv.core.device_tables import layer_eps, layer_table
 from typedkv.core.errors import InputError
-from typedkv.core.implementation import (
-    Implementation,
-    Plan,
-    PoolGeometry,
-    check_pools,
-    checked,
-    planner,
-)
+from typedkv.core.implementation import Implementation, Plan, PoolGeometry, check_pools, checked, planner
 from typedkv.core.launch_args import ScaleOut
 from typedkv.core.value_checks import check_eps, check_scale_numbers
 from typedkv.kv import launch as kv_launch

@@ -173,7 +173,7 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
 
 def _names_drafts(only: str) -> bool:
     """Whether ``--only`` selects the real-drafts section: empty, ``"drafts"``, or part of a draft's name."""
-    from typedkv.tools.drafts import DRAFTS
+    from typedkv.tools.draft_shapes import DRAFTS
 
     return only in ("", "drafts") or any(only in d.name for d in DRAFTS)
 

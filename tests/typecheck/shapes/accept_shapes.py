@@ -125,6 +125,15 @@ typedkv.materialize_kv_into_pool(
     kv, k_norm_weight, 1e-6, layer_tables, positions, cache_loc, k_pool, v_pool, num_kv_heads=8,
     v_norm_weight=torch.ones(5, 128),
 )  # fmt: skip
+# Scales written per row ([L, S, H] for [L, S, H, D] pools; per layer [N, B, H] for [N, B, H, D] pages).
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=8,
+    k_scale_out=torch.empty(5, 256, 8), v_scale_out=torch.empty(5, 256, 8),
+)  # fmt: skip
+typedkv.materialize_kv_into_pool(
+    kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, per_layer_pages, per_layer_pages, num_kv_heads=8,
+    k_scale_out=[torch.empty(64, 16, 8)] * 5, v_scale_out=[torch.empty(64, 16, 8)] * 5,
+)  # fmt: skip
 normed_v = typedkv.KVMaterializer(
     torch.randn(5, 2048, 1024, dtype=torch.bfloat16), k_norm_weight, 1e-6, layer_tables, num_kv_heads=8,
     v_norm_weight=torch.ones(5, 128),

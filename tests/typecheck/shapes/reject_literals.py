@@ -58,3 +58,7 @@ materializer.into_pool(torch.randn(16, 1024), positions, cache_loc, torch.empty(
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, torch.empty(5, 64, 16, 8, 128), torch.empty(5, 32, 16, 8, 128), num_kv_heads=8)  # E: bad-argument-type
 typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, torch.empty(4, 64, 8, 16, 128), torch.empty(4, 64, 8, 16, 128), num_kv_heads=8, kv_layout="HND")  # E: bad-argument-type bad-argument-type
 typedkv.materialize_kv(kv, None, 1e-6, cos_sin_cache, positions, num_kv_heads=8, k_out=torch.empty(5, 16, 8, 128), v_out=torch.empty(5, 16, 8, 64))  # E: bad-argument-type
+
+# Scales written per row: shaped like their pool without D (H = 8 from num_kv_heads; L = 5 from kv).
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=8, k_scale_out=torch.empty(5, 256, 4), v_scale_out=torch.empty(5, 256, 8))  # E: bad-argument-type
+typedkv.materialize_kv_into_pool(kv, k_norm_weight, 1e-6, cos_sin_cache, positions, cache_loc, k_pool, v_pool, num_kv_heads=8, k_scale_out=torch.empty(5, 256, 8), v_scale_out=torch.empty(4, 256, 8))  # E: bad-argument-type
