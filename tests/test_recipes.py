@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import typedkv
-from typedkv.tools import drafts
+from typedkv.tools import draft_shapes
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 _FENCE = re.compile(r'^```python title="([^"]*)"[ \t]*\n(.*?)^```[ \t]*$', re.MULTILINE | re.DOTALL)
@@ -322,7 +322,7 @@ def test_the_table_of_drafts_is_the_benchs() -> None:
     width, and every URL and file its source names is cited on the page."""
     table = _table()
     page = PAGE.read_text()
-    for draft in drafts.DRAFTS:
+    for draft in draft_shapes.DRAFTS:
         names = [name for name in table if draft.name.startswith(name)]
         assert names, f"{draft.name}: no row in docs/recipes.md"
         row = table[max(names, key=len)]
