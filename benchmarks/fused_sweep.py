@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from typedkv import KVMaterializer
-from typedkv.kv import launch as kv_launch
 from typedkv.kv.launch import KVGeometry
 from typedkv.projection import fused as fused_impl
 from typedkv.projection import launch as fused_launch
@@ -299,10 +298,7 @@ def _fused(
     L, T, H, D = k_out.shape
     flat = weight.reshape(-1, weight.shape[-1])
     strides = (k_out.stride(0), k_out.stride(1), 0, k_out.stride(2))
-    inputs = (norm, 1e-6, cos_sin, positions)
-    values = fused_launch.call_values(
-        (hidden, flat, None), kv_launch.call_values(hidden, inputs, None, (k_out, v_out, None))
-    )
+    values = fused_launch.call_values(hidden, flat, None, (norm, 1e-6, cos_sin, positions), None, (k_out, v_out, None))
     geometry = KVGeometry(H, D, True, strides, strides, T)
     launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=config)
 

@@ -50,7 +50,6 @@ from torch import Tensor
 
 import typedkv
 from typedkv.core import launcher
-from typedkv.kv import launch as kv_launch
 from typedkv.kv.launch import KVGeometry
 from typedkv.projection import fused as fused_impl
 from typedkv.projection import launch as fused_launch
@@ -678,9 +677,7 @@ def test_launch_configurations_agree(config: tuning.ProjectionConfig) -> None:
     for cfg in (tuning.ProjectionConfig(), config):
         k_out, v_out = torch.empty(2, L, 37, H, 16, dtype=torch.float16)
         inputs = (norm, 1e-6, draft.cos_sin_cache, positions)
-        values = fused_launch.call_values(
-            (x, weight, bias), kv_launch.call_values(x, inputs, None, (k_out, v_out, None))
-        )
+        values = fused_launch.call_values(x, weight, bias, inputs, None, (k_out, v_out, None))
         k_strides, v_strides = ((out.stride(0), out.stride(1), 0, out.stride(2)) for out in (k_out, v_out))
         geometry = KVGeometry(H, 16, False, k_strides, v_strides, 37)
         launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=cfg)
@@ -744,9 +741,7 @@ def _launch_for(
         k_dst, v_dst = torch.empty(2, L, T, H, D, dtype=dtype)
         slots = None
     inputs = (draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions)
-    values = fused_launch.call_values(
-        (x, draft.m.kv_weight, draft.m.kv_bias), kv_launch.call_values(x, inputs, slots, (k_dst, v_dst, None))
-    )
+    values = fused_launch.call_values(x, draft.m.kv_weight, draft.m.kv_bias, inputs, slots, (k_dst, v_dst, None))
     k_strides, v_strides = ((dst.stride(0), dst.stride(1), 0, dst.stride(2)) for dst in (k_dst, v_dst))
     geometry = KVGeometry(H, D, True, k_strides, v_strides, k_dst.shape[1])
     launch = fused_launch.projection_launch(values, geometry, num_layers=L, config=config)

@@ -18,7 +18,6 @@ import torch
 from test_fused_projection import INTERPRETED, Draft, _launch_for
 
 from typedkv.core import launcher
-from typedkv.kv import launch as kv_launch
 from typedkv.projection import launch as fused_launch
 from typedkv.projection import tuning
 
@@ -107,9 +106,7 @@ def test_fused_launch_passes_each_descriptor_encoded(
 
     def direct(weight: torch.Tensor) -> tuple[Any, ...]:
         inputs = (draft.m.k_norm_weight, 1e-6, draft.cos_sin_cache, positions)
-        values = fused_launch.call_values(
-            (x, weight, None), kv_launch.call_values(x, inputs, slots, (k_dst, v_dst, None))
-        )
+        values = fused_launch.call_values(x, weight, None, inputs, slots, (k_dst, v_dst, None))
         launch._direct(compiled, False, 77, launch._gather(values + launch._fixed))
         return values
 

@@ -170,10 +170,10 @@ def _project(
     hidden, kv_weight, kv_bias = projection
     inputs = (call.k_norm_weight, layer_eps(call.eps, hidden), call.cos_sin_cache, call.positions)
     scales = call.scales if isinstance(call, PoolCall) else (None, None)
-    kv_values = kv_launch.call_values(
-        hidden, inputs, slots, destinations, scales, v_norm_weight=call.v_norm_weight, scale_out=scale_out
-    )
-    values = fused_launch.call_values(projection, kv_values)
+    values = fused_launch.call_values(
+        hidden, kv_weight, kv_bias, inputs, slots, destinations, scales,
+        v_norm_weight=call.v_norm_weight, scale_out=scale_out,
+    )  # fmt: skip
     launches = _launches_of(plan, hidden, kv_weight, kv_bias, launches)
     num_layers = plan.bound.dims["L"]
     if launches.warp_specialised is None:

@@ -13,11 +13,16 @@ import triton
 from typedkv.core import launcher
 from typedkv.core.launch_args import (
     INPUT_VALUES,
+    NO_SCALES,
+    Inputs,
+    Scale,
+    ScaleOut,
     input_extents,
+    scale_pair,
     wide_offsets,
 )
 from typedkv.core.launcher import INTERPRETED, KernelLaunch, TensorDescriptor, device_name
-from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments
+from typedkv.kv.launch import KVGeometry, head_extents, kv_arguments, v_norm_of
 from typedkv.projection.kernel import project_kv_kernel
 from typedkv.projection.tuning import ProjectionConfig
 
@@ -32,15 +37,30 @@ _DESCRIPTORS = ("w_half_desc", "w_head_desc", "w_pass_desc")
 
 
 def call_values(
-    projection: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], kv_values: tuple[Any, ...]
+    hidden: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    inputs: Inputs,
+    slots: torch.Tensor | None,
+    destinations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    scales: tuple[Scale, Scale] = (None, None),
+    v_norm_weight: torch.Tensor | None = None,
+    scale_out: ScaleOut | None = None,
 ) -> tuple[Any, ...]:
     """A call's values, in `VALUES`' order (what `KernelLaunch` fills in at each call of a `projection_launch`).
 
-    ``kv_values`` is `typedkv.kv.launch.call_values` of the call with ``hidden`` in ``kv``'s place: the
-    projection's ``(hidden [T, hidden], kv_weight [L*2*H*D, hidden], kv_bias [L*2*H*D] or None)`` (each layer's
-    K rows, then its V rows) replace that ``kv``; the rest is as there.
+    ``hidden`` ``[T, hidden]`` and ``kv_weight`` ``[L*2*H*D, hidden]`` (each layer's K rows, then its V rows;
+    ``kv_bias`` ``[L*2*H*D]`` or None) replace `typedkv.kv.launch.call_values`' ``kv``;
+    ``destinations`` is ``(k_dst, v_dst, layer_offsets)`` and the rest is as there.
     """
-    return (*projection, *kv_values[1:])
+    norm_weight, eps, cos_sin_cache, positions = inputs
+    k_dst, v_dst, layer_offsets = destinations
+    eps_tensor, eps_float = (eps, 0.0) if isinstance(eps, torch.Tensor) else (None, float(eps))
+    scale_values = NO_SCALES if scales[0] is None and scales[1] is None else scale_pair(scales)
+    return (
+        hidden, kv_weight, kv_bias, norm_weight, eps_tensor, eps_float, cos_sin_cache, positions, slots,
+        k_dst, v_dst, layer_offsets, scale_values, v_norm_of(v_norm_weight), scale_out,
+    )  # fmt: skip
 
 
 def projection_wide(values: tuple[Any, ...], geometry: KVGeometry, num_layers: int) -> bool:
