@@ -140,6 +140,19 @@ def _inline(
     return k, v, k_s, v_s
 
 
+# K's and V's values and scales as two allocations, [2, L, ...] (read stacked or layer by layer).
+def _flat(L: int, S: int, H: int, D: int, dtype: torch.dtype) -> list[Tensor]:
+    return [torch.empty(2, L, S, H, D, dtype=dtype), torch.empty(2, L, S, H)]
+
+
+def _paged_nhd(L: int, S: int, H: int, D: int, dtype: torch.dtype) -> list[Tensor]:
+    return [torch.empty(2, L, _pages(S), PAGE, H, D, dtype=dtype), torch.empty(2, L, _pages(S), PAGE, H)]
+
+
+def _paged_hnd(L: int, S: int, H: int, D: int, dtype: torch.dtype) -> list[Tensor]:
+    return [torch.empty(2, L, _pages(S), H, PAGE, D, dtype=dtype), torch.empty(2, L, _pages(S), H, PAGE)]
+
+
 def _raw(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """Raw bytes as an engine keeps them: int8 caches as int8, FP8 ones as uint8."""
     return torch.empty(shape, dtype=torch.int8 if dtype == torch.int8 else torch.uint8)
@@ -148,59 +161,17 @@ def _raw(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 LAYOUTS = {
     layout.name: layout
     for layout in (
-        Layout(
-            "stacked",
-            lambda L, S, H, D, dt: [torch.empty(2, L, S, H, D, dtype=dt), torch.empty(2, L, S, H)],
-            _separate,
-        ),
+        Layout("stacked", _flat, _separate),
         Layout(
             "stacked_transposed_scales",
             lambda L, S, H, D, dt: [torch.empty(2, L, S, H, D, dtype=dt), torch.empty(2, L, H, S)],
             _transposed_scales,
         ),
-        Layout(
-            "list_flat",
-            lambda L, S, H, D, dt: [torch.empty(2, L, S, H, D, dtype=dt), torch.empty(2, L, S, H)],
-            _separate_lists,
-        ),
-        Layout(
-            "paged_nhd",
-            lambda L, S, H, D, dt: [
-                torch.empty(2, L, _pages(S), PAGE, H, D, dtype=dt),
-                torch.empty(2, L, _pages(S), PAGE, H),
-            ],
-            _separate,
-            page_size=PAGE,
-        ),
-        Layout(
-            "paged_hnd",
-            lambda L, S, H, D, dt: [
-                torch.empty(2, L, _pages(S), H, PAGE, D, dtype=dt),
-                torch.empty(2, L, _pages(S), H, PAGE),
-            ],
-            _separate,
-            "HND",
-            PAGE,
-        ),
-        Layout(
-            "list_paged_nhd",
-            lambda L, S, H, D, dt: [
-                torch.empty(2, L, _pages(S), PAGE, H, D, dtype=dt),
-                torch.empty(2, L, _pages(S), PAGE, H),
-            ],
-            _separate_lists,
-            page_size=PAGE,
-        ),
-        Layout(
-            "list_paged_hnd",
-            lambda L, S, H, D, dt: [
-                torch.empty(2, L, _pages(S), H, PAGE, D, dtype=dt),
-                torch.empty(2, L, _pages(S), H, PAGE),
-            ],
-            _separate_lists,
-            "HND",
-            PAGE,
-        ),
+        Layout("list_flat", _flat, _separate_lists),
+        Layout("paged_nhd", _paged_nhd, _separate, page_size=PAGE),
+        Layout("paged_hnd", _paged_hnd, _separate, "HND", PAGE),
+        Layout("list_paged_nhd", _paged_nhd, _separate_lists, page_size=PAGE),
+        Layout("list_paged_hnd", _paged_hnd, _separate_lists, "HND", PAGE),
         Layout(
             "vllm_packed_nhd",
             lambda L, S, H, D, dt: [_raw((_pages(S), PAGE, H, 2 * (D + 4)), dt) for _ in range(L)],
