@@ -138,16 +138,18 @@ def _k_part(
     out_ok = row_ok[:, None] & (head < H)[None, :]
     if MODE >= 3:
         # Scales written per row: K as stored in kv's dtype (what an unfused cache write quantizes), each
-        # row's scale from its largest magnitude over the head's dims.
+        # row's scale from its largest magnitude over the head's dims. The pass-through dims are
+        # finished here, once, for both the row's amax and their store below.
         o1 = _cast(o1, store_ty, SOFT_ROUND).to(tl.float32)
         o2 = _cast(o2, store_ty, SOFT_ROUND).to(tl.float32)
         amax = _nan_max(_abs_max(o1, 2), _abs_max(o2, 2))
         if PASS > 0:
             if NORM:
-                o3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
+                y3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
             else:
-                o3 = x3 + bad
-            amax = _nan_max(amax, _abs_max(_cast(o3, store_ty, SOFT_ROUND).to(tl.float32), 2))
+                y3 = x3 + bad
+            y3 = _cast(y3, store_ty, SOFT_ROUND).to(tl.float32)
+            amax = _nan_max(amax, _abs_max(y3, 2))
         scale = _written_scale(amax, scale, out_ok, QUANT)[:, :, None]
     s1 = out_ok[:, :, None] & pair_ok[None, None, :]
     if NEOX:
@@ -160,12 +162,11 @@ def _k_part(
             k_dst[:, :, None] + rot[None, None, :], o, out_ok[:, :, None] & (rot < R)[None, None, :], scale, QUANT
         )
     if PASS > 0:
-        if NORM:
-            y3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
-        else:
-            y3 = x3 + bad
-        if MODE >= 3:
-            y3 = _cast(y3, store_ty, SOFT_ROUND).to(tl.float32)
+        if MODE < 3:
+            if NORM:
+                y3 = _normed(x3, rstd, w3, store_ty, SOFT_ROUND) + bad
+            else:
+                y3 = x3 + bad
         s3 = out_ok[:, :, None] & rest_ok[None, None, :]
         _store_scaled(k_dst[:, :, None] + (R + rest)[None, None, :], y3, s3, scale, QUANT)
 
