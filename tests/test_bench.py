@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from typedkv.core import device_tables
 from typedkv.tools import bench, bench_e2e, cases, draft_shapes, drafts, host, plot, timing
 
 
@@ -180,6 +181,12 @@ def test_paired_gpu_timer_captures_all_then_times_in_round_order(monkeypatch: py
         "replay a", "replay b", "replay mm",
         "replay b", "replay mm", "replay a",
     ]  # fmt: skip
+
+
+def test_the_layer_table_cache_holds_every_rotating_set_of_pools() -> None:
+    """Each rotating input set has its own per-layer pools: a set whose table the cache dropped would be copied
+    to the device inside the captured graph at every replay, a few microseconds timed with each call."""
+    assert cases.rotating_sets(1) <= device_tables._TABLES_MAX
 
 
 def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:

@@ -4,8 +4,8 @@ What is covered
 ---------------
 The ops keep process-wide state between calls: the checked plan of each layout
 (``Signature.plan``), the launch built for each plan, and, for per-layer pools, a
-device table of layer offsets per set of pool addresses (``typedkv.core.device_tables._TABLES``: 16
-entries, least recently used evicted). An engine may call from several threads (a
+device table of layer offsets per set of pool addresses (``typedkv.core.device_tables._TABLES``, least
+recently used evicted; held to 8 entries here, so that the scripts overflow it). An engine may call from several threads (a
 scheduler and a draft model, one thread per device). Here `THREADS` threads, released
 together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
 fresh values in a layout drawn from a shared palette (``T``, ``L``, ``H``, ``D``, ``R``,
@@ -196,9 +196,11 @@ def _check_threads(device: torch.device, threads: int, calls: int, num_layouts: 
     palette = layouts(num_layouts, small=launcher.INTERPRETED)
     scripts = [script(i, calls, palette) for i in range(threads)]
     fresh = sum(_per_layer(step.spec) and not step.keep_pools for steps in scripts for step in steps)
-    assert fresh > device_tables._TABLES_MAX, "the scripts must overflow the layer-table cache"
-    alone = [play(steps, device) for steps in scripts]
-    _assert_same(play_together(scripts, device), alone)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device_tables, "_TABLES_MAX", 8)
+        assert fresh > device_tables._TABLES_MAX, "the scripts must overflow the layer-table cache"
+        alone = [play(steps, device) for steps in scripts]
+        _assert_same(play_together(scripts, device), alone)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -431,8 +433,8 @@ def test_layer_table_entry_evicted_between_lookup_and_reuse(monkeypatch: pytest.
 
     Python may switch threads after any call returns: here, right after
     ``_TABLES.get(key)`` has found the entry and before ``_TABLES.move_to_end(key)``.
-    If the other thread then passes more than 16 new sets of per-layer pools (on
-    CUDA ~30 us each: 0.5 ms, well inside one 5 ms switch interval), the entry is
+    If the other thread then passes more than `_TABLES_MAX` new sets of per-layer pools (on
+    CUDA ~30 us each: about 2 ms, inside one 5 ms switch interval), the entry is
     evicted and ``move_to_end`` raised ``KeyError`` out of
     ``materialize_kv_into_pool`` (before the cache got its lock). The switch is
     forced here: the other thread runs, really in another thread, exactly at that point.

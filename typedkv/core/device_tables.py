@@ -93,13 +93,15 @@ class Upload:
 # and the multiple every offset is of: 16 bytes' elements when every layer starts
 # on 16 bytes (the kernels then store whole vectors), else 1.
 # Built once per set of pool addresses (a pinned host copy, no sync) and reused;
-# the last _TABLES_MAX sets are kept. A table a CUDA graph was captured with is
-# read on every replay, so it moves to _PINNED and is never freed: otherwise its
-# memory could go to another tensor (or another table) and the graph would write
-# through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
+# the last _TABLES_MAX sets are kept. A set missing here when a CUDA graph captures
+# its call is copied inside the graph, at every replay (microseconds a call), so the
+# cache holds as many sets as a benchmark rotates through (`tools.cases.rotating_sets`).
+# A table a CUDA graph was captured with is read on every replay, so it moves to
+# _PINNED and is never freed: otherwise its memory could go to another tensor (or
+# another table) and the graph would write through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
 # pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
 _TABLES: OrderedDict[tuple[object, ...], Upload] = OrderedDict()
-_TABLES_MAX = 16
+_TABLES_MAX = 64
 _PINNED: dict[tuple[object, ...], Upload] = {}
 _LOCK = threading.Lock()
 
