@@ -196,6 +196,10 @@ def _unfused_call(draft: Draft, w: Weights, compiled: bool) -> Make:
     def rows(hidden: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
         return unfused_rows(draft, w, hidden, positions)
 
+    if compiled:
+        # Every draft compiles the same `rows`, and Dynamo keeps at most 8 versions of one function (two a
+        # draft: its first T, then dynamic shapes), failing the ninth under fullgraph: each draft starts clean.
+        torch.compiler.reset()
     fn = torch.compile(rows, fullgraph=True) if compiled else rows
 
     def make(x: Inputs) -> Callable[[], None]:
