@@ -370,7 +370,11 @@ def test_replaced_table_buffer_is_checked() -> None:
 @pytest.mark.parametrize(("rotary_dim", "rope_style"), [(128, "neox"), (64, "neox"), (64, "gptj")])
 def test_cuda_kernels(rope_style: RopeStyle, rotary_dim: int, num_tokens: int, layout: str) -> None:
     """The K/V kernel on CUDA (split and one-program launches, K in pieces and as one tile): each layer the
-    one-layer call with its table; pools the dense rows."""
+    one-layer call with its table; pools the dense rows.
+
+    A one-layer call has a third of the programs, and below 1024 split programs each takes 8 warps instead
+    of 4 (T = 300): its float32 sums of squares then add in another order, so a layer is held to the
+    one-layer call within the K tolerance, not bit for bit (another layer's table is far outside it)."""
     inp = make_inputs(num_tokens, 3, 8, 128, rotary_dim, torch.bfloat16, rope_style, num_positions=4096,
                       seed=_seed("cuda-tables", num_tokens), layer_tables=True)  # fmt: skip
     assert inp.k_norm_weight is not None
@@ -381,7 +385,7 @@ def test_cuda_kernels(rope_style: RopeStyle, rotary_dim: int, num_tokens: int, l
             kv[:, layer : layer + 1], weight[layer : layer + 1], 1e-6, cache[layer], positions, num_kv_heads=8,
             rope_style=rope_style,
         )  # fmt: skip
-        assert_bitwise_equal(k[layer].cpu(), one[0].cpu(), f"k of layer {layer}")
+        assert_k_close(k[layer].cpu(), one[0].cpu().double(), rotary_dim, rope_style)
     ref_k, _ = materialize_kv64(inp.kv, inp.k_norm_weight, 1e-6, inp.cos_sin_cache, inp.positions, 8, rope_style)
     assert_k_close(k.cpu(), ref_k, rotary_dim, rope_style)
     if layout == "dense":
