@@ -234,6 +234,24 @@ class Run:
         for base, want in zip(self.bases, self.expected, strict=True):
             assert_same_bits(base.cpu(), want)
 
+    def check_within_a_step(self) -> None:
+        """As `check`, but a scale may be a few float32 ulps off and a value one step of its format off.
+
+        For float32 kv on CUDA: the pool kernel's normed K may differ from the dense op's, which the oracle
+        quantizes, in its last float32 bits (docs/concepts.md, Numerics), and no rounding to kv's dtype hides
+        that. A row's amax, its scale and a value's rounding follow it, by one ulp or one step at most.
+        """
+        values, scales = (base.cpu() for base in self.bases)
+        want_values, want_scales = self.expected
+        torch.testing.assert_close(scales, want_scales, rtol=2**-20, atol=0.0, equal_nan=True)
+        # Codes one apart, in the same sign: int8 as numbers, FP8 as their sign-magnitude bits.
+        got, want = values.view(torch.int8).int(), want_values.view(torch.int8).int()
+        if values.dtype != torch.int8:
+            got, want = got & 0xFF, want & 0xFF
+            assert bool(((got ^ want) < 0x80).all()), "a value's sign differs"
+        step = (got - want).abs()
+        assert int(step.max()) <= 1, f"{int((step > 1).sum())} values more than one step off"
+
 
 def run(
     inp: Inputs,
@@ -335,7 +353,11 @@ def test_shapes_and_styles(
         seed=_seed(kv_dtype, rope_style, head_dim, dtype),
     )  # fmt: skip
     cache_loc = slots_for(6, 9, seed=_seed("shapes"))
-    run(inp, cache_loc, LAYOUTS["stacked"], dtype, 9, device=device).check()
+    result = run(inp, cache_loc, LAYOUTS["stacked"], dtype, 9, device=device)
+    if device == "cuda" and kv_dtype == torch.float32 and norm:
+        result.check_within_a_step()
+    else:
+        result.check()
 
 
 def _magnitudes(seed: int, head_dim: int = 16) -> Inputs:
