@@ -6,6 +6,7 @@ Every titled Python block runs, in a namespace of small tensors laid out as Hugg
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -311,7 +312,9 @@ def test_recipe(title: str) -> None:
 
 def _table() -> dict[str, dict[str, str]]:
     """The page's table of drafts: each row's cells by column name, by draft name."""
-    lines = [line for line in PAGE.read_text().splitlines() if line.startswith("| ")]
+    page = PAGE.read_text().splitlines()
+    start = next(i for i, line in enumerate(page) if line.startswith("| Draft | L |"))
+    lines = list(itertools.takewhile(lambda line: line.startswith("| "), page[start:]))
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
     return {row[0]: dict(zip(header, row, strict=True)) for row in rows}
