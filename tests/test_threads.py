@@ -5,8 +5,8 @@ What is covered
 The ops keep process-wide state between calls: the checked plan of each layout
 (``Signature.plan``), the launch built for each plan, and, for per-layer pools, a
 device table of layer offsets per set of pool addresses (``typedkv.core.device_tables._TABLES``, least
-recently used evicted; held to 8 entries here, so that the scripts overflow it). An engine may call from several threads (a
-scheduler and a draft model, one thread per device). Here `THREADS` threads, released
+recently used evicted; held to 8 entries here, so that the scripts overflow it). An engine may call
+from several threads (a scheduler and a draft model, one thread per device). Here `THREADS` threads, released
 together by a `threading.Barrier`, each play a script of `CALLS` calls, each call with
 fresh values in a layout drawn from a shared palette (``T``, ``L``, ``H``, ``D``, ``R``,
 dtypes, stacked and per-layer pools, FP8 pools, ``k_out`` slabs): threads build plans

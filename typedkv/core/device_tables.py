@@ -98,8 +98,9 @@ class Upload:
 # cache holds as many sets as a benchmark rotates through (`tools.cases.rotating_sets`).
 # A table a CUDA graph was captured with is read on every replay, so it moves to
 # _PINNED and is never freed: otherwise its memory could go to another tensor (or
-# another table) and the graph would write through whatever offsets that holds. _PINNED grows by one [2, L] table (and its
-# pinned host copy) per set of pools ever captured. Threads share both under _LOCK.
+# another table) and the graph would write through whatever offsets that holds.
+# _PINNED grows by one [2, L] table (and its pinned host copy) per set of pools ever
+# captured. Threads share both under _LOCK.
 _TABLES: OrderedDict[tuple[object, ...], Upload] = OrderedDict()
 _TABLES_MAX = 64
 _PINNED: dict[tuple[object, ...], Upload] = {}
