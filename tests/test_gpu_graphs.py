@@ -158,3 +158,44 @@ def test_graph_survives_other_pool_sets(op: str) -> None:
         call(new_kv, new_hidden, new_positions, new_slots, want_k, want_v)
         for got, want in zip((*k_layers, *v_layers), (*want_k, *want_v), strict=True):
             assert torch.equal(got, want), "graph replay wrote other pool rows than an eager call"
+
+
+@pytest.mark.parametrize("op", ["materialize_kv", "into_pool", "mla_into_pool", "materializer"])
+def test_debug_mode_in_a_capture_says_so(op: str) -> None:
+    """Debug mode on while a graph is captured: a RuntimeError naming debug mode and the fix, raised before
+    its value checks' copy to the host (torch's own error at that copy names neither)."""
+    m = make_materializer()
+    hidden, positions, slots = make_call(SMALL, 3)
+    kv = torch.randn(SMALL, L, 2 * H * D, device="cuda").to(DTYPE)
+    k_pool = torch.zeros(L, S, H, D, dtype=DTYPE, device="cuda")
+    v_pool = torch.zeros_like(k_pool)
+    C, R = 512, 64
+    ckv = torch.randn(SMALL, L, C + R, device="cuda").to(DTYPE)
+    mla_pool = torch.zeros(L, S, C + R, dtype=DTYPE, device="cuda")
+    mla_weight = torch.rand(L, C, device="cuda") + 0.5
+    mla_table = typedkv.cos_sin_cache(P, R, device="cuda")
+
+    def step() -> None:
+        if op == "materialize_kv":
+            typedkv.materialize_kv(kv, m.k_norm_weight, 1e-6, m.cos_sin_cache, positions, num_kv_heads=H)
+        elif op == "into_pool":
+            typedkv.materialize_kv_into_pool(
+                kv, m.k_norm_weight, 1e-6, m.cos_sin_cache, positions, slots, k_pool, v_pool, num_kv_heads=H
+            )
+        elif op == "mla_into_pool":
+            typedkv.materialize_mla_kv_into_pool(
+                ckv, mla_weight, 1e-6, mla_table, positions, slots, mla_pool, rope_style="gptj"
+            )
+        else:
+            m.into_pool(hidden, positions, slots, k_pool, v_pool)
+
+    typedkv.set_debug(True)
+    try:
+        step()  # the warm-up, checked in debug mode
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="typedkv debug mode is on during a CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                step()
+    finally:
+        typedkv.set_debug(False)

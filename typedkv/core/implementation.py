@@ -22,7 +22,7 @@ from typedkv.core.memory import Footprint
 from typedkv.core.messages import fmt_dtype
 from typedkv.core.signature import Signature
 from typedkv.core.tensor_types import is_fp8, is_quantized
-from typedkv.core.value_checks import check_layer_values, check_positions, check_slots
+from typedkv.core.value_checks import check_layer_values, check_not_capturing, check_positions, check_slots
 
 
 @dataclass
@@ -102,6 +102,7 @@ def check_values(
     shapes; a layout is on one device) has no values to check."""
     if positions.is_meta:
         return
+    check_not_capturing(positions)
     if isinstance(eps, Tensor) and norm_weight is not None:
         check_layer_values("eps", eps, zero_ok=True)
     for name, scale in scales.items():

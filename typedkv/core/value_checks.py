@@ -11,6 +11,19 @@ from torch import Tensor
 from typedkv.core.checking import check_float
 from typedkv.core.errors import InputError
 
+DEBUG_IN_CAPTURE = (
+    "typedkv debug mode is on during a CUDA graph capture: its value checks copy values to the host, which a "
+    "capture forbids. Check the call in debug mode before capture (a warm-up call), then capture with "
+    "typedkv.set_debug(False): replays run no Python, so no check runs in them anyway"
+)
+
+
+def check_not_capturing(tensor: Tensor) -> None:
+    """Debug mode, before its first sync: a ``RuntimeError`` in typedkv's words where ``tensor``'s stream is
+    being captured (torch's own, raised at the copy to the host, names neither debug mode nor the fix)."""
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(DEBUG_IN_CAPTURE)
+
 
 def check_positions(positions: Tensor, num_positions: int) -> None:
     """Debug mode: every position in [0, P). One device sync."""
