@@ -20,7 +20,7 @@
 #   sglang         the GPU tests against sglang's own helper, then the end-to-end bench (carry .sglang)
 #   mla            the MLA GPU tests, typedkv bench --only MLA, and benchmarks/mla_sweep.py
 #   bench          typedkv bench (every section)
-#   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines)
+#   benchq         typedkv bench --only "$BENCH_ONLY" --no-compare (a subset, no baselines; $BENCH_TOKENS: its T list)
 #   e2e            typedkv bench --only e2e (the end-to-end section and the host-time lines)
 #   e2e_ab         typedkv bench --only e2e, .old/base and this checkout alternated, $E2E_AB_ROUNDS rounds (2)
 #   ab             benchmarks/ab_time.py: .old/base and this checkout alternated, 3 rounds ($AB_ARGS: its flags)
@@ -110,7 +110,8 @@ for step in $STEPS; do
         bench)
             python3 -m typedkv bench --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.txt" ;;
         benchq)
-            python3 -m typedkv bench --only "${BENCH_ONLY:-}" --no-compare --out "$OUT/benchq" 2>&1 | tail -80 \
+            python3 -m typedkv bench --only "${BENCH_ONLY:-}" ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} --no-compare \
+                --out "$OUT/benchq" 2>&1 | tail -80 \
                 | tee "$OUT/benchq.txt" ;;
         e2e)
             e2e ;;

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import typedkv
 from typedkv.core import device_tables
 from typedkv.tools import bench, bench_e2e, cases, draft_shapes, drafts, host, plot, timing
 
@@ -93,8 +94,11 @@ def test_every_public_call_has_a_host_time_line() -> None:
     assert set(calls) == {
         "materialize_kv", "into_pool_stacked", "into_pool_per_layer", "materializer_call",
         "materializer_into_pool_per_layer", "materialize_mla_kv", "mla_into_pool_paged", "mla_into_pool_per_layer",
-        "mla_materializer_call", "mla_materializer_into_pool_paged",
+        "mla_materializer_call", "mla_materializer_into_pool_paged", "materialize_kv_v_norm",
+        "materialize_kv_layer_tables", "into_pool_stacked_fp8", "into_pool_stacked_fp8_scales_out",
+        "into_pool_stacked_int8", "mla_into_pool_paged_fp8_ds_mla",
     }  # fmt: skip
+    assert set(host.FEATURE_CALLS) | set(host.FEATURE_CALLS.values()) <= set(calls)
     for fn in calls.values():
         fn()
 
@@ -434,3 +438,55 @@ def test_the_drafts_section_times_every_implementation_on_the_gpu() -> None:
         (row,) = entry["rows"]
         assert set(row["us"]) == {"typedkv", "per_layer", "eager", "compile"}, entry.get("failed")
         assert all(us > 0 for us in row["us"].values())
+
+
+def test_feature_cases_time_their_feature() -> None:
+    """Each bench case of a shipped draft's feature passes the feature: V normed, each layer's own RoPE
+    table, per-(token, head) scales written, fp8_ds_mla rows written; nothing written off the slots."""
+    by_name = {c.name: c for c in cases.GPU_CASES}
+    cpu = torch.device("cpu")
+
+    def run(name: str) -> cases.Inputs:
+        case = by_name[name]
+        x = cases.make_inputs(case, 4, cpu, num_slots=16)
+        for written in (x.k_out, x.v_out, x.k_pool, x.v_pool, x.k_scale_out, x.v_scale_out):
+            if written is not None:
+                written.view(torch.uint8).zero_()
+        cases.typedkv_call(case, x)()
+        return x
+
+    x = run("L5 H8 D128 v-norm")
+    assert x.v_weight is not None
+    rms = (x.v_out.float() / x.v_weight[:, None, None]).pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), atol=0, rtol=0.02)
+
+    x = run("L5 H8 D128 layer-tables")
+    assert x.cos_sin.dim() == 3
+    for layer in (0, 4):
+        k, _ = typedkv.materialize_kv(
+            x.kv[:, layer : layer + 1], x.weight[layer : layer + 1], 1e-6, x.cos_sin[layer], x.positions, num_kv_heads=8
+        )
+        torch.testing.assert_close(x.k_out[layer].float(), k[0].float(), atol=2e-2, rtol=2e-2)
+
+    for name in ("L5 H8 D128 pool fp8 scales-out", "L5 H8 D128 pool int8 scales-out"):
+        x = run(name)
+        assert x.k_scale_out is not None and x.v_scale_out is not None
+        for scales in (x.k_scale_out, x.v_scale_out):
+            written = torch.zeros(scales.shape[1], dtype=torch.bool)
+            written[x.slots] = True
+            assert (scales[:, written] > 0).all() and (scales[:, ~written] == 0).all()
+
+    x = run("MLA L5 C512 R64 B64 fp8_ds_mla")
+    rows = x.k_pool.view(5, -1, cases.FP8_DS_MLA_BYTES)
+    written = torch.zeros(rows.shape[1], dtype=torch.bool)
+    written[x.slots] = True
+    assert rows[:, written].any(-1).all() and not rows[:, ~written].any()
+
+
+def test_bytes_of_the_feature_cases() -> None:
+    """Written scales count 4 bytes per (token, layer, head) of K and of V; a fp8_ds_mla row its 656 bytes."""
+    by_name = {c.name: c for c in cases.GPU_CASES}
+    T, L, H, D = 16, 5, 8, 128
+    assert cases.bytes_moved(by_name["L5 H8 D128 pool int8 scales-out"], T) == T * L * 2 * H * (D * 2 + D + 4)
+    assert cases.bytes_moved(by_name["L5 H8 D128 v-norm"], T) == T * L * 2 * H * D * 4
+    assert cases.bytes_moved(by_name["MLA L5 C512 R64 B64 fp8_ds_mla"], T) == T * L * (576 * 2 + 656)

@@ -114,12 +114,14 @@ def _cpu_time_us(fn: Callable[[], None], repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
+def main(out_dir: Path, quick: bool, compare: bool, only: str = "", tokens: Sequence[int] | None = None) -> int:
     """Run the benchmark for the best available device; print the table, write JSON and PNG.
 
     ``only``: run the cases whose name contains this text (all when empty). On a GPU, the
     end-to-end section (`typedkv.tools.bench_e2e`) runs when it is empty or ``"e2e"``, and the
     real-drafts section (`typedkv.tools.drafts`) when it is empty, ``"drafts"``, or in a draft's name.
+    ``tokens``: the token counts of the per-case sweep on a GPU (default: `GPU_TOKENS`, or its first
+    three with ``quick``).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
@@ -132,8 +134,7 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "") -> int:
         return 2
     if gpu:
         meta["device"] = torch.cuda.get_device_name()
-        tokens = GPU_TOKENS[:3] if quick else GPU_TOKENS
-        result = run_gpu(tokens, cases, compare)
+        result = run_gpu(tokens or (GPU_TOKENS[:3] if quick else GPU_TOKENS), cases, compare)
     else:
         meta["device"] = "cpu (no CUDA device: small sizes, PyTorch reference path)"
         result = run_cpu(CPU_TOKENS, cases)

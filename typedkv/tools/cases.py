@@ -15,6 +15,7 @@ from typedkv.mla import reference as mla_reference
 from typedkv.mla.api import materialize_mla_kv, materialize_mla_kv_into_pool
 from typedkv.tools.timing import _discard
 
+FP8_DS_MLA_BYTES = 656  # a fp8_ds_mla row: 512 FP8 latent values, 4 float32 scales, 64 bf16 rope values
 _L2_SPAN = 256 << 20  # bytes the rotating input sets must span, several times the H200's 60 MB L2
 
 
@@ -34,8 +35,13 @@ class Case:
     rotary_dim: int
     dtype: torch.dtype = torch.bfloat16
     rope_style: str = "neox"
-    pool: str = ""  # "", "bf16" (pool of kv's dtype) or "fp8"
+    pool: str = ""  # "", "bf16" (pool of kv's dtype), "fp8", "int8", or (MLA) "fp8_ds_mla"
     norm: bool = True  # False: a RoPE-only draft (k_norm_weight=None)
+    v_norm: bool = False  # V normed too (v_norm_weight)
+    layer_tables: bool = False  # a RoPE table per layer ([L, P, R])
+    # An FP8 or int8 pool whose per-(token, head) scales the call writes (k_scale_out / v_scale_out); an int8
+    # pool always does.
+    written_scales: bool = False
     # Paged pools (page_size > 0): the K and V halves of one combined cache
     # [L, N, 2, B, H, D] (NHD) or [L, N, 2, H, B, D] (HND), passed as views.
     page_size: int = 0
@@ -70,6 +76,22 @@ GPU_CASES = (
     Case("MLA L5 C512 R64 pool", 5, 1, 0, 64, rope_style="gptj", pool="bf16", kv_lora_rank=512),
     MLA_POOL,
     Case("MLA L5 C512 R64 B64 fp8", 5, 1, 0, 64, rope_style="gptj", pool="fp8", page_size=64, kv_lora_rank=512),
+    # What drafts as they ship ask for: each beside the case above it without the feature.
+    Case("L5 H8 D128 v-norm", 5, 8, 128, 128, v_norm=True),
+    Case("L5 H8 D128 layer-tables", 5, 8, 128, 128, layer_tables=True),
+    Case("L5 H8 D128 pool fp8 scales-out", 5, 8, 128, 128, pool="fp8", written_scales=True),
+    Case("L5 H8 D128 pool int8 scales-out", 5, 8, 128, 128, pool="int8", written_scales=True),
+    Case(
+        "MLA L5 C512 R64 B64 fp8_ds_mla",
+        5,
+        1,
+        0,
+        64,
+        rope_style="gptj",
+        pool="fp8_ds_mla",
+        page_size=64,
+        kv_lora_rank=512,
+    ),
 )
 GPU_TOKENS = (16, 256, 2048, 16384, 65536)
 CPU_CASES = (
@@ -103,6 +125,9 @@ class Inputs:
     slots: torch.Tensor
     k_pool: torch.Tensor
     v_pool: torch.Tensor
+    v_weight: torch.Tensor | None = None  # v_norm_weight
+    k_scale_out: torch.Tensor | None = None  # the pool's per-(token, head) scales, written by the call
+    v_scale_out: torch.Tensor | None = None
 
     @property
     def norm_weight(self) -> torch.Tensor | None:
@@ -114,17 +139,19 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     if case.kv_lora_rank:
         return _mla_inputs(case, num_tokens, device, num_slots)
     L, H, D, R = case.num_layers, case.num_kv_heads, case.head_dim, case.rotary_dim
-    positions_max = 131072
+    positions_max = 32768 if case.layer_tables else 131072
     kv = torch.randn(num_tokens, L, 2 * H * D, device=device, dtype=case.dtype)
     weight = torch.rand(L, D, device=device) + 0.5 if case.norm else torch.empty(0, device=device)
+    v_weight = torch.rand(L, D, device=device) + 0.5 if case.v_norm else None
     eps = torch.full((L,), 1e-6, device=device)
-    angles = torch.rand(positions_max, R // 2, device=device) * 6.3
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
+    angles = torch.rand(*((L,) if case.layer_tables else ()), positions_max, R // 2, device=device) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     positions = torch.randint(0, positions_max, (num_tokens,), device=device)
     k_out = torch.empty(L, num_tokens, H, D, device=device, dtype=case.dtype)
     v_out = torch.empty_like(k_out)
     slots = torch.empty(0, dtype=torch.int64, device=device)
     k_pool = v_pool = torch.empty(0, device=device)
+    k_scale_out = v_scale_out = None
     if case.pool:
         num_slots, pages, pool_dtype = _pool_shape(case, num_tokens, num_slots)
         if pages:
@@ -135,7 +162,13 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
             k_pool = torch.empty(L, num_slots, H, D, device=device, dtype=pool_dtype)
             v_pool = torch.empty_like(k_pool)
         slots = torch.randperm(num_slots, device=device)[:num_tokens]
-    return Inputs(kv, weight, eps, cos_sin, positions, k_out, v_out, slots, k_pool, v_pool)
+        if case.written_scales or case.pool == "int8":
+            # The pool's shape less its last dim, as an engine's separate scale tensor.
+            k_scale_out = torch.empty(k_pool.shape[:-1], device=device)
+            v_scale_out = torch.empty_like(k_scale_out)
+    return Inputs(
+        kv, weight, eps, cos_sin, positions, k_out, v_out, slots, k_pool, v_pool, v_weight, k_scale_out, v_scale_out
+    )
 
 
 def _mla_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: int) -> Inputs:
@@ -153,10 +186,11 @@ def _mla_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
     pool = unused
     if case.pool:
         num_slots, pages, pool_dtype = _pool_shape(case, num_tokens, num_slots)
+        width = FP8_DS_MLA_BYTES if case.pool == "fp8_ds_mla" else C + R
         if pages:
-            pool = torch.empty(L, pages, case.page_size, C + R, device=device, dtype=pool_dtype)
+            pool = torch.empty(L, pages, case.page_size, width, device=device, dtype=pool_dtype)
         else:
-            pool = torch.empty(L, num_slots, C + R, device=device, dtype=pool_dtype)
+            pool = torch.empty(L, num_slots, width, device=device, dtype=pool_dtype)
         slots = torch.randperm(num_slots, device=device)[:num_tokens]
     eps = torch.full((L,), 1e-6, device=device)
     return Inputs(ckv, weight, eps, cos_sin, positions, out, unused, slots, pool, unused)
@@ -167,18 +201,27 @@ def _pool_shape(case: Case, num_tokens: int, num_slots: int) -> tuple[int, int, 
     pages where the case has pages (else 0 pages)."""
     num_slots = num_slots or 2 * num_tokens
     pages = -(-num_slots // case.page_size) if case.page_size else 0
-    dtype = torch.float8_e4m3fn if case.pool == "fp8" else case.dtype
+    dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "fp8_ds_mla": torch.uint8}.get(case.pool, case.dtype)
     return (pages * case.page_size if pages else num_slots), pages, dtype
 
 
 def bytes_moved(case: Case, num_tokens: int) -> int:
-    """kv read once plus K and V (or the pool rows) written once."""
-    written = 1 if case.pool == "fp8" else case.dtype.itemsize
+    """kv read once plus K and V (or the pool rows) written once, with the scales a call writes.
+
+    A ``fp8_ds_mla`` row counts its 656 bytes written; a written scale counts its 4 bytes.
+    """
+    written = 1 if case.pool in ("fp8", "int8") else case.dtype.itemsize
     if case.kv_lora_rank:
-        elems = num_tokens * case.num_layers * (case.kv_lora_rank + case.rotary_dim)
+        rows = num_tokens * case.num_layers
+        elems = rows * (case.kv_lora_rank + case.rotary_dim)
+        if case.pool == "fp8_ds_mla":
+            return elems * case.dtype.itemsize + rows * FP8_DS_MLA_BYTES
         return elems * case.dtype.itemsize + elems * written
     elems = num_tokens * case.num_layers * 2 * case.num_kv_heads * case.head_dim
-    return elems * case.dtype.itemsize + elems * written
+    scales = (
+        num_tokens * case.num_layers * 2 * case.num_kv_heads * 4 if case.pool == "int8" or case.written_scales else 0
+    )
+    return elems * case.dtype.itemsize + elems * written + scales
 
 
 def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
@@ -187,11 +230,12 @@ def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
         return _mla_call(case, x)
     H = case.num_kv_heads
     if case.pool:
-        scale = 0.5 if case.pool == "fp8" else None
+        scale = 0.5 if case.pool == "fp8" and x.k_scale_out is None else None
         layout: Any = case.kv_layout
         return lambda: materialize_kv_into_pool(
             x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, x.v_pool,
-            num_kv_heads=H, rope_style=style, k_scale=scale, v_scale=scale, kv_layout=layout,
+            num_kv_heads=H, rope_style=style, v_norm_weight=x.v_weight, k_scale=scale, v_scale=scale,
+            k_scale_out=x.k_scale_out, v_scale_out=x.v_scale_out, kv_layout=layout,
         )  # fmt: skip
     return lambda: _discard(
         materialize_kv(
@@ -202,6 +246,7 @@ def typedkv_call(case: Case, x: Inputs) -> Callable[[], None]:
             x.positions,
             num_kv_heads=H,
             rope_style=style,
+            v_norm_weight=x.v_weight,
             k_out=x.k_out,
             v_out=x.v_out,
         )
@@ -212,9 +257,11 @@ def _mla_call(case: Case, x: Inputs) -> Callable[[], None]:
     style: Any = case.rope_style
     if case.pool:
         scale = 0.5 if case.pool == "fp8" else None
+        cache_format: Any = "fp8_ds_mla" if case.pool == "fp8_ds_mla" else "plain"
         return lambda: materialize_mla_kv_into_pool(
-            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, rope_style=style, kv_scale=scale
-        )
+            x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, x.slots, x.k_pool, rope_style=style, kv_scale=scale,
+            cache_format=cache_format,
+        )  # fmt: skip
     return lambda: _discard(
         materialize_mla_kv(x.kv, x.norm_weight, x.eps, x.cos_sin, x.positions, rope_style=style, out=x.k_out)
     )

@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--no-compare", action="store_true", help="skip the eager and torch.compile baselines")
     bench.add_argument("--only", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
+    bench.add_argument(
+        "--tokens", type=int, nargs="+", metavar="T", help="only these token counts (the per-case sweep on a GPU)"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from typedkv.tools.demo import main as demo
@@ -38,4 +41,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo()
     from typedkv.tools.bench import main as run_bench
 
-    return run_bench(args.out, quick=args.quick, compare=not args.no_compare, only=args.only)
+    return run_bench(args.out, quick=args.quick, compare=not args.no_compare, only=args.only, tokens=args.tokens)

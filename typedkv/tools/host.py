@@ -1,8 +1,9 @@
-"""Host time per call of every public call, and of a plain ``kernel[grid]`` launch of the same kernel."""
+"""Host time per call of every public call (and of the new features' calls), and of a plain ``kernel[grid]`` launch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from typedkv.kv.api import materialize_kv, materialize_kv_into_pool
 from typedkv.mla.api import materialize_mla_kv, materialize_mla_kv_into_pool
 from typedkv.projection.materializer import KVMaterializer
 from typedkv.projection.mla_materializer import MLAKVMaterializer
-from typedkv.tools.cases import MAIN, MLA_POOL, POOL, make_inputs
+from typedkv.tools.cases import MAIN, MLA_POOL, POOL, make_inputs, typedkv_call
 from typedkv.tools.timing import _discard, host_time_us, paired_host_time_us
 
 
@@ -112,6 +113,8 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     out["debug_vs_bare"] = round(out["typedkv_debug_us"] / out["bare_launch_us"], 3)
     for name, ratio in ratios.items():
         out[f"{name}_vs_bare"] = round(ratio, 3)
+    for name, without in FEATURE_CALLS.items():
+        out[f"{name}_vs_{without}"] = round(ratios[name] / ratios[without], 3)
     return out
 
 
@@ -119,8 +122,20 @@ MATERIALIZER_CALLS = ("materializer_call", "materializer_into_pool_per_layer")
 """`public_calls`' names of `KVMaterializer`'s calls (dense outputs; per-layer pools)."""
 
 
+FEATURE_CALLS = {
+    "materialize_kv_v_norm": "materialize_kv",
+    "materialize_kv_layer_tables": "materialize_kv",
+    "into_pool_stacked_fp8_scales_out": "into_pool_stacked_fp8",
+    "into_pool_stacked_int8": "into_pool_stacked_fp8",
+    "mla_into_pool_paged_fp8_ds_mla": "mla_into_pool_paged",
+}
+"""`public_calls`' calls with a feature of a shipped draft, each with the call it adds to (its host time is
+reported over that call's, both over a bare launch timed beside them)."""
+
+
 def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callable[[], None]]:
-    """Every public call at decode size (the main K/V and MLA shapes), inputs made once."""
+    """Every public call at decode size (the main K/V and MLA shapes), inputs made once, and the calls of
+    `FEATURE_CALLS`."""
     x = make_inputs(POOL, num_tokens, device, num_slots=4096)
     H, L, D = POOL.num_kv_heads, POOL.num_layers, POOL.head_dim
     k_layers, v_layers = list(x.k_pool.unbind(0)), list(x.v_pool.unbind(0))
@@ -158,4 +173,21 @@ def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callab
         ),
         "mla_materializer_call": lambda: _discard(mla(hidden, y.positions)),
         "mla_materializer_into_pool_paged": lambda: mla.into_pool(hidden, y.positions, y.slots, y.k_pool),
+    } | _feature_calls(device, num_tokens)
+
+
+def _feature_calls(device: torch.device, num_tokens: int) -> dict[str, Callable[[], None]]:
+    """The calls of `FEATURE_CALLS` that `public_calls` lacks otherwise, as the bench calls them (`typedkv_call`)."""
+    fp8 = replace(POOL, pool="fp8")
+    feature_cases = {
+        "materialize_kv_v_norm": replace(MAIN, v_norm=True),
+        "materialize_kv_layer_tables": replace(MAIN, layer_tables=True),
+        "into_pool_stacked_fp8": fp8,
+        "into_pool_stacked_fp8_scales_out": replace(fp8, written_scales=True),
+        "into_pool_stacked_int8": replace(POOL, pool="int8", written_scales=True),
+        "mla_into_pool_paged_fp8_ds_mla": replace(MLA_POOL, pool="fp8_ds_mla"),
+    }
+    return {
+        name: typedkv_call(case, make_inputs(case, num_tokens, device, num_slots=4096))
+        for name, case in feature_cases.items()
     }
