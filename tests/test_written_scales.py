@@ -411,17 +411,20 @@ def test_all_slots_negative_write_nothing(layout: str, dtype: torch.dtype) -> No
     run(inp, torch.tensor([-1, -7, -1, -(2**40)]), LAYOUTS[layout], dtype, 9).check()
 
 
-def test_int8_rounds_to_nearest_even() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_rounds_to_nearest_even(device: str) -> None:
     """int8 stores ``row / scale`` rounded to the nearest integer, ties to even, not truncated: a V row
-    ``127 * [1, 0.5, 1.5, 2.5, -0.5, -2.5, 0.75, ...] / 127`` has scale 1 exactly (amax 127)."""
-    inp = make_inputs(1, 1, 1, 16, 16, torch.float32, norm=False, seed=4)
+    ``127 * [1, 0.5, 1.5, 2.5, -0.5, -2.5, 0.75, ...] / 127`` has scale 1 exactly (amax 127). A row holding
+    a NaN has a NaN scale and stores 0 throughout (on CUDA one conversion instruction does all three)."""
+    inp = make_inputs(1, 2, 1, 16, 16, torch.float32, norm=False, seed=4)
     values = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 0.75, -0.75, 126.5, -126.5, 3.49, -3.51, 0, 0, 0, 0])
-    inp.kv[0, 0, 16:] = values
-    result = run(inp, torch.tensor([0]), LAYOUTS["stacked"], torch.int8, 1)
-    result.check()
-    stored, scales = result.bases[0][1][0, 0, 0], result.bases[1][1][0, 0, 0]
-    assert scales == 1.0
-    assert stored.tolist() == [127, 0, 2, 2, 0, -2, 1, -1, 126, -126, 3, -4, 0, 0, 0, 0]
+    inp.kv[0, :, 16:] = values
+    inp.kv[0, 1, 16 + 3] = float("nan")
+    result = run(inp, torch.tensor([0]), LAYOUTS["stacked"], torch.int8, 1, device=device)
+    stored, scales = result.bases[0][1][:, 0, 0].cpu(), result.bases[1][1][:, 0, 0].cpu()
+    assert scales[0] == 1.0 and scales[1].isnan()
+    assert stored[0].tolist() == [127, 0, 2, 2, 0, -2, 1, -1, 126, -126, 3, -4, 0, 0, 0, 0]
+    assert stored[1].tolist() == [0] * 16
 
 
 # --------------------------------------------------------------------------- with V's norm, with a table per layer
