@@ -243,19 +243,21 @@ def test_matches_the_oracle_and_the_reference(dtype: torch.dtype, norm: bool) ->
     run_ds_pool(inputs, "stacked_paged", _slots(7, 9, 3), 9, rows)
 
 
-def test_zero_nan_and_inf_tiles() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_zero_nan_and_inf_tiles(device: str) -> None:
     """A zero tile's scale is the smallest normal float32 (vLLM's floor), its values +0; NaN is left out of a tile's
     amax and stays NaN (of either sign); an infinite value makes its tile's scale infinite (finite values 0, itself
-    NaN)."""
-    inputs = ds_inputs(3, 2, torch.float32, norm=False)
+    NaN). On CUDA too, where each value's division is a reciprocal and two corrections, not a division."""
+    inputs = ds_inputs(3, 2, torch.float32, norm=False, device=device)
     ckv = inputs.ckv.clone()
     ckv[0, 0, :TILE] = 0.0
     ckv[0, 0, TILE : 2 * TILE] = torch.linspace(-2.0, 2.0, TILE)
     ckv[0, 0, TILE + 5] = float("nan")
     ckv[0, 0, 2 * TILE + 7] = float("inf")
     inputs = Inputs(ckv, None, inputs.eps, inputs.cos_sin_cache, inputs.positions, inputs.rope_style)
-    pool = torch.full((2, 4, ROW), SENTINEL, dtype=torch.uint8)
-    inputs.into_pool(torch.tensor([2, 0, 3]), pool, cache_format="fp8_ds_mla")
+    on_device = torch.full((2, 4, ROW), SENTINEL, dtype=torch.uint8, device=device)
+    inputs.into_pool(torch.tensor([2, 0, 3], device=device), on_device, cache_format="fp8_ds_mla")
+    pool = on_device.cpu()
     row = pool[0, 2]
     scales = row[C : C + 16].view(torch.float32)
     values = row[:C].view(torch.float8_e4m3fn).float()

@@ -70,6 +70,25 @@ def _rope_part(
 
 
 @triton.jit
+def _quotient(x, s):
+    """``x / s`` rounded as IEEE division rounds it (`tl.div_rn`), by one reciprocal of each ``s`` and fused
+    multiply-adds: a GPU's division of every element takes a special-function unit's reciprocal of each, at a
+    quarter of the FMA rate.
+
+    ``q = x * (1 / s)`` is within 1.5 ulps of ``x / s``; a correction ``q + (x - q*s) / s``, its residual exact
+    by a fused multiply-add, brings it within 1 ulp, and a second rounds it correctly (Markstein's theorem; it
+    holds where nothing underflows, and quotients that small are 0 in e4m3 either way). An infinite ``s`` (a tile
+    holding an infinity) makes the residual NaN: a finite ``x`` then keeps ``x * 0 = 0``, ``x / inf``.
+    """
+    inv = tl.div_rn(1.0, s)
+    q0 = x * inv
+    r = tl.fma(-q0, s, x)
+    q1 = tl.fma(r, inv, q0)
+    q = tl.fma(tl.fma(-q1, s, x), inv, q1)
+    return tl.where(r == r, q, q0)
+
+
+@triton.jit
 def _ds_mla_latent(dst, y, row_ok, QUANT, C: tl.constexpr):
     """The latent of DeepSeek's FP8 rows (float32 ``y``, ``[BLOCK_T, C]``), as vLLM's ``fp8_ds_mla`` cache holds it.
 
@@ -87,7 +106,11 @@ def _ds_mla_latent(dst, y, row_ok, QUANT, C: tl.constexpr):
     tile = tl.arange(0, TILES)
     lane = tl.arange(0, 128)
     values = dst[:, None, None] + (tile[:, None] * 128 + lane[None, :])[None, :, :]
-    _store_scaled(values, tl.div_rn(tiles, tile_scale[:, :, None]), row_ok[:, None, None], 1.0, QUANT)
+    if SOFT_ROUND:
+        quotient = tl.div_rn(tiles, tile_scale[:, :, None])
+    else:
+        quotient = _quotient(tiles, tile_scale[:, :, None])
+    _store_scaled(values, quotient, row_ok[:, None, None], 1.0, QUANT)
     scales = (dst + C).to(tl.pointer_type(tl.float32))
     tl.store(scales[:, None] + tile[None, :], tile_scale, mask=row_ok[:, None])
 
