@@ -215,3 +215,16 @@ def test_fused_overlaps_its_neighbours_on_hopper(num_tokens: int, where: str, mo
     assert not [t for t in tiles if t > signals[1]]
     stores = at(r"\bst\.global")
     assert stores and not [t for t in tiles if signals[0] < t < min(s for s in stores if s > signals[0])]
+
+
+@pytest.mark.parametrize("case", ["pool-T8192-flat-i8-written", "pool-T16-flat-i8-written"])
+def test_int8_pools_convert_in_one_instruction(case: str) -> None:
+    """An int8 pool's values are rounded, saturated and converted by ``cvt.rni.sat.s8.f32`` (what the
+    interpreter's software rounding computes, in one instruction), and written scales take 2 warps a
+    program where K and V share one (the small batch's split programs keep the other pools' warps)."""
+    pytest.importorskip("triton.backends.nvidia")
+    snapshot = _snapshot()
+    ((kernel, _, params, num_warps),) = snapshot.capture(snapshot.cases()[case])
+    ptx = snapshot.compile_ptx(kernel, params, num_warps)
+    assert "cvt.rni.sat.s8.f32" in ptx
+    assert (num_warps == 2) == ("T8192" in case)

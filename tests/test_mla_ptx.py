@@ -101,3 +101,11 @@ def test_compiles_for_hopper(config: dict[str, Any]) -> None:
         assert "ld.global.v4" in ptx
         if "scale" not in config and config.get("LAYER_TABLE") != 1:
             assert "st.global.v4" in ptx
+
+
+def test_ds_mla_divides_once_a_tile() -> None:
+    """fp8_ds_mla's values are divided by their tile's scale as one reciprocal a tile and fused multiply-adds
+    (`typedkv.mla.kernel._quotient`), not a division an element (a special-function unit's reciprocal each)."""
+    pytest.importorskip("triton.backends.nvidia")
+    ptx = compile_for_hopper(dst="fp8e4nv", scale=1, DS_MLA=True)
+    assert ptx.count("div.rn.f32") <= 4 and "fma.rn.f32" in ptx
