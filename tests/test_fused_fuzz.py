@@ -20,7 +20,8 @@ or past the pool; debug mode rejects those, so its calls have none. Checked:
   twice (`_projections_agree`), the fused kernel's still once (the oracle's);
 - scales written per row: on each path, the pool's values and scales are the documented rule
   (`test_written_scales.quantized_rows`) applied, bit for bit, to the K and V that path gives as dense
-  outputs, and an unnormed V's are the same on both paths where their projections agree;
+  outputs (float32 kv on CUDA: one step and a few ulps of scale, the dense and pool kernels' norms
+  summing in other orders), and an unnormed V's are the same on both paths where their projections agree;
 - GEMM + kernel with V written by the GEMM itself (dense outputs, the table that
   picks that way widened to every T) holds the same oracle.
 
@@ -41,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_fused_projection import DTYPES, INTERPRETED, Draft, H, L, Oracle, P, assert_matches_oracle
-from test_written_scales import quantized_rows
+from test_written_scales import assert_within_a_step, quantized_rows
 from torch import Tensor
 
 import typedkv
@@ -335,8 +336,13 @@ def check_pools(case: Case, device: torch.device) -> None:
             for rows, pool, name in zip(dense, written[path], ("k_scale_out", "v_scale_out"), strict=True):
                 stored, row_scales = quantized_rows(rows[:, kept], case.pool_dtype)
                 got_scales = _scale_rows(scales[name], case)
-                assert _same(pool[:, named], stored), f"{path}: {name[0]} values not the rule's"
-                assert _same(got_scales[:, named], row_scales), f"{path}: {name} not the rule's"
+                if case.dtype == torch.float32 and device.type == "cuda":
+                    # The pool kernel's float32 norm may differ from the dense one's in its last bits, and
+                    # float32 kv rounds nothing away (docs/concepts.md, Numerics): one step, a few ulps.
+                    assert_within_a_step(pool[:, named], got_scales[:, named], stored, row_scales)
+                else:
+                    assert _same(pool[:, named], stored), f"{path}: {name[0]} values not the rule's"
+                    assert _same(got_scales[:, named], row_scales), f"{path}: {name} not the rule's"
                 others = torch.ones(slots, dtype=torch.bool)
                 others[named] = False
                 assert (got_scales[:, others].view(torch.uint8) == GUARD).all(), "a scale no token names was written"

@@ -242,15 +242,19 @@ class Run:
         that. A row's amax, its scale and a value's rounding follow it, by one ulp or one step at most.
         """
         values, scales = (base.cpu() for base in self.bases)
-        want_values, want_scales = self.expected
-        torch.testing.assert_close(scales, want_scales, rtol=2**-20, atol=0.0, equal_nan=True)
-        # Codes one apart, in the same sign: int8 as numbers, FP8 as their sign-magnitude bits.
-        got, want = values.view(torch.int8).int(), want_values.view(torch.int8).int()
-        if values.dtype != torch.int8:
-            got, want = got & 0xFF, want & 0xFF
-            assert bool(((got ^ want) < 0x80).all()), "a value's sign differs"
-        step = (got - want).abs()
-        assert int(step.max()) <= 1, f"{int((step > 1).sum())} values more than one step off"
+        assert_within_a_step(values, scales, *self.expected)
+
+
+def assert_within_a_step(values: Tensor, scales: Tensor, want_values: Tensor, want_scales: Tensor) -> None:
+    """Quantized values one step of their format apart at most, and scales a few float32 ulps (`Run.check_within_a_step`)."""
+    torch.testing.assert_close(scales, want_scales, rtol=2**-20, atol=0.0, equal_nan=True)
+    # Codes one apart, in the same sign: int8 as numbers, FP8 as their sign-magnitude bits.
+    got, want = values.view(torch.int8).int(), want_values.view(torch.int8).int()
+    if values.dtype != torch.int8:
+        got, want = got & 0xFF, want & 0xFF
+        assert bool(((got ^ want) < 0x80).all()), "a value's sign differs"
+    step = (got - want).abs()
+    assert int(step.max()) <= 1, f"{int((step > 1).sum())} values more than one step off"
 
 
 def run(
