@@ -82,6 +82,29 @@ def calls() -> dict[str, Callable[[], object]]:
         "materializer_into_pool": lambda: m.into_pool(hidden, positions, slots, k_layers, v_layers),
         "materializer_call_fused": lambda: fused(hidden, positions),
         "materializer_into_pool_fused": lambda: fused.into_pool(hidden, positions, slots, k_layers, v_layers),
+        **_mla_calls(t, layers, hidden, positions, slots),
+    }
+
+
+def _mla_calls(
+    t: int, layers: int, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> dict[str, Callable[[], object]]:
+    """The MLA ops and `MLAKVMaterializer` at DeepSeek's geometry (C = 512, R = 64), paged pools of 64."""
+    c, r = 512, 64
+    ckv = torch.randn(t, layers, c + r).to(torch.bfloat16)
+    weight = torch.randn(layers, c).to(torch.bfloat16)
+    cos_sin = torch.randn(4096, r)
+    pool = torch.empty(layers, 64, 64, c + r, dtype=torch.bfloat16)
+    out = torch.empty(layers, t, c + r, dtype=torch.bfloat16)
+    proj = torch.randn(layers, c + r, hidden.shape[1]).to(torch.bfloat16)
+    mla = typedkv.MLAKVMaterializer(proj, weight, 1e-6, cos_sin, rope_style="gptj")
+    return {
+        "mla_kv": lambda: typedkv.materialize_mla_kv(ckv, weight, 1e-6, cos_sin, positions, rope_style="gptj", out=out),
+        "mla_pool_paged": lambda: typedkv.materialize_mla_kv_into_pool(
+            ckv, weight, 1e-6, cos_sin, positions, slots, pool, rope_style="gptj"
+        ),
+        "mla_materializer_call": lambda: mla(hidden, positions, out=out),
+        "mla_materializer_into_pool": lambda: mla.into_pool(hidden, positions, slots, pool),
     }
 
 
