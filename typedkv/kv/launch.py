@@ -176,7 +176,7 @@ def launch_params(
     if split and num_warps == 4 and triton.cdiv(num_tokens, block_t) * num_layers * parts < _WIDE_BELOW_PROGRAMS:
         num_warps = 8
     elif not split and num_warps == 4 and named["scale_out"] is not None:
-        # Scales written per row: each head's amax is a reduction over its row, which ran faster on 2 warps.
+        # Scales written per row: each head's amax is a reduction over its row; 2 warps ran faster (decision 015).
         num_warps = 2
     num_warps = config.num_warps or num_warps
     block_half, block_pass = _piece_blocks(head_dim, rotary_dim)

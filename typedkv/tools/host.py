@@ -1,4 +1,4 @@
-"""Host time per call of every public call (and of the new features' calls), and of a plain ``kernel[grid]`` launch."""
+"""Host time per call of every public call (shipped drafts' features too), and of a plain ``kernel[grid]`` launch."""
 
 from __future__ import annotations
 
