@@ -160,9 +160,6 @@ def materialize_mla_kv_into_pool(call: PoolCall, plan: Plan | None = None, after
         addresses = cast(list[int], addresses)
         dst = kv_pool[0]
         table, table_multiple = layer_table(kv_pool, kv_pool, addresses + addresses)
-    if ds_mla:
-        # The kernel addresses the rows' bytes as the latent's e4m3 values (its FP8 store), the rest by casts.
-        dst = dst.view(torch.float8_e4m3fn)
     values = mla_launch.call_values(ckv, inputs, call.cache_loc, dst, table, call.kv_scale)
     launch = plan.launch if table_multiple != 1 else None
     if launch is None:

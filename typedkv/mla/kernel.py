@@ -155,7 +155,7 @@ def materialize_mla_kv_kernel(
     PAGE: tl.constexpr,  # slots per page: row r is page r // PAGE, slot r % PAGE (1: a page per row)
     LAYER_TABLE: tl.constexpr,  # 0: layer l at l * dst_stride_l; else offsets from a table, multiples of this
     SCALE: tl.constexpr,  # 0: store as is, 1: divide by kv_scale's float, 2: by its tensor's entry for the layer
-    DS_MLA: tl.constexpr,  # DeepSeek's FP8 rows (dst: their bytes as e4m3): latent | C // 128 scales | bf16 rope part
+    DS_MLA: tl.constexpr,  # DeepSeek's FP8 rows (dst: their bytes): latent (e4m3) | C // 128 scales | bf16 rope part
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
@@ -188,6 +188,9 @@ def materialize_mla_kv_kernel(
     # Row offsets in int64: T * stride overflows int32 for large batches.
     src = ckv_ptr + tok.to(tl.int64) * ckv_stride_t + layer * ckv_stride_l
     row, row_ok = _destination_rows(tok, tok_ok, slots_ptr, slots_stride, num_rows, INDEXED)
+    if DS_MLA:
+        # The rows' bytes, addressed as the latent's e4m3 values (its FP8 store), the rest by casts below.
+        dst_ptr = dst_ptr.to(tl.pointer_type(tl.float8e4nv))
     base = _layer_base(dst_ptr, layer_offsets_ptr, layer, layer, dst_stride_l, LAYER_VEC, LAYER_TABLE)
     dst = base + _row_offset(row, PAGE, (dst_stride_page, dst_stride_slot))
     scale = _layer_scale(kv_scale, layer, SCALE)

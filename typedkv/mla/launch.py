@@ -84,25 +84,26 @@ def mla_launch(
     ``strides`` are ``(layer, page, slot in page)`` element strides of the destination
     (rows are contiguous); ``page_size``, ``num_rows`` and ``table_multiple`` as in
     `typedkv.kv.launch.KVGeometry`. ``ds_mla``: rows in DeepSeek's FP8 format, the
-    destination their bytes viewed as ``float8_e4m3fn``. ``config``: the launch
-    configuration (the default unless a sweep asks for another).
+    destination their ``uint8`` bytes (the kernel stores the latent's as ``float8_e4m3fn``).
+    ``config``: the launch configuration (the default unless a sweep asks for another).
     """
     named = dict(zip(VALUES, values, strict=True))
     ckv, dst = named["ckv_ptr"], named["dst_ptr"]
+    stored = torch.float8_e4m3fn if ds_mla else dst.dtype  # what the kernel stores the latent as
     num_tokens, num_layers, _ = ckv.shape
     block_t, block_c, block_half, num_warps = mla_block_config(kv_lora_rank, named["cos_sin_ptr"].shape[-1], config)
     layer_vec = layer_vec_of(strides[0])
     arguments = dict(
         **named,
         **shared_arguments(
-            named, dst.dtype, (named["kv_scale"],), num_layers=num_layers, num_rows=num_rows, page_size=page_size,
+            named, stored, (named["kv_scale"],), num_layers=num_layers, num_rows=num_rows, page_size=page_size,
             neox=neox, table_multiple=table_multiple, layer_vec=layer_vec, extents=((num_layers, ckv.stride(1)),),
         ),
         **destination_strides("dst", strides, layer_vec),
         ckv_stride_t=ckv.stride(0),
         ckv_stride_l=ckv.stride(1),
         C=kv_lora_rank,
-        SCALE=scale_mode(named["kv_scale"], dst.dtype),
+        SCALE=scale_mode(named["kv_scale"], stored),
         DS_MLA=ds_mla,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
