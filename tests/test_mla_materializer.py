@@ -192,3 +192,20 @@ def test_call_messages() -> None:
         "kv_pool: expected shape (L=3, S, C+R=48), got (3, 9, 32): the size must be C+R = 32+16 = 48; "
         "C=32 comes from kv_norm_weight, R=16 from cos_sin_cache"
     )
+
+
+def test_workspace_views_kept_per_token_count() -> None:
+    """The GEMM's rows and their ``[T, L, C+R]`` view are made once per ``T`` and reused, also when first made
+    under ``torch.inference_mode()`` and written outside it; a larger ``T`` grows the workspace and its views."""
+    m = typedkv.MLAKVMaterializer(WEIGHT, NORM, 1e-6, CACHE, rope_style="gptj")
+    with torch.inference_mode():
+        first = m(HIDDEN_STATES, POSITIONS)
+    rows = m._rows.rows(T, WEIGHT.flatten(0, 1))
+    again = m(HIDDEN_STATES, POSITIONS)  # outside inference mode, into the views made inside it
+    assert torch.equal(first, again)
+    assert m._rows.rows(T, WEIGHT.flatten(0, 1)) is rows
+    assert m._rows.shaped(rows, (L, C + R)) is m._rows.shaped(rows, (L, C + R))
+    more = torch.cat((HIDDEN_STATES, HIDDEN_STATES, HIDDEN_STATES))
+    bigger = m(more, POSITIONS.repeat(3))
+    assert m._rows.rows(T, WEIGHT.flatten(0, 1)) is not rows  # the workspace grew: its views are new
+    assert torch.equal(bigger[:, :T], first)

@@ -44,6 +44,9 @@ class Workspace:
     allocator only once that stream's work is done): otherwise a GEMM on one
     stream could overwrite rows a kernel on another has yet to read. Calls on one
     stream, the usual case, pay one comparison for this.
+
+    The views of the rows a call takes (its ``T`` rows, and those as ``[T, L, width]``)
+    are kept with them, per ``T``: making the two cost about 2 µs of host time a call.
     """
 
     def __init__(self) -> None:
@@ -60,6 +63,8 @@ class Workspace:
 
     def rows(self, num_tokens: int, weight: Tensor) -> Tensor:
         """``[num_tokens, weight rows]`` for the GEMM: the eager workspace (grown first if too small), or a capture's own.
+
+        Eagerly, the same view of the workspace for every call of a ``num_tokens`` (`shaped` too).
 
         A CUDA graph writes on every replay to the buffer it was captured with,
         so a capture never uses the eager workspace, which a later eager call
@@ -78,15 +83,35 @@ class Workspace:
             or buffer.dtype != weight.dtype
             or buffer.device != weight.device
         ):
-            rows = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
+            capacity = 1 << max(num_tokens - 1, 0).bit_length()  # the next power of two: few sizes, ever
             # A normal tensor even when first called under inference_mode, so later calls outside it can write it.
             with torch.inference_mode(False):
-                buffer = torch.empty((rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+                buffer = torch.empty((capacity, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             self._local.buffer = buffer
+            self._local.views = {}
             if buffer.is_cuda:
                 stream = torch.cuda.current_stream(buffer.device)
                 self._local.stream = (stream.cuda_stream, stream)
-        return buffer[:num_tokens]
+        views: dict[object, Tensor] = self._local.views
+        rows = views.get(num_tokens)
+        if rows is None:
+            # Made outside inference mode, as the buffer: a view kept from a call under it stays an ordinary view.
+            with torch.inference_mode(False):
+                rows = views[num_tokens] = buffer[:num_tokens]
+        return rows
+
+    def shaped(self, rows: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """``rows`` (from `rows`) viewed ``[T, *shape]``: kept with the rows' view when they are the workspace's."""
+        num_tokens = rows.shape[0]
+        views: dict[object, Tensor] | None = getattr(self._local, "views", None)
+        if views is None or views.get(num_tokens) is not rows:
+            return rows.view(num_tokens, *shape)  # a capture's own rows
+        key = (num_tokens, shape)
+        view = views.get(key)
+        if view is None:
+            with torch.inference_mode(False):
+                view = views[key] = rows.view(num_tokens, *shape)
+        return view
 
     def _follow_stream(self, buffer: Tensor) -> None:
         """Order this call after the rows' uses on the stream they were last used on, where that is another."""
@@ -103,10 +128,9 @@ class Workspace:
 
 def project(rows: Workspace, hidden: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple[int, int]) -> Tensor:
     """``hidden @ weight.T (+ bias)`` into the workspace's rows, viewed ``[T, *shape]`` (checked by the caller)."""
-    num_tokens = hidden.shape[0]
-    out = rows.rows(num_tokens, weight)
+    out = rows.rows(hidden.shape[0], weight)
     gemm(hidden, weight, bias, out)
-    return out.view(num_tokens, *shape)
+    return rows.shaped(out, shape)
 
 
 def gemm(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> None:
