@@ -90,7 +90,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 def test_every_public_call_has_a_host_time_line() -> None:
     """The host-time section times each public function and materializer method: each call runs."""
-    calls = host.public_calls(torch.device("cpu"), num_tokens=4)
+    calls = host.public_calls(torch.device("cpu"), num_tokens=4) | host.feature_calls(torch.device("cpu"), num_tokens=4)
     assert set(calls) == {
         "materialize_kv", "into_pool_stacked", "into_pool_per_layer", "materializer_call",
         "materializer_into_pool_per_layer", "materialize_mla_kv", "mla_into_pool_paged", "mla_into_pool_per_layer",

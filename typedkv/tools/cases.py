@@ -39,8 +39,8 @@ class Case:
     norm: bool = True  # False: a RoPE-only draft (k_norm_weight=None)
     v_norm: bool = False  # V normed too (v_norm_weight)
     layer_tables: bool = False  # a RoPE table per layer ([L, P, R])
-    # An FP8 or int8 pool whose per-(token, head) scales the call writes (k_scale_out / v_scale_out); an int8
-    # pool always does.
+    # An FP8 pool whose per-(token, head) scales the call writes (k_scale_out / v_scale_out); an int8 pool
+    # always writes them (`writes_scales`).
     written_scales: bool = False
     # Paged pools (page_size > 0): the K and V halves of one combined cache
     # [L, N, 2, B, H, D] (NHD) or [L, N, 2, H, B, D] (HND), passed as views.
@@ -49,6 +49,11 @@ class Case:
     # MLA (kv_lora_rank > 0): rows of C + R per token and layer (heads and head_dim unused);
     # a paged MLA pool is [L, N, B, C+R].
     kv_lora_rank: int = 0
+
+    @property
+    def writes_scales(self) -> bool:
+        """Whether a call writes the pool's per-(token, head) scales: asked for, or an int8 pool (it has no other)."""
+        return self.written_scales or self.pool == "int8"
 
 
 MAIN = Case("L5 H8 D128", 5, 8, 128, 128)
@@ -152,7 +157,7 @@ def make_inputs(case: Case, num_tokens: int, device: torch.device, num_slots: in
             k_pool = torch.empty(L, num_slots, H, D, device=device, dtype=pool_dtype)
             v_pool = torch.empty_like(k_pool)
         slots = torch.randperm(num_slots, device=device)[:num_tokens]
-        if case.written_scales or case.pool == "int8":
+        if case.writes_scales:
             # The pool's shape less its last dim, as an engine's separate scale tensor.
             k_scale_out = torch.empty(k_pool.shape[:-1], device=device)
             v_scale_out = torch.empty_like(k_scale_out)
@@ -208,9 +213,7 @@ def bytes_moved(case: Case, num_tokens: int) -> int:
             return elems * case.dtype.itemsize + rows * FP8_DS_MLA_BYTES
         return elems * case.dtype.itemsize + elems * written
     elems = num_tokens * case.num_layers * 2 * case.num_kv_heads * case.head_dim
-    scales = (
-        num_tokens * case.num_layers * 2 * case.num_kv_heads * 4 if case.pool == "int8" or case.written_scales else 0
-    )
+    scales = num_tokens * case.num_layers * 2 * case.num_kv_heads * 4 if case.writes_scales else 0
     return elems * case.dtype.itemsize + elems * written + scales
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from typedkv.kv.api import materialize_kv, materialize_kv_into_pool
 from typedkv.mla.api import materialize_mla_kv, materialize_mla_kv_into_pool
 from typedkv.projection.materializer import KVMaterializer
 from typedkv.projection.mla_materializer import MLAKVMaterializer
-from typedkv.tools.cases import MAIN, MLA_POOL, POOL, make_inputs, typedkv_call
+from typedkv.tools.cases import GPU_CASES, MAIN, MLA_POOL, POOL, make_inputs, typedkv_call
 from typedkv.tools.timing import _discard, host_time_us, paired_host_time_us
 
 
@@ -102,7 +101,7 @@ def host_overhead(device: torch.device) -> dict[str, float]:
     # Every public call in production mode, alternated with the bare launch in rounds (the host is
     # bimodal: `paired_host_time_us`); the materializer's calls at T = 64 too, where its fused
     # kernel loads the weight by TMA (on Hopper and later).
-    calls = public_calls(device)
+    calls = public_calls(device) | feature_calls(device)
     wider = public_calls(device, 64)
     calls |= {f"{name}_t64": wider[name] for name in MATERIALIZER_CALLS}
     ratios = {}
@@ -129,13 +128,22 @@ FEATURE_CALLS = {
     "into_pool_stacked_int8": "into_pool_stacked_fp8",
     "mla_into_pool_paged_fp8_ds_mla": "mla_into_pool_paged",
 }
-"""`public_calls`' calls with a feature of a shipped draft, each with the call it adds to (its host time is
+"""`feature_calls`' calls with a feature of a shipped draft, each with the call it adds to (its host time is
 reported over that call's, both over a bare launch timed beside them)."""
+
+_FEATURE_CASES = {
+    "materialize_kv_v_norm": "L5 H8 D128 v-norm",
+    "materialize_kv_layer_tables": "L5 H8 D128 layer-tables",
+    "into_pool_stacked_fp8": "L5 H8 D128 pool fp8",
+    "into_pool_stacked_fp8_scales_out": "L5 H8 D128 pool fp8 scales-out",
+    "into_pool_stacked_int8": "L5 H8 D128 pool int8 scales-out",
+    "mla_into_pool_paged_fp8_ds_mla": "MLA L5 C512 R64 B64 fp8_ds_mla",
+}
+"""`feature_calls`' bench cases (`typedkv.tools.cases.GPU_CASES`), by call."""
 
 
 def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callable[[], None]]:
-    """Every public call at decode size (the main K/V and MLA shapes), inputs made once, and the calls of
-    `FEATURE_CALLS`."""
+    """Every public call at decode size (the main K/V and MLA shapes), inputs made once."""
     x = make_inputs(POOL, num_tokens, device, num_slots=4096)
     H, L, D = POOL.num_kv_heads, POOL.num_layers, POOL.head_dim
     k_layers, v_layers = list(x.k_pool.unbind(0)), list(x.v_pool.unbind(0))
@@ -173,21 +181,14 @@ def public_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callab
         ),
         "mla_materializer_call": lambda: _discard(mla(hidden, y.positions)),
         "mla_materializer_into_pool_paged": lambda: mla.into_pool(hidden, y.positions, y.slots, y.k_pool),
-    } | _feature_calls(device, num_tokens)
-
-
-def _feature_calls(device: torch.device, num_tokens: int) -> dict[str, Callable[[], None]]:
-    """The calls of `FEATURE_CALLS` that `public_calls` lacks otherwise, as the bench calls them (`typedkv_call`)."""
-    fp8 = replace(POOL, pool="fp8")
-    feature_cases = {
-        "materialize_kv_v_norm": replace(MAIN, v_norm=True),
-        "materialize_kv_layer_tables": replace(MAIN, layer_tables=True),
-        "into_pool_stacked_fp8": fp8,
-        "into_pool_stacked_fp8_scales_out": replace(fp8, written_scales=True),
-        "into_pool_stacked_int8": replace(POOL, pool="int8", written_scales=True),
-        "mla_into_pool_paged_fp8_ds_mla": replace(MLA_POOL, pool="fp8_ds_mla"),
     }
+
+
+def feature_calls(device: torch.device, num_tokens: int = 16) -> dict[str, Callable[[], None]]:
+    """The calls of `FEATURE_CALLS` and those they add to that `public_calls` lacks, at decode size: each
+    as the bench times its case (`typedkv_call`), inputs made once."""
+    by_name = {case.name: case for case in GPU_CASES}
     return {
-        name: typedkv_call(case, make_inputs(case, num_tokens, device, num_slots=4096))
-        for name, case in feature_cases.items()
+        name: typedkv_call(by_name[case], make_inputs(by_name[case], num_tokens, device, num_slots=4096))
+        for name, case in _FEATURE_CASES.items()
     }
