@@ -385,6 +385,28 @@ def test_real_drafts_rows_from_the_rounds(monkeypatch: pytest.MonkeyPatch) -> No
         assert draft.name in table and draft.source in table
 
 
+def test_the_drafts_section_takes_the_token_counts_and_the_drafts_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--tokens`` reaches the real-drafts section (``typedkv bench --only drafts --tokens 16 256``); without
+    it, `TOKENS` (``--quick``: its first four); ``--only`` with part of a name times that draft alone."""
+    asked: list[tuple[list[str], tuple[int, ...]]] = []
+
+    def run(timer: Any, device: Any, chosen: Any, tokens: Any, copy_gbps: float, names: Any) -> dict[str, Any]:
+        asked.append(([d.name for d in chosen], tuple(tokens)))
+        return {}
+
+    monkeypatch.setattr(drafts, "run_drafts", run)
+    everything = [d.name for d in draft_shapes.DRAFTS]
+    drafts.section(None, torch.device("cpu"), 1.0, quick=False, only="drafts", tokens=(16, 256))  # type: ignore[arg-type]
+    drafts.section(None, torch.device("cpu"), 1.0, quick=False)  # type: ignore[arg-type]
+    drafts.section(None, torch.device("cpu"), 1.0, quick=True, only="Gemma")  # type: ignore[arg-type]
+    assert asked == [
+        (everything, (16, 256)),
+        (everything, drafts.TOKENS),
+        ([d.name for d in draft_shapes.DRAFTS if "Gemma" in d.name], drafts.TOKENS[:4]),
+    ]
+    assert len(asked[2][0]) == 1
+
+
 def test_every_feature_is_timed_on_a_draft() -> None:
     """Each feature of typedkv's "drafts as they ship" has a case, and every case says where its numbers
     come from."""

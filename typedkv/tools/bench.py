@@ -123,8 +123,8 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "", tokens: Sequ
     ``only``: run the cases whose name contains this text (all when empty). On a GPU, the
     end-to-end section (`typedkv.tools.bench_e2e`) runs when it is empty or ``"e2e"``, and the
     real-drafts section (`typedkv.tools.drafts`) when it is empty, ``"drafts"``, or in a draft's name.
-    ``tokens``: the token counts of the per-case sweep on a GPU (default: `GPU_TOKENS`, or its first
-    three with ``quick``).
+    ``tokens``: the token counts of the per-case sweep and the real-drafts section on a GPU (default:
+    `GPU_TOKENS` and `typedkv.tools.drafts.TOKENS`, or their first few with ``quick``).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": _triton_version()}
@@ -158,6 +158,7 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "", tokens: Sequ
             quick,
             only,
             IMPLEMENTATIONS if compare else (),
+            tokens,
         )
     result = {**meta, "title": f"typedkv on {meta['device']}, {meta['date']}", **result}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))

@@ -32,7 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--no-compare", action="store_true", help="skip the eager and torch.compile baselines")
     bench.add_argument("--only", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
     bench.add_argument(
-        "--tokens", type=int, nargs="+", metavar="T", help="only these token counts (the per-case sweep on a GPU)"
+        "--tokens",
+        type=int,
+        nargs="+",
+        metavar="T",
+        help="only these token counts (the per-case sweep and the real drafts, on a GPU)",
     )
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -301,11 +301,12 @@ def section(
     quick: bool,
     only: str = "",
     names: Sequence[str] = IMPLEMENTATIONS,
+    tokens: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The bench's real-drafts section: every draft of `DRAFTS` (those whose name holds ``only`` unless it is
-    empty or ``"drafts"``), at `TOKENS` (``quick``: the first four)."""
+    empty or ``"drafts"``), at ``tokens`` (default `TOKENS`; ``quick``: its first four)."""
     drafts = [d for d in DRAFTS if only in ("", "drafts") or only in d.name]
-    return run_drafts(timer, device, drafts, TOKENS[:4] if quick else TOKENS, copy_gbps, names)
+    return run_drafts(timer, device, drafts, tokens or (TOKENS[:4] if quick else TOKENS), copy_gbps, names)
 
 
 def run_drafts(
@@ -346,6 +347,8 @@ def run_drafts(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(_row(draft, num_tokens, rounds, copy_gbps))
+            # Each row as it is measured: a run stopped early still tells what it timed.
+            _log(" ".join(f"{impl} {us:.2f} us" for impl, us in rows[-1]["us"].items()))
         entry["rows"] = rows
         out.append(entry)
     return {"copy_GBps": copy_gbps, "drafts": out}
