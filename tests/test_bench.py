@@ -88,6 +88,14 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_result_without_panels_writes_no_plot(tmp_path: Path) -> None:
+    """``typedkv bench --only drafts`` has no per-case rows: no plot, and no error (its table is its result)."""
+    pytest.importorskip("matplotlib")
+    result = {"title": "t", "copy_GBps": 1.0, "rows": [], "drafts": {"copy_GBps": 1.0, "drafts": []}}
+    assert not plot.plot(result, tmp_path / "bench.png")
+    assert not (tmp_path / "bench.png").exists()
+
+
 def test_every_public_call_has_a_host_time_line() -> None:
     """The host-time section times each public function and materializer method: each call runs."""
     calls = host.public_calls(torch.device("cpu"), num_tokens=4) | host.feature_calls(torch.device("cpu"), num_tokens=4)

@@ -253,8 +253,9 @@ def assert_within_a_step(values: Tensor, scales: Tensor, want_values: Tensor, wa
     if values.dtype != torch.int8:
         got, want = got & 0xFF, want & 0xFF
         assert bool(((got ^ want) < 0x80).all()), "a value's sign differs"
-    step = (got - want).abs()
-    assert int(step.max()) <= 1, f"{int((step > 1).sum())} values more than one step off"
+    # Counted, not step.max(): a call of no tokens compares empty rows, which have no max.
+    off = int(((got - want).abs() > 1).sum())
+    assert off == 0, f"{off} values more than one step off"
 
 
 def run(

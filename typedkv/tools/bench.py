@@ -172,7 +172,7 @@ def main(out_dir: Path, quick: bool, compare: bool, only: str = "", tokens: Sequ
     if plot(result, out_dir / "bench.png"):
         print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
     else:
-        print(f"\nwrote {out_dir / 'bench.json'} (install matplotlib for the plot)")
+        print(f"\nwrote {out_dir / 'bench.json'} (no plot: nothing to plot, or matplotlib not installed)")
     return 0
 
 

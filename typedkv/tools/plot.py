@@ -70,7 +70,15 @@ def plot_series(result: dict[str, Any]) -> list[list[tuple[str, list[tuple[int, 
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    """The result as panels against T (see `plot_series`), every series its own colour. False without matplotlib."""
+    """The result as panels against T (see `plot_series`), every series its own colour.
+
+    False, writing nothing, without matplotlib or where no panel has a series (a run of the real-drafts
+    section alone: its results are its table).
+    """
+    data = plot_series(result)
+    shown = [i for i, series in enumerate(data) if series]
+    if not shown:
+        return False
     try:
         import matplotlib
 
@@ -78,8 +86,6 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    data = plot_series(result)
-    shown = [i for i, series in enumerate(data) if series]
     cols = 2 if len(shown) > 1 else 1
     rows = -(-len(shown) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.6 * rows), squeeze=False)
