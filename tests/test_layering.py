@@ -288,11 +288,12 @@ def test_import_typedkv_loads_no_tool() -> None:
 
 # The sizes a reader meets first, kept small: kernel modules aside (a kernel reads best whole), no package
 # module holds more than this many lines; the README and the performance page stay pages, not logs; the
-# benchmarks folder holds maintained tools only (each in benchmarks/README.md).
+# benchmarks folder holds maintained tools only (each in benchmarks/README.md); a decision record is short.
 MODULE_LINES = 500
 KERNEL_MODULES = {"kv.kernel", "mla.kernel", "projection.kernel", "projection.warp_specialized_kernel"}
 PAGE_LINES = {"README.md": 150, "docs/performance.md": 400}
 BENCHMARK_FILES = 10
+DECISION_LINES = 60
 
 
 def test_modules_pages_and_benchmarks_stay_small() -> None:
@@ -305,6 +306,8 @@ def test_modules_pages_and_benchmarks_stay_small() -> None:
     assert not long, f"package modules over {MODULE_LINES} lines (split them by what they do): {long}"
     pages = {page: len((root / page).read_text().splitlines()) for page in PAGE_LINES}
     assert all(pages[page] <= most for page, most in PAGE_LINES.items()), (pages, PAGE_LINES)
+    records = {p.name: len(p.read_text().splitlines()) for p in (root / "docs" / "decisions").glob("*.md")}
+    assert records and all(n <= DECISION_LINES for n in records.values()), records
     tracked = subprocess.run(["git", "ls-files", "benchmarks"], cwd=root, capture_output=True, text=True, check=False)
     files = tracked.stdout.split() if tracked.returncode == 0 else [p.name for p in (root / "benchmarks").iterdir()]
     assert len(files) <= BENCHMARK_FILES, files
