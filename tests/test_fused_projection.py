@@ -84,9 +84,13 @@ class Draft:
         seed: int = 0,
         v_norm: bool = False,
         layer_tables: bool = False,
+        layers: int = L,
+        heads: int = H,
     ) -> None:
-        """``v_norm``: V normed too (``v_norm_weight``); ``layer_tables``: a cos/sin table per layer."""
+        """``v_norm``: V normed too (``v_norm_weight``); ``layer_tables``: a cos/sin table per layer; ``layers``
+        and ``heads``: the draft's size (the fused kernel's programs, ``layers * 2 * heads``)."""
         g = torch.Generator().manual_seed(seed)
+        L, H = self.layers, self.heads = layers, heads
         rows = 2 * H * head_dim
         self.dtype, self.head_dim, self.hidden, self.rope_style, self.eps = dtype, head_dim, hidden, rope_style, eps
         self.weight = _grid((L, rows, hidden), 128, 256, g)
@@ -113,7 +117,7 @@ class Draft:
         kv = torch.einsum("th,lnh->tln", hidden.double(), self.weight)
         if self.bias is not None:
             kv = kv + self.bias
-        args = (kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, H, self.rope_style)
+        args = (kv.to(self.dtype), self.norm, self.eps, self.cos_sin_cache, positions, self.heads, self.rope_style)
         k64, v = materialize_kv64(*args, v_norm_weight=self.v_norm)
         other_k64, _ = materialize_kv64(*args, other_rounding=True, v_norm_weight=self.v_norm)
         return Oracle(k64, v, other_k64)
@@ -531,6 +535,27 @@ def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> Non
     assert draft.m._workspace is not None  # 8 is past the range: GEMM + kernel
     assert not tuning.projection_fused_faster(torch.device("cpu"), 8)
     assert tuning.projection_fused_faster(torch.device("cpu"), 7)
+
+
+def test_auto_takes_gemm_for_a_draft_of_too_few_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' leaves the fused kernel for GEMM + kernel where the draft has fewer programs (layers x 2 x KV
+    heads) than `Tuning.fused_min_programs`, inside the table's token range too; "fused" still takes it."""
+    programs = L * 2 * H
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_faster=((1, 8),), fused_min_programs=programs + 1))
+    draft = Draft(torch.float16)
+    x, positions = draft.call(4)
+    assert_matches_oracle(draft.m(x, positions), draft.oracle(x, positions), torch.float16)
+    assert draft.m._workspace is not None  # GEMM + kernel
+    assert not tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs)
+    assert tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs + 1)
+    wider = Draft(torch.float16, heads=H + 1)  # (H + 1) * 2 * L programs: enough
+    wider.m(*wider.call(4))
+    assert (wider.m._workspace is None) == INTERPRETED  # fused, where there is a kernel
+    fused_m = Draft(torch.float16)
+    fused_m.m.projection_path = "fused"
+    x, positions = fused_m.call(4)
+    assert_matches_oracle(fused_m.m(x, positions), fused_m.oracle(x, positions), torch.float16)
+    assert (fused_m.m._workspace is None) == INTERPRETED
 
 
 @pytest.mark.parametrize(

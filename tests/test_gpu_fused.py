@@ -527,12 +527,18 @@ def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None
         pytest.skip("no measured table for this device")
     device = torch.device("cuda")
     cases = [(style, t) for style in ("neox", "gptj") for t in (48, 100)]
-    fused_ways = {case: tuning.projection_fused_faster(device, case[1], tma=case[0] == "neox") for case in cases}
+    programs = 5 * 2 * 8  # the main case's: 5 layers, K and V, 8 KV heads
+    fused_ways = {
+        case: tuning.projection_fused_faster(device, case[1], tma=case[0] == "neox", programs=programs)
+        for case in cases
+    }
     # Both ways must be seen, or the test would not show that "auto" follows the tables.
     assert len(set(fused_ways.values())) == 2, fused_ways
     for rope_style, num_tokens in cases:
         # A materializer of its own for each call: the fused path leaves no GEMM rows, the GEMM path makes them.
-        draft = cuda_draft(torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style)
+        draft = cuda_draft(
+            torch.bfloat16, "auto", head_dim=128, rotary_dim=128, hidden=512, rope_style=rope_style, layers=5, heads=8
+        )
         x, positions, xc, pc = cuda_call(draft, num_tokens)
         assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
         assert (draft.m._workspace is None) == fused_ways[rope_style, num_tokens], (rope_style, num_tokens)

@@ -65,7 +65,8 @@ def takes_fused(path: ProjectionPath, hidden: object, state: State, *, head_dim:
 
     "auto" follows the measured tables (`typedkv.projection.tuning.projection_fused_faster`): the
     fused kernel's weight tiles load by TMA where `typedkv.projection.launch.weight_blocks` and
-    the weight's address allow, which makes it faster at more sizes. Decided once per
+    the weight's address allow, which makes it faster at more sizes; a draft of too few layers and
+    heads to fill the GPU with its programs takes GEMM + kernel. Decided once per
     layout, as the way is kept: a weight buffer replaced later by one off 16 bytes keeps
     the way, its launches loading by pointer.
     """
@@ -83,7 +84,8 @@ def takes_fused(path: ProjectionPath, hidden: object, state: State, *, head_dim:
     tma = fused_launch.weight_aligned(weight) and (
         fused_launch.weight_blocks(weight, head_dim, rotary_dim, neox) is not None
     )
-    return tuning.projection_fused_faster(hidden.device, hidden.shape[0], tma)
+    # kv_weight is [L * 2 * H * D, hidden]: a program per D rows.
+    return tuning.projection_fused_faster(hidden.device, hidden.shape[0], tma, weight.shape[0] // head_dim)
 
 
 def _takes_warp_specialized(

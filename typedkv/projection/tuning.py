@@ -169,6 +169,10 @@ class Tuning:
     fused_faster_tma: Ranges = ()  # the fused kernel, its weight tiles by TMA
     split_gemm_faster: Ranges = ()  # V written by the GEMM into dense outputs (`layers.split_gemm`)
     warp_specialized_faster: Ranges = ()  # the warp-specialised Gluon kernel (`typedkv.projection.warp_specialized`)
+    # The fewest programs (layers x 2 x KV heads) a block of tokens of the fused kernel may have for `fused_faster`
+    # and `fused_faster_tma` to hold: each program streams its head's weight rows, so a draft of few heads and
+    # layers leaves most SMs idle, where one GEMM reads the same weights with all of them.
+    fused_min_programs: int = 0
 
 
 TuningKey = tuple[str, tuple[int, int]]
@@ -230,12 +234,16 @@ def _faster(ranges: Ranges, num_tokens: int) -> bool:
     return any(low <= num_tokens < high for low, high in ranges)
 
 
-def projection_fused_faster(device: torch.device, num_tokens: int, tma: bool = False) -> bool:
+def projection_fused_faster(device: torch.device, num_tokens: int, tma: bool = False, programs: int = 0) -> bool:
     """Whether the fused projection was measured faster at ``num_tokens`` on ``device``.
 
     ``tma``: its weight tiles would load by TMA (`Tuning.fused_faster_tma`), else by pointer.
+    ``programs``: the fused kernel's programs per block of tokens, one per layer, K or V, and KV head
+    (`Tuning.fused_min_programs`).
     """
     entry = tuning_of(device_name(device))
+    if programs < entry.fused_min_programs:
+        return False
     return _faster(entry.fused_faster_tma if tma else entry.fused_faster, num_tokens)
 
 
