@@ -537,9 +537,10 @@ def test_auto_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> Non
     assert tuning.projection_fused_faster(torch.device("cpu"), 7)
 
 
-def test_auto_takes_gemm_for_a_draft_of_too_few_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_gemm_for_a_draft_of_too_few_programs_or_too_wide_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """'auto' leaves the fused kernel for GEMM + kernel where the draft has fewer programs (layers x 2 x KV
-    heads) than `Tuning.fused_min_programs`, inside the table's token range too; "fused" still takes it."""
+    heads) than `Tuning.fused_min_programs` or heads wider than `Tuning.fused_max_head_dim`, inside the
+    table's token range too; "fused" still takes it."""
     programs = L * 2 * H
     monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_faster=((1, 8),), fused_min_programs=programs + 1))
     draft = Draft(torch.float16)
@@ -548,6 +549,15 @@ def test_auto_takes_gemm_for_a_draft_of_too_few_programs(monkeypatch: pytest.Mon
     assert draft.m._workspace is not None  # GEMM + kernel
     assert not tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs)
     assert tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs + 1)
+    monkeypatch.setitem(tuning.TUNING, *tuning.measured("cpu", fused_min_programs=0, fused_max_head_dim=8))
+    assert not tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs, head_dim=16)
+    assert tuning.projection_fused_faster(torch.device("cpu"), 4, programs=programs, head_dim=8)
+    wide_heads = Draft(torch.float16)  # heads of 16 > 8
+    wide_heads.m(*wide_heads.call(4))
+    assert wide_heads.m._workspace is not None
+    monkeypatch.setitem(
+        tuning.TUNING, *tuning.measured("cpu", fused_min_programs=programs + 1, fused_max_head_dim=float("inf"))
+    )
     wider = Draft(torch.float16, heads=H + 1)  # (H + 1) * 2 * L programs: enough
     wider.m(*wider.call(4))
     assert (wider.m._workspace is None) == INTERPRETED  # fused, where there is a kernel

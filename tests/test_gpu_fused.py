@@ -544,6 +544,28 @@ def test_auto_takes_fused_to_128_tokens_where_weights_load_by_tma_cuda() -> None
         assert (draft.m._workspace is None) == fused_ways[rope_style, num_tokens], (rope_style, num_tokens)
 
 
+@pytest.mark.parametrize(
+    ("layers", "heads", "head_dim", "fused"),
+    [(5, 8, 128, True), (1, 8, 128, False), (5, 1, 512, False)],
+    ids=["L5-H8-D128", "L1-H8-D128", "L5-H1-D512"],
+)
+def test_auto_takes_gemm_where_the_fused_kernel_cannot_fill_the_gpu_cuda(
+    layers: int, heads: int, head_dim: int, fused: bool
+) -> None:
+    """On a device the measured tables know, at T = 16: the main case's draft takes the fused kernel; a
+    one-layer draft (EAGLE-3's 16 programs) and one of heads of 512 (Gemma-4's) take GEMM + kernel."""
+    from typedkv.projection import tuning
+
+    if not tuning.tuning_of(torch.cuda.get_device_name()).fused_faster_tma:
+        pytest.skip("no measured table for this device")
+    draft = cuda_draft(
+        torch.bfloat16, "auto", head_dim=head_dim, rotary_dim=head_dim, hidden=512, layers=layers, heads=heads
+    )
+    x, positions, xc, pc = cuda_call(draft, 16)
+    assert_matches_oracle(cpu(draft.m(xc, pc)), draft.oracle(x, positions), torch.bfloat16)
+    assert (draft.m._workspace is None) == fused
+
+
 @pytest.mark.production
 def test_new_token_count_compiles_nothing_fused() -> None:
     """The fused kernel compiles once per launch configuration (the T ranges of `PROJECTION_BLOCKS` and

@@ -85,7 +85,8 @@ def takes_fused(path: ProjectionPath, hidden: object, state: State, *, head_dim:
         fused_launch.weight_blocks(weight, head_dim, rotary_dim, neox) is not None
     )
     # kv_weight is [L * 2 * H * D, hidden]: a program per D rows.
-    return tuning.projection_fused_faster(hidden.device, hidden.shape[0], tma, weight.shape[0] // head_dim)
+    programs = weight.shape[0] // head_dim
+    return tuning.projection_fused_faster(hidden.device, hidden.shape[0], tma, programs, head_dim)
 
 
 def _takes_warp_specialized(

@@ -169,10 +169,11 @@ class Tuning:
     fused_faster_tma: Ranges = ()  # the fused kernel, its weight tiles by TMA
     split_gemm_faster: Ranges = ()  # V written by the GEMM into dense outputs (`layers.split_gemm`)
     warp_specialized_faster: Ranges = ()  # the warp-specialised Gluon kernel (`typedkv.projection.warp_specialized`)
-    # The fewest programs (layers x 2 x KV heads) a block of tokens of the fused kernel may have for `fused_faster`
-    # and `fused_faster_tma` to hold: each program streams its head's weight rows, so a draft of few heads and
-    # layers leaves most SMs idle, where one GEMM reads the same weights with all of them.
+    # Where `fused_faster` and `fused_faster_tma` hold: at least this many programs per block of tokens (layers x
+    # 2 x KV heads; each streams its head's weight rows, so few heads and layers leave most SMs idle, where one
+    # GEMM reads the same weights with all of them), and heads of at most this many values.
     fused_min_programs: int = 0
+    fused_max_head_dim: float = math.inf
 
 
 TuningKey = tuple[str, tuple[int, int]]
@@ -200,6 +201,9 @@ TUNING: dict[TuningKey, Tuning] = {
         fused_faster_tma=((1, 129),),
         split_gemm_faster=((65536, math.inf),),
         warp_specialized_faster=((736, 769), (1537, 2177), (2305, 2433), (2561, 2945), (3073, math.inf)),
+        # Only the ranges' own draft (5 layers, 8 heads of 128) was measured here.
+        fused_min_programs=80,
+        fused_max_head_dim=128,
     ),
     (_H100, (3, 6)): Tuning(
         source="docs/decisions/004-projection-path-by-token-count.md (torch 2.11, Triton 3.6)",
@@ -213,6 +217,9 @@ TUNING: dict[TuningKey, Tuning] = {
         fused_faster=((1, 65),),
         fused_faster_tma=((1, 129),),
         warp_specialized_faster=((736, 769), (1024, 2049), (2177, 2433), (2561, math.inf)),
+        # Drafts of 2-128 programs, heads of 128 and 512 (decision 004).
+        fused_min_programs=48,
+        fused_max_head_dim=128,
     ),
 }
 """Every measured (device, Triton release): the only places "auto" leaves GEMM + kernel."""
@@ -234,15 +241,17 @@ def _faster(ranges: Ranges, num_tokens: int) -> bool:
     return any(low <= num_tokens < high for low, high in ranges)
 
 
-def projection_fused_faster(device: torch.device, num_tokens: int, tma: bool = False, programs: int = 0) -> bool:
+def projection_fused_faster(
+    device: torch.device, num_tokens: int, tma: bool = False, programs: int = 0, head_dim: int = 0
+) -> bool:
     """Whether the fused projection was measured faster at ``num_tokens`` on ``device``.
 
     ``tma``: its weight tiles would load by TMA (`Tuning.fused_faster_tma`), else by pointer.
-    ``programs``: the fused kernel's programs per block of tokens, one per layer, K or V, and KV head
-    (`Tuning.fused_min_programs`).
+    ``programs``: the fused kernel's programs per block of tokens, one per layer, K or V, and KV head;
+    ``head_dim``: its heads' size (`Tuning.fused_min_programs`, `Tuning.fused_max_head_dim`).
     """
     entry = tuning_of(device_name(device))
-    if programs < entry.fused_min_programs:
+    if programs < entry.fused_min_programs or head_dim > entry.fused_max_head_dim:
         return False
     return _faster(entry.fused_faster_tma if tma else entry.fused_faster, num_tokens)
 
