@@ -155,7 +155,9 @@ class KVMaterializer(nn.Module):
     16 bytes; and ``T > 1536`` where a warp-specialised kernel can run: sm_90
     under Triton 3.6, bf16/fp16, no bias, no FP8 pool, NeoX RoPE over the whole
     of a head of 128, ``H*D`` a multiple of 256, rows and outputs laid out for
-    TMA; a device not measured takes GEMM + kernel; see docs/performance.md). Both
+    TMA; a draft of fewer fused programs, ``L * 2 * H``, than the GPU's table
+    asks -- 48 on the H100 -- or of heads over 128 takes GEMM + kernel; a device
+    not measured takes GEMM + kernel; see docs/performance.md). Both
     paths check a call alike (the same messages, before anything is written)
     and give the same results up to the GEMM's accumulation order (each K/V
     value is first rounded to the storage dtype, as a stored ``kv`` would be;
